@@ -1,0 +1,311 @@
+"""The engine: loads the checkpoint, and scores rows (one question + ordered options) over a state.
+
+A row's score is SemIf's readout: the full-vocabulary logits at the last prompt position,
+in float32, restricted to the answer slots. Rows that share a state run through one path:
+prefill the state prefix once, replicate its cache over the rows, run every suffix in one
+right-padded forward and read each row at its last real position.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ServiceError
+from .memory import CudaMemory, DeviceMemory, HostMemory
+from .prompt import PromptCodec
+from .settings import ConfigurationError, Settings
+
+log = logging.getLogger("semif_serve.engine")
+
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+DIRECT_READOUT = "native full-vocabulary last-position logits restricted to declared answer slots"
+SHARED_READOUT = "native selected suffix-position logits"
+SHARED_SERVING_CONFIG = "native-state-prefix-parallel-v1"
+
+
+class CheckpointError(Exception):
+    """The checkpoint cannot be served as it is; the message says why."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One question over the request's state with its option descriptions in the order asked."""
+
+    question: str
+    descriptions: tuple[str, ...]
+    field: str  # the request field this row comes from, for errors
+
+
+@dataclass
+class RowScore:
+    """SemIf's readout of one row."""
+
+    option_logits: list[float]
+    probabilities: list[float]
+    input_tokens: int
+    prompt_sha256: str
+
+
+@dataclass
+class BatchScore:
+    """The scores of a batch of rows, in order, and how they were computed."""
+
+    rows: list[RowScore]
+    shared: bool
+    forward_seconds: float
+    total_seconds: float
+    timing: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_tensor_names(directory: Path) -> list[str]:
+    """Every tensor name stored in the directory's safetensors files."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            names.extend(fh.keys())
+    return names
+
+
+class TorchEngine:
+    """A loaded model and tokenizer that scores rows; owned by one worker thread."""
+
+    def __init__(self, model, tokenizer, settings: Settings, memory: DeviceMemory) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.settings = settings
+        self.memory = memory
+        self.codec = PromptCodec(tokenizer, settings.max_input_tokens)
+        self.device = torch.device(settings.device)
+        self.slot_ids = torch.tensor(self.codec.slots, device=self.device)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        self.model_info = {
+            "source": settings.model_source,
+            "revision": settings.model_revision,
+            "dtype": settings.dtype,
+            "device": settings.device,
+            "torch_version": torch.__version__,
+            "transformers_version": _transformers_version(),
+        }
+        if settings.demo:
+            self.model_info["demo"] = "random weights: the answers carry no meaning"
+
+    @classmethod
+    def load(cls, settings: Settings, memory: DeviceMemory | None = None) -> TorchEngine:
+        """Load a local Qwen3.5 checkpoint; refuse anything that cannot be served faithfully.
+
+        Never downloads. Requires a revision string; checks the architecture and the device;
+        refuses missing or mismatched weights and loader errors; skips the multimodal
+        checkpoint's unused vision and MTP weights (logged once).
+        """
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
+
+        directory = settings.require_model()
+        if memory is None:
+            memory = _device_memory(settings, torch)
+        if isinstance(memory, CudaMemory):
+            memory.apply_cap()
+        try:
+            config = AutoConfig.from_pretrained(
+                str(directory), local_files_only=True, trust_remote_code=False
+            )
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {directory}/config.json: {exc}") from None
+        if config.model_type in QWEN35_MODEL_TYPES:
+            model_cls, model_config = Qwen3_5ForCausalLM, config.get_text_config()
+        elif settings.allow_any_architecture:
+            model_cls, model_config = AutoModelForCausalLM, config
+        else:
+            raise CheckpointError(
+                f"model_type {config.model_type!r} is not a Qwen3.5 text model; set "
+                "SEMIF_ALLOW_ANY_ARCHITECTURE=true to serve it anyway"
+            )
+        dtype = getattr(torch, settings.dtype)
+        try:
+            model, info = model_cls.from_pretrained(
+                str(directory),
+                config=model_config,
+                dtype=dtype,
+                local_files_only=True,
+                trust_remote_code=False,
+                output_loading_info=True,
+            )
+        except Exception as exc:
+            raise CheckpointError(f"the checkpoint failed to load: {exc}") from None
+        problems = {k: list(info.get(k) or []) for k in ("missing_keys", "mismatched_keys", "error_msgs")}
+        if any(problems.values()):
+            detail = "; ".join(f"{k}: {v[:5]}" for k, v in problems.items() if v)
+            raise CheckpointError(f"the checkpoint is incomplete or mismatched ({detail})")
+        used = sum(1 for _ in model.named_parameters())
+        skipped = max(0, len(checkpoint_tensor_names(directory)) - used)
+        if skipped:
+            log.info("skipped %d checkpoint tensors the text model does not use", skipped)
+        model.to(settings.device)
+        model.eval()
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, trust_remote_code=False
+        )
+        if (directory / "DEMO.json").exists() and not settings.demo:
+            settings = settings.model_copy(update={"demo": True})
+        engine = cls(model, tokenizer, settings, memory)
+        engine.skipped_tensors = skipped
+        return engine
+
+    # -- scoring -------------------------------------------------------------------------
+
+    def score(self, state: Any, rows: Sequence[Row], shared: bool, rows_per_forward: int | None = None) -> BatchScore:
+        """Score rows over one state. `shared=False` with one row runs SemIf's plain forward;
+        otherwise the state prefix is prefilled once and the rows run in padded batches of at
+        most `rows_per_forward` (all in one when None)."""
+        started = time.perf_counter()
+        prompts = [self.codec.encode_prompt(state, r.question, r.descriptions, r.field) for r in rows]
+        if not shared and len(rows) == 1:
+            readout, forward_seconds = self._direct(prompts[0].ids, len(rows[0].descriptions))
+            per_row, timing = [readout], {}
+        else:
+            prefix = self.codec.state_prefix(state, prompts[0])
+            if any(p.ids[: len(prefix)] != prefix for p in prompts):
+                log.warning("state prefix does not tokenise as a prefix; scoring without it")
+                prefix = []
+            per_row, timing = self._shared(prefix, [p.ids for p in prompts], rows, rows_per_forward)
+            forward_seconds = timing["prefill_seconds"] + timing["replicate_seconds"] + timing["suffix_forward_seconds"]
+        total = time.perf_counter() - started
+        scores = [
+            RowScore(logits, probs, len(p.ids), p.sha256)
+            for (logits, probs), p in zip(per_row, prompts, strict=True)
+        ]
+        return BatchScore(scores, shared or len(rows) > 1, forward_seconds, total, timing)
+
+    def _readout(self, last_logits, n_options: int) -> tuple[list[float], list[float]]:
+        """Full-vocabulary float32 logits of one position -> (slot logits, their softmax)."""
+        option = last_logits.float()[self.slot_ids[:n_options]]
+        return option.tolist(), self.torch.softmax(option, dim=-1).tolist()
+
+    def _direct(self, ids: list[int], n_options: int) -> tuple[tuple[list[float], list[float]], float]:
+        torch = self.torch
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device), use_cache=False, logits_to_keep=1
+            )
+            readout = self._readout(out.logits[0, -1], n_options)
+        self.memory.synchronize()
+        return readout, time.perf_counter() - t0
+
+    def _shared(
+        self, prefix: list[int], prompts: list[list[int]], rows: Sequence[Row], rows_per_forward: int | None
+    ) -> tuple[list[tuple[list[float], list[float]]], dict[str, Any]]:
+        torch = self.torch
+        n_prefix = len(prefix)
+        timing = {
+            "prefix_tokens": n_prefix,
+            "prefill_seconds": 0.0,
+            "replicate_seconds": 0.0,
+            "suffix_forward_seconds": 0.0,
+            "batch_size": len(prompts),
+            "true_suffix_tokens": 0,
+            "padded_suffix_tokens": 0,
+            "forward_batches": 0,
+        }
+        with torch.inference_mode():
+            cache = None
+            if n_prefix:
+                t0 = time.perf_counter()
+                out = self.model(
+                    input_ids=torch.tensor([prefix], device=self.device), use_cache=True, logits_to_keep=1
+                )
+                cache = out.past_key_values
+                del out
+                self.memory.synchronize()
+                timing["prefill_seconds"] = time.perf_counter() - t0
+            step = rows_per_forward or len(prompts)
+            results: list[tuple[list[float], list[float]]] = []
+            for start in range(0, len(prompts), step):
+                chunk = prompts[start : start + step]
+                last = start + step >= len(prompts)
+                t1 = time.perf_counter()
+                batch_cache = None
+                if cache is not None:
+                    # The last chunk may consume the prefilled cache; earlier ones replicate a copy.
+                    batch_cache = cache if last else copy.deepcopy(cache)
+                    batch_cache.reorder_cache(torch.zeros(len(chunk), dtype=torch.long, device=self.device))
+                self.memory.synchronize()
+                t2 = time.perf_counter()
+                results.extend(self._suffix_forward(batch_cache, n_prefix, chunk, rows[start : start + step], timing))
+                del batch_cache
+                self.memory.synchronize()
+                timing["replicate_seconds"] += t2 - t1
+                timing["suffix_forward_seconds"] += time.perf_counter() - t2
+                timing["forward_batches"] += 1
+            del cache
+        return results, timing
+
+    def _suffix_forward(self, cache, n_prefix: int, chunk: list[list[int]], rows: Sequence[Row], timing: dict) -> list[tuple[list[float], list[float]]]:
+        torch = self.torch
+        suffixes = [ids[n_prefix:] for ids in chunk]
+        lengths = [len(s) for s in suffixes]
+        width = max(lengths)
+        input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), n_prefix + width), dtype=torch.long)
+        mask[:, :n_prefix] = 1
+        for i, suffix in enumerate(suffixes):
+            input_ids[i, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
+            mask[i, n_prefix : n_prefix + len(suffix)] = 1
+        positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(chunk), width)
+        last = [n - 1 for n in lengths]
+        keep = sorted(set(last))
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=torch.tensor(keep, device=self.device),
+        )
+        columns = torch.tensor([keep.index(p) for p in last], device=self.device)
+        selected = out.logits[torch.arange(len(chunk), device=self.device), columns]
+        del out
+        readout = [self._readout(selected[i], len(row.descriptions)) for i, row in enumerate(rows)]
+        timing["true_suffix_tokens"] += sum(lengths)
+        timing["padded_suffix_tokens"] += width * len(chunk)
+        return readout
+
+
+def _device_memory(settings: Settings, torch) -> DeviceMemory:
+    if settings.device == "cpu":
+        return HostMemory()
+    if not torch.cuda.is_available():
+        raise ConfigurationError("SEMIF_DEVICE=cuda but no CUDA device is visible")
+    if torch.cuda.device_count() != 1:
+        raise ConfigurationError(
+            f"SEMIF_DEVICE=cuda needs exactly one visible GPU, found {torch.cuda.device_count()} "
+            "(set CUDA_VISIBLE_DEVICES)"
+        )
+    return CudaMemory(settings.vram_cap_gib)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def read_demo_marker(directory: Path) -> dict | None:
+    """The demo checkpoint's marker file, if this is one."""
+    path = directory / "DEMO.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+__all__ = ["TorchEngine", "Row", "RowScore", "BatchScore", "CheckpointError", "ServiceError"]

@@ -1,0 +1,74 @@
+"""Order averaging: which option orders a decision is asked in, and the combined answer."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+COMBINE_METHOD = "log-mean"
+
+
+def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
+    """The orders (indices into the caller's options) to ask; the caller's own order comes first."""
+    identity = tuple(range(n))
+    if mode is None:
+        return [identity]
+    if mode == "rotations":
+        return [tuple((start + i) % n for i in range(n)) for start in range(n)]
+    if mode == "all":
+        return list(itertools.permutations(identity))
+    raise ValueError(f"unknown orderings mode {mode!r}")
+
+
+def softmax(values: Sequence[float]) -> list[float]:
+    """A numerically stable softmax in float64."""
+    peak = max(values)
+    exps = [math.exp(v - peak) for v in values]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def mean_option_logits(
+    n: int, orders: Sequence[Sequence[int]], logits_per_order: Sequence[Sequence[float]]
+) -> list[float]:
+    """Each option's logit averaged over the orders it was asked in (caller's option order)."""
+    sums = [0.0] * n
+    for order, logits in zip(orders, logits_per_order, strict=True):
+        for slot, option in enumerate(order):
+            sums[option] += logits[slot]
+    return [s / len(orders) for s in sums]
+
+
+def combine(
+    option_ids: Sequence[str],
+    orders: Sequence[Sequence[int]],
+    logits_per_order: Sequence[Sequence[float]],
+    mode: str,
+) -> dict[str, Any]:
+    """The combined answer over orderings.
+
+    probabilities: softmax of each option's mean logit (= the renormalised log-mean of its
+    probabilities); top: the most probable option; agreement: the share of orderings whose own
+    argmax is top; spread: the largest minus the smallest probability any ordering gave top.
+    """
+    n = len(option_ids)
+    probs = softmax(mean_option_logits(n, orders, logits_per_order))
+    top = max(range(n), key=lambda i: probs[i])
+    agree = 0
+    top_probs = []
+    for order, logits in zip(orders, logits_per_order, strict=True):
+        p = softmax(logits)
+        if order[max(range(n), key=lambda s: p[s])] == top:
+            agree += 1
+        top_probs.append(p[order.index(top)])
+    return {
+        "method": COMBINE_METHOD,
+        "mode": mode,
+        "orderings": len(orders),
+        "probabilities": {option_ids[i]: probs[i] for i in range(n)},
+        "top": option_ids[top],
+        "agreement": agree / len(orders),
+        "spread": max(top_probs) - min(top_probs),
+    }

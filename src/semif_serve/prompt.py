@@ -1,0 +1,127 @@
+"""SemIf's `direct-options-v1` prompt: rendering, answer slots, the answer boundary, the state prefix.
+
+Every rule here reproduces upstream exactly, so `prompt_sha256` and `input_tokens` equal SemIf's
+for the same tokenizer and decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ServiceError, invalid
+
+PROMPT_VERSION = "direct-options-v1"
+SYSTEM_PROMPT = (
+    "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
+    "Respond with only its uppercase letter, with no explanation or reasoning."
+)
+LETTERS = "ABCDEFGHIJKLMNOP"
+MAX_OPTIONS = len(LETTERS)
+
+
+class TokenizerContractError(Exception):
+    """The tokenizer cannot give a faithful readout (slots or boundary); never served silently."""
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """One rendered prompt: its text, token ids and SHA-256 (of the UTF-8 text)."""
+
+    text: str
+    ids: list[int]
+    sha256: str
+    user_offset: int  # where the user turn's JSON starts in `text`
+
+
+def user_message(state: Any, question: str, descriptions: Sequence[str]) -> str:
+    """The user turn: evidence, criterion and lettered options; option ids are never shown."""
+    options = [{"letter": LETTERS[i], "description": d} for i, d in enumerate(descriptions)]
+    return json.dumps(
+        {"evidence": state, "criterion": question, "options": options}, ensure_ascii=False
+    )
+
+
+def evidence_opening(state: Any) -> str:
+    """`{"evidence": <state>` : the part of the user turn every question over `state` shares."""
+    return json.dumps({"evidence": state}, ensure_ascii=False)[:-1]
+
+
+def answer_slots(tokenizer) -> list[int]:
+    """The token id of each letter A..P; each must be one token that decodes to itself, all distinct."""
+    slots: list[int] = []
+    for letter in LETTERS:
+        ids = tokenizer.encode(letter, add_special_tokens=False)
+        if len(ids) != 1:
+            raise TokenizerContractError(
+                f"answer letter {letter!r} encodes to {len(ids)} tokens, not exactly one"
+            )
+        if tokenizer.decode(ids) != letter:
+            raise TokenizerContractError(
+                f"answer letter {letter!r} does not decode back to itself "
+                f"(got {tokenizer.decode(ids)!r})"
+            )
+        if ids[0] in slots:
+            raise TokenizerContractError(
+                f"answer letter {letter!r} collides with {LETTERS[slots.index(ids[0])]!r}"
+            )
+        slots.append(ids[0])
+    return slots
+
+
+class PromptCodec:
+    """Renders and tokenises SemIf prompts for one tokenizer, with every readout check."""
+
+    def __init__(self, tokenizer, max_input_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_input_tokens = max_input_tokens
+        self.slots = answer_slots(tokenizer)
+
+    def render_prompt(self, state: Any, question: str, descriptions: Sequence[str]) -> str:
+        """The chat-template rendering of the system and user turns, ready for the answer letter."""
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": user_message(state, question, descriptions)},
+        ]
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids without special tokens added, as SemIf encodes."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_prompt(
+        self, state: Any, question: str, descriptions: Sequence[str], field: str
+    ) -> EncodedPrompt:
+        """Render, tokenise and check one prompt; refuse it (422) past the token limit or boundary."""
+        text = self.render_prompt(state, question, descriptions)
+        user_offset = text.index(user_message(state, question, descriptions))
+        ids = self.encode(text)
+        if len(ids) > self.max_input_tokens:
+            raise invalid(
+                field,
+                f"the prompt is {len(ids)} tokens, over the limit of {self.max_input_tokens}; "
+                "it is never truncated",
+                code="too_many_tokens",
+            )
+        for letter, slot in zip(LETTERS[: len(descriptions)], self.slots, strict=False):
+            if self.encode(text + letter) != ids + [slot]:
+                raise ServiceError(
+                    422,
+                    "answer_boundary",
+                    f"appending the answer letter {letter!r} changes this prompt's tokenisation, "
+                    "so its logit cannot be read faithfully",
+                    field,
+                )
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        return EncodedPrompt(text, ids, digest, user_offset)
+
+    def state_prefix(self, state: Any, prompt: EncodedPrompt) -> list[int]:
+        """Token ids every prompt over `state` starts with: the text up to `{"evidence": <state>`,
+        tokenised, minus its last token (JSON punctuation can merge across the cut)."""
+        cut = prompt.user_offset + len(evidence_opening(state))
+        return self.encode(prompt.text[:cut])[:-1]

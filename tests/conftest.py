@@ -1,0 +1,88 @@
+"""Shared fixtures: a tiny random-weight Qwen3.5 checkpoint on disk, loaded through the real loader."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from semif_serve.app import Service, create_app  # noqa: E402
+from semif_serve.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
+from semif_serve.engine import TorchEngine  # noqa: E402
+from semif_serve.settings import Settings  # noqa: E402
+
+TOKEN = "test-token-0123456789"
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("demo-model"))
+
+
+def make_settings(model_path: Path, **overrides) -> Settings:
+    values = dict(
+        model_path=model_path,
+        model_revision=DEMO_REVISION,
+        device="cpu",
+        api_token=TOKEN,
+    )
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture(scope="session")
+def engine(checkpoint) -> TorchEngine:
+    return TorchEngine.load(make_settings(checkpoint))
+
+
+@pytest.fixture(scope="session")
+def service(engine, checkpoint) -> Service:
+    return Service.start(make_settings(checkpoint), engine=engine)
+
+
+@pytest.fixture
+def client(service):
+    """An in-process client of the real app (admission included)."""
+    app = create_app(service)
+    transport = httpx.ASGITransport(app=app)
+    with_auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    class Client:
+        def __init__(self):
+            self.app = app
+
+        async def _request(self, method, url, **kw):
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                return await c.request(method, url, **kw)
+
+        def request(self, method, url, auth=True, **kw):
+            headers = dict(with_auth if auth else {})
+            headers.update(kw.pop("headers", {}))
+            return asyncio.run(self._request(method, url, headers=headers, **kw))
+
+        def post(self, url, **kw):
+            return self.request("POST", url, **kw)
+
+        def get(self, url, **kw):
+            return self.request("GET", url, **kw)
+
+    return Client()
+
+
+def decision(**overrides) -> dict:
+    body = {
+        "id": "q1",
+        "state": "Health checks passed in all three zones.",
+        "question": "Did the deployment succeed?",
+        "options": [
+            {"id": "yes", "description": "It succeeded."},
+            {"id": "no", "description": "It failed."},
+        ],
+    }
+    body.update(overrides)
+    return body
