@@ -68,7 +68,10 @@ class Service:
         """Score a real decision on both paths, then record the memory baseline."""
         self.worker.run_now(lambda: self.engine.score(WARM_UP_STATE, WARM_UP_ROWS[:1], shared=False))
         self.worker.run_now(lambda: self.engine.score(WARM_UP_STATE, WARM_UP_ROWS, shared=True))
-        self.worker.policy.mark_baseline()
+        baseline = self.worker.policy.mark_baseline()
+        cap = self.engine.memory.cap_bytes()
+        if cap is not None:
+            self.engine.headroom_bytes = cap - baseline
         self.ready = True
 
     def check_token(self, header: str | None) -> None:

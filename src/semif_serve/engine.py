@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ServiceError
-from .memory import CudaMemory, DeviceMemory, HostMemory
+from .memory import GIB, CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
 from .prompt import PromptCodec
 from .settings import ConfigurationError, Settings
 
@@ -88,6 +88,9 @@ class TorchEngine:
         self.codec = PromptCodec(tokenizer, settings.max_input_tokens)
         self.device = torch.device(settings.device)
         self.slot_ids = torch.tensor(self.codec.slots, device=self.device)
+        self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
+        # Bytes between the warm baseline and the cap; None where the device has no cap.
+        self.headroom_bytes: int | None = None
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.model_info = {
@@ -179,6 +182,8 @@ class TorchEngine:
             if any(p.ids[: len(prefix)] != prefix for p in prompts):
                 log.warning("state prefix does not tokenise as a prefix; scoring without it")
                 prefix = []
+            if rows_per_forward is None:
+                rows_per_forward = self._rows_that_fit(len(prefix), [p.ids for p in prompts], rows)
             per_row, timing = self._shared(prefix, [p.ids for p in prompts], rows, rows_per_forward)
             forward_seconds = timing["prefill_seconds"] + timing["replicate_seconds"] + timing["suffix_forward_seconds"]
         total = time.perf_counter() - started
@@ -187,6 +192,24 @@ class TorchEngine:
             for (logits, probs), p in zip(per_row, prompts, strict=True)
         ]
         return BatchScore(scores, shared or len(rows) > 1, forward_seconds, total, timing)
+
+    def _rows_that_fit(self, n_prefix: int, prompts: list[list[int]], rows: Sequence[Row]) -> int | None:
+        """Split a batch that would not fit under the cap; refuse one whose single row cannot."""
+        if self.headroom_bytes is None:
+            return None
+        width = max(len(ids) for ids in prompts) - n_prefix
+        kept = len({len(ids) for ids in prompts})
+        fit = self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, kept)
+        if fit == 0:
+            need = self.estimate.prefill_bytes(n_prefix) + self.estimate.row_bytes(n_prefix, width, 1)
+            raise ServiceError(
+                413,
+                "too_large_for_memory",
+                f"one row of this request needs an estimated {need / GIB:.2f} GiB, more than the "
+                f"{self.headroom_bytes / GIB:.2f} GiB the memory cap leaves; shorten the state",
+                rows[0].field,
+            )
+        return fit if fit < len(prompts) else None
 
     def _readout(self, last_logits, n_options: int) -> tuple[list[float], list[float]]:
         """Full-vocabulary float32 logits of one position -> (slot logits, their softmax)."""

@@ -130,3 +130,57 @@ class ReleasePolicy:
             self.releases += 1
         except Exception as exc:  # noqa: BLE001 - a failed release must not mask the request's error
             log.warning("memory release failed: %s", type(exc).__name__)
+
+
+class MemoryEstimate:
+    """Bytes a shared-path forward needs, from the model's geometry (see docs/memory.md).
+
+    per row  = cache_per_token * (prefix + width) + state_per_row + act_per_token * width
+               + logits_per_position * kept
+    prefill  = 2 * (cache_per_token * prefix + state_per_row) + act_per_token * prefix
+    Each is multiplied by SAFETY, because the allocator rounds and fragments. Attention
+    scores are not counted: the cap exists only on CUDA, where SDPA does not materialise them.
+    """
+
+    SAFETY = 1.25
+
+    def __init__(self, config, element_bytes: int) -> None:
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        n_full = layer_types.count("full_attention")
+        n_linear = len(layer_types) - n_full
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache_per_token = n_full * 2 * config.num_key_value_heads * head_dim * element_bytes
+        key_dim = getattr(config, "linear_num_key_heads", 0) * getattr(config, "linear_key_head_dim", 0)
+        v_heads = getattr(config, "linear_num_value_heads", 0)
+        v_dim = getattr(config, "linear_value_head_dim", 0)
+        conv_dim = 2 * key_dim + v_heads * v_dim
+        kernel = getattr(config, "linear_conv_kernel_dim", 4)
+        recurrent = v_heads * getattr(config, "linear_key_head_dim", 0) * v_dim * 4  # float32 state
+        self.state_per_row = n_linear * (conv_dim * kernel * element_bytes + recurrent)
+        # One layer's working set per token: residual stream, MLP and linear-attention projections.
+        self.act_per_token = element_bytes * (4 * config.hidden_size + 3 * config.intermediate_size + 2 * conv_dim)
+        self.logits_per_position = config.vocab_size * (element_bytes + 4)
+
+    def row_bytes(self, prefix_tokens: int, width: int, kept_positions: int) -> int:
+        """Estimated bytes one more row adds to a suffix forward."""
+        raw = (
+            self.cache_per_token * (prefix_tokens + width)
+            + self.state_per_row
+            + self.act_per_token * width
+            + self.logits_per_position * kept_positions
+        )
+        return int(raw * self.SAFETY)
+
+    def prefill_bytes(self, prefix_tokens: int) -> int:
+        """Estimated bytes of prefilling the state prefix once (plus the one-row copy kept for chunks)."""
+        raw = (
+            2 * (self.cache_per_token * prefix_tokens + self.state_per_row)
+            + self.act_per_token * prefix_tokens
+        )
+        return int(raw * self.SAFETY)
+
+    def rows_per_forward(self, headroom: int, prefix_tokens: int, width: int, kept_positions: int) -> int:
+        """How many rows fit in one suffix forward under `headroom` bytes (0: not even one)."""
+        available = headroom - self.prefill_bytes(prefix_tokens)
+        per_row = self.row_bytes(prefix_tokens, width, kept_positions)
+        return max(0, available // per_row)

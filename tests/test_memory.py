@@ -1,0 +1,259 @@
+"""The memory cap, the release policy, out-of-memory handling and splitting, on a simulated allocator."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+import httpx
+import pytest
+import torch
+from conftest import TOKEN, decision, make_settings
+from memory_sim import SimulatedMemory, cuda_oom
+
+from semif_serve.app import Service, create_app
+from semif_serve.engine import TorchEngine
+from semif_serve.errors import ServiceError, invalid
+from semif_serve.memory import GIB, MIB, CudaMemory, ReleasePolicy
+from semif_serve.settings import ConfigurationError
+from semif_serve.worker import EngineWorker
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def service_on(engine, checkpoint, memory: SimulatedMemory, **settings) -> Service:
+    """The real service and engine (shared weights) on a simulated device."""
+    config = make_settings(checkpoint, **settings)
+    simulated = TorchEngine(engine.model, engine.codec.tokenizer, config, memory)
+    return Service.start(config, engine=simulated)
+
+
+def post(app, url, body):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(url, json=body, headers=AUTH)
+
+    return asyncio.run(go())
+
+
+# -- the cap ----------------------------------------------------------------------------------
+
+
+class FakeCuda:
+    """torch.cuda's memory calls, recorded; the only stand-in for a GPU here."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.fractions: list[tuple[float, int]] = []
+
+    def get_device_properties(self, index):
+        return type("Props", (), {"total_memory": self.total})()
+
+    def set_per_process_memory_fraction(self, fraction, device):
+        self.fractions.append((fraction, device))
+
+
+def test_the_cap_becomes_the_exact_fraction_of_the_card():
+    cuda = FakeCuda(total=141 * GIB)
+    fraction = CudaMemory(12, cuda=cuda).apply_cap()
+    assert cuda.fractions == [(12 / 141, 0)]
+    assert fraction == 12 / 141
+
+
+@pytest.mark.parametrize("cap", [0, -1, 142])
+def test_a_cap_of_zero_negative_or_above_the_card_is_a_startup_error(cap):
+    cuda = FakeCuda(total=141 * GIB)
+    with pytest.raises(ConfigurationError, match="SEMIF_VRAM_CAP_GIB"):
+        CudaMemory(cap, cuda=cuda).apply_cap()
+    assert cuda.fractions == []
+
+
+# -- the release policy -------------------------------------------------------------------------
+
+
+def test_no_release_below_the_margin_and_a_release_above_it():
+    memory = SimulatedMemory(floor=100 * MIB)
+    policy = ReleasePolicy(memory, margin_bytes=512 * MIB)
+    policy.mark_baseline()
+    releases = memory.releases
+    memory.reserved = 100 * MIB + 512 * MIB  # exactly at the margin
+    assert policy.after_success() is False
+    assert memory.releases == releases
+    memory.reserved += 1
+    assert policy.after_success() is True
+    assert memory.releases == releases + 1
+    assert memory.reserved == 100 * MIB
+
+
+def test_every_engine_failure_releases_but_a_refused_request_does_not():
+    memory = SimulatedMemory()
+    worker = EngineWorker(ReleasePolicy(memory, 512 * MIB))
+    worker.policy.mark_baseline()
+    before = memory.releases
+
+    def refused():
+        raise invalid("state", "bad")
+
+    with pytest.raises(ServiceError) as refusal:
+        worker.run_now(refused)
+    assert refusal.value.status == 422
+    assert memory.releases == before
+
+    def broken():
+        raise ValueError("something inside the forward")
+
+    with pytest.raises(ServiceError) as failure:
+        worker.run_now(broken)
+    assert (failure.value.status, failure.value.code) == (500, "internal_error")
+    assert failure.value.__cause__ is None and failure.value.__context__ is None
+    assert memory.releases == before + 1
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [cuda_oom(""), cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB"),
+     RuntimeError("CUDA error: out of memory"), MemoryError()],
+    ids=["empty-oom", "oom", "runtime-error", "host"],
+)
+def test_every_kind_of_out_of_memory_maps_to_503(exc):
+    memory = SimulatedMemory()
+    worker = EngineWorker(ReleasePolicy(memory, 0))
+
+    def job():
+        raise exc
+
+    with pytest.raises(ServiceError) as failure:
+        worker.run_now(job)
+    assert (failure.value.status, failure.value.code) == (503, "out_of_memory")
+    assert worker.out_of_memory_events == 1
+
+
+def test_the_failed_forwards_memory_is_unreachable_before_the_release_runs():
+    memory = SimulatedMemory()
+    worker = EngineWorker(ReleasePolicy(memory, 0))
+    seen: list[bool] = []
+
+    class Activations:
+        pass
+
+    def job():
+        activations = Activations()
+        activations.cycle = activations  # only the gc frees a cycle
+        handles.append(weakref.ref(activations))
+        raise cuda_oom("")
+
+    handles: list[weakref.ref] = []
+    memory.on_release = lambda: seen.append(handles[0]() is None)
+    gc.disable()
+    try:
+        with pytest.raises(ServiceError):
+            worker.run_now(job)
+    finally:
+        gc.enable()
+    assert seen == [True]
+
+
+def test_a_release_that_itself_fails_does_not_mask_the_original_error():
+    memory = SimulatedMemory()
+
+    def explode():
+        raise RuntimeError("release failed")
+
+    memory.on_release = explode
+    worker = EngineWorker(ReleasePolicy(memory, 0))
+
+    def job():
+        raise cuda_oom("")
+
+    with pytest.raises(ServiceError) as failure:
+        worker.run_now(job)
+    assert failure.value.code == "out_of_memory"
+
+
+# -- through the real service -------------------------------------------------------------------
+
+
+def test_an_out_of_memory_forward_gets_503_returns_to_baseline_and_the_next_request_is_answered(
+    engine, checkpoint
+):
+    memory = SimulatedMemory(floor=100 * MIB, growth=300 * MIB)
+    service = service_on(engine, checkpoint, memory)
+    app = create_app(service)
+    baseline = service.worker.policy.baseline_bytes
+    memory.fail_next = cuda_oom("")
+    refused = post(app, "/decide", decision())
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "out_of_memory"
+    assert memory.reserved == baseline
+    answered = post(app, "/decide", decision())
+    assert answered.status_code == 200
+    assert memory.reserved <= baseline + service.worker.policy.margin_bytes
+
+
+def test_a_burst_that_grows_past_the_margin_is_given_back(engine, checkpoint):
+    memory = SimulatedMemory(floor=100 * MIB, growth=400 * MIB)
+    service = service_on(engine, checkpoint, memory)
+    app = create_app(service)
+    before = memory.releases
+    body = {"state": "s", "decisions": [decision(id=f"d{i}") for i in range(4)]}
+    assert post(app, "/decide/shared", body).status_code == 200
+    assert memory.releases > before
+    assert memory.reserved == service.worker.policy.baseline_bytes
+
+
+def test_a_shared_request_over_the_memory_budget_is_split_and_equals_the_unsplit_answer(
+    engine, checkpoint, service
+):
+    body = {
+        "state": {"report": "Deployment finished; two of three zones are healthy."},
+        "decisions": [
+            decision(id=f"d{i}", question=f"Question {i}: is zone {i} healthy?") for i in range(5)
+        ],
+    }
+    unsplit = post(create_app(service), "/decide/shared", body).json()
+    assert unsplit["timing"]["forward_batches"] == 1
+
+    probe = service.engine.codec.encode_prompt(body["state"], "Question 0: is zone 0 healthy?", ("a", "b"), "x")
+    prefix = len(service.engine.codec.state_prefix(body["state"], probe))
+    width = len(probe.ids) - prefix + 8
+    estimate = service.engine.estimate
+    two_rows = estimate.prefill_bytes(prefix) + 2 * estimate.row_bytes(prefix, width, 1) + 1
+    memory = SimulatedMemory(floor=0, cap=two_rows)
+    split_service = service_on(engine, checkpoint, memory)
+    split = post(create_app(split_service), "/decide/shared", body).json()
+    assert split["timing"]["forward_batches"] == 3
+    for a, b in zip(unsplit["results"], split["results"], strict=True):
+        assert a["id"] == b["id"]
+        assert a["option_logits"] == pytest.approx(b["option_logits"], abs=1e-5)
+
+
+def test_a_request_whose_single_row_cannot_fit_is_refused_with_the_memory_it_needs(engine, checkpoint):
+    memory = SimulatedMemory(floor=0, cap=1)
+    service = service_on(engine, checkpoint, memory)
+    response = post(create_app(service), "/decide/shared", {"state": "s", "decisions": [decision()]})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "too_large_for_memory"
+    assert "GiB" in error["message"]
+
+
+def test_a_failure_while_building_the_response_is_a_500_envelope_and_the_service_goes_on(
+    service, monkeypatch
+):
+    import semif_serve.app as app_module
+
+    app = create_app(service)
+
+    def broken(*args, **kwargs):
+        raise KeyError(TOKEN)
+
+    monkeypatch.setattr(app_module, "build_result", broken)
+    secret_state = "the secret state text"
+    failed = post(app, "/decide", decision(state=secret_state))
+    assert failed.status_code == 500
+    assert failed.json()["error"]["code"] == "internal_error"
+    assert TOKEN not in failed.text and secret_state not in failed.text
+    monkeypatch.undo()
+    assert post(app, "/decide", decision()).status_code == 200
+    assert torch.is_grad_enabled()  # the engine left global torch state alone
