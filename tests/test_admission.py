@@ -79,7 +79,7 @@ def test_a_request_past_the_queue_cap_gets_429_before_its_body_is_read(small_ser
         stuck = [Exchange([b"{"], hold=hold) for _ in range(2)]
         tasks = [asyncio.create_task(app(scope(), e.receive, e.send)) for e in stuck]
         await asyncio.sleep(0.05)
-        assert app.in_progress == 2
+        assert app.admission.in_progress == 2
         refused = Exchange([json.dumps(decision()).encode()])
         await app(scope(), refused.receive, refused.send)
         hold.set()
@@ -91,7 +91,7 @@ def test_a_request_past_the_queue_cap_gets_429_before_its_body_is_read(small_ser
     assert refused.reads == 0
     assert refused.json["error"]["code"] == "busy"
     assert refused.headers["retry-after"].isdigit()
-    assert app.in_progress == 0
+    assert app.admission.in_progress == 0
 
 
 def test_health_is_answered_while_every_slot_is_taken(small_service):
@@ -122,7 +122,7 @@ def test_a_content_length_that_is_not_plain_ascii_digits_is_400(small_service, v
     assert exchange.status == 400
     assert exchange.json["error"]["code"] == "invalid_content_length"
     assert exchange.reads == 0
-    assert app.in_progress == 0
+    assert app.admission.in_progress == 0
 
 
 def test_a_declared_content_length_over_the_limit_is_413_without_reading(small_service):
@@ -171,7 +171,7 @@ def test_a_flood_with_cancelled_clients_leaves_no_slot_taken(engine, checkpoint)
     statuses = asyncio.run(go())
     assert set(statuses) <= {200, 429}
     assert 200 in statuses
-    assert app.in_progress == 0
+    assert app.admission.in_progress == 0
     assert service.worker.pending == 0
 
 
@@ -209,9 +209,9 @@ def test_clients_that_disconnect_mid_request_over_real_http_release_their_slots(
                     + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
                 )
         deadline = time.monotonic() + 10
-        while app.in_progress and time.monotonic() < deadline:
+        while app.admission.in_progress and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert app.in_progress == 0
+        assert app.admission.in_progress == 0
         ok = httpx.post(f"http://127.0.0.1:{port}/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 200
     finally:

@@ -12,16 +12,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import SEMIF_COMMIT, __version__
 from .admission import Admission
 from .calibration import CalibrationTable, load_calibration
 from .decisions import build_result, plan_rows
-from .engine import Row, TorchEngine
+from .engine import BatchScore, Row, TorchEngine
 from .errors import ServiceError, internal
-from .memory import ReleasePolicy, MIB
+from .memory import MIB, ReleasePolicy
+from .observability import Metrics, RequestContext
 from .prompt import MAX_OPTIONS, PROMPT_VERSION
 from .requests import Decision, SharedDecisions, parse_body
 from .settings import Settings
@@ -84,24 +86,26 @@ class Service:
         if not hmac.compare_digest(presented.strip().encode("utf-8", "replace"), self.token.encode()):
             raise unauthorized("the bearer token is not valid")
 
-    async def decide(self, body: bytes) -> dict[str, Any]:
+    async def decide(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """`POST /decide`: one decision; orderings run as one shared batch."""
         decision = parse_body(Decision, body)
         planned, rows = plan_rows([decision], [""], self.settings.max_rows, self.calibration)
         batch = await self.worker.run(
             lambda: self.engine.score(decision.state, rows, shared=len(rows) > 1)
         )
+        record.update(request_record([decision.workload], batch))
         result = build_result(planned[0], batch, self.engine.model_info, self.calibration)
         if batch.shared:
             result["timing"] = batch.timing
         return result
 
-    async def decide_shared(self, body: bytes) -> dict[str, Any]:
+    async def decide_shared(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
         request = parse_body(SharedDecisions, body)
         fields = [f"decisions[{i}]" for i in range(len(request.decisions))]
         planned, rows = plan_rows(request.decisions, fields, self.settings.max_rows, self.calibration)
         batch = await self.worker.run(lambda: self.engine.score(request.state, rows, shared=True))
+        record.update(request_record([d.workload for d in request.decisions], batch))
         results = [build_result(p, batch, self.engine.model_info, self.calibration) for p in planned]
         return {"results": results, "timing": batch.timing}
 
@@ -145,6 +149,23 @@ class Service:
         return body
 
 
+def request_record(workloads: list[str | None], batch: BatchScore) -> dict[str, Any]:
+    """What the request log line and the metrics keep of a scored request (no text, no token)."""
+    record: dict[str, Any] = {
+        "rows": len(batch.rows),
+        "input_tokens": sum(r.input_tokens for r in batch.rows),
+        "forward_seconds": round(batch.forward_seconds, 6),
+        "engine_seconds": round(batch.total_seconds, 6),
+    }
+    if batch.timing:
+        record["prefix_tokens"] = batch.timing["prefix_tokens"]
+        record["forward_batches"] = batch.timing["forward_batches"]
+    named = sorted({w for w in workloads if w})
+    if named:
+        record["workloads"] = named
+    return record
+
+
 def unauthorized(message: str) -> ServiceError:
     return ServiceError(401, "unauthorized", message, "Authorization", headers={"WWW-Authenticate": "Bearer"})
 
@@ -158,12 +179,18 @@ def error_response(error: ServiceError, request: Request | None = None) -> JSONR
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def create_app(service: Service) -> Admission:
-    """The ASGI app: FastAPI routes behind admission control."""
+def create_app(service: Service) -> RequestContext:
+    """The ASGI app: request context (ids, logs, metrics) -> admission control -> FastAPI routes.
+
+    The returned app exposes `.admission` and `.metrics`.
+    """
     api = FastAPI(title="semif-serve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     admission = Admission(api, service.settings.max_queue, service.settings.max_body_bytes)
-    api.state.service = service
-    api.state.admission = admission
+    metrics = Metrics()
+    metrics.watch(service, admission)
+    outer = RequestContext(admission, metrics)
+    outer.admission = admission
+    outer.metrics = metrics
 
     @api.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
@@ -176,11 +203,14 @@ def create_app(service: Service) -> Admission:
         error = ServiceError(exc.status_code, code, message.get(exc.status_code, str(exc.detail)), headers=dict(exc.headers or {}))
         return error_response(error, request)
 
-    async def answer(request: Request, handler: Callable[[bytes], Awaitable[dict[str, Any]]]) -> JSONResponse:
+    async def answer(
+        request: Request, handler: Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]]
+    ) -> JSONResponse:
         service.check_token(request.headers.get("authorization"))
         body = await request.body()
+        record = request.state.log if hasattr(request.state, "log") else {}
         try:
-            return JSONResponse(await handler(body))
+            return JSONResponse(await handler(body, record))
         except ServiceError:
             raise
         except Exception as exc:  # noqa: BLE001 - a failure building the reply is a 500 envelope
@@ -200,4 +230,10 @@ def create_app(service: Service) -> Admission:
         body = service.health(admission)
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
-    return admission
+    @api.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        if not service.settings.metrics_public:
+            service.check_token(request.headers.get("authorization"))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return outer

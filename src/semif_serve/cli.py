@@ -45,8 +45,6 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
 
 def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
     """Validate everything, load and warm up the engine, then bind the port; fail closed."""
-    import uvicorn
-
     from .app import Service, create_app
     from .calibration import CalibrationFileError
     from .engine import CheckpointError
@@ -81,8 +79,14 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
             f"http://{settings.host}:{settings.port}/health\n",
             flush=True,
         )
-    app = create_app(service)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, access_log=False)
+    from .server import run_server
+
+    log.info(
+        "serving",
+        extra={"host": settings.host, "port": settings.port, "device": settings.device, "demo": settings.demo},
+    )
+    run_server(create_app(service), settings.host, settings.port, settings.shutdown_grace_seconds)
+    service.worker.shutdown()
     return 0
 
 

@@ -201,8 +201,13 @@ def write_checkpoint(
     model.eval()
     if slot_bias:
         with torch.no_grad():
-            # Tied embeddings: pushing a letter's row towards the final hidden direction raises its logit.
-            direction = torch.ones(shape.hidden_size)
+            # Tied embeddings: a letter's logit is its row dotted with the last position's final
+            # hidden state (RMS-normed: norm ~ sqrt(hidden_size)). Every prompt ends with "\n", and
+            # in a random-weight model that state points along the "\n" embedding, so moving the
+            # letter's row along it raises the logit by about `bias`. (A fixed direction such as
+            # all-ones has a seed-dependent sign: with seed 0 it lowered the logit instead.)
+            newline = embed.weight[tokenizer.convert_tokens_to_ids("\u010a")].clone()
+            direction = newline / newline.norm()
             for letter, bias in slot_bias.items():
                 token_id = tokenizer.convert_tokens_to_ids(letter)
                 embed.weight[token_id] += bias * direction / shape.hidden_size**0.5

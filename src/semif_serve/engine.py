@@ -144,6 +144,9 @@ class TorchEngine:
                 local_files_only=True,
                 trust_remote_code=False,
                 output_loading_info=True,
+                # Report wrong-shaped tensors in `mismatched_keys` (refused below, by name) instead
+                # of transformers' bare "ignore_mismatched_sizes is False" error.
+                ignore_mismatched_sizes=True,
             )
         except Exception as exc:
             raise CheckpointError(f"the checkpoint failed to load: {exc}") from None

@@ -1,0 +1,362 @@
+"""What every acceptance command shares: the HTTP client (retrying 429 busy), JSONL and token
+files, the connection arguments, table printing, gates and the JSON result file."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+EXIT_PASS = 0
+EXIT_GATE_FAILED = 1
+EXIT_ERROR = 2
+
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MAX_BUSY_RETRIES = 120
+HEALTH_KEYS = ("version", "semif", "model", "device", "dtype", "demo", "limits")
+
+
+class ServiceCallError(Exception):
+    """A non-2xx answer from the service, with its error envelope."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(f"HTTP {status} {code}: {message}" + (f" (field {field})" if field else ""))
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "code": self.code, "message": self.message, "field": self.field}
+
+
+class Client:
+    """A keep-alive client of one service; POSTs carry the bearer token.
+
+    A `429 busy` is retried after its Retry-After (at most `max_busy_retries` times); every
+    other non-2xx raises ServiceCallError. `post` returns the JSON body and the end-to-end
+    seconds of the successful attempt (encode, round trip, decode).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_busy_retries: int = DEFAULT_MAX_BUSY_RETRIES,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.max_busy_retries = max_busy_retries
+        self.busy_retries = 0
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        for attempt in range(self.max_busy_retries + 1):
+            started = time.perf_counter()
+            response = self._http.post(path, content=json.dumps(body, ensure_ascii=False).encode("utf-8"))
+            if response.status_code == 429 and attempt < self.max_busy_retries:
+                self.busy_retries += 1
+                time.sleep(retry_after_seconds(response.headers.get("retry-after")))
+                continue
+            payload = _json_or_none(response)
+            elapsed = time.perf_counter() - started
+            if response.is_success and isinstance(payload, dict):
+                return payload, elapsed
+            raise error_from(response.status_code, payload, response.text)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def decide(self, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        return self.post("/decide", body)
+
+    def decide_shared(self, state: Any, decisions: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
+        return self.post("/decide/shared", {"state": state, "decisions": decisions})
+
+    def health(self) -> dict[str, Any]:
+        response = self._http.get("/health")
+        payload = _json_or_none(response)
+        if not isinstance(payload, dict):
+            raise error_from(response.status_code, payload, response.text)
+        return payload
+
+
+def retry_after_seconds(header: str | None, default: float = 1.0, cap: float = 30.0) -> float:
+    """Seconds to wait from a Retry-After header (delta-seconds only; anything else: default)."""
+    try:
+        value = float(header) if header is not None else default
+    except ValueError:
+        value = default
+    return min(max(value, 0.05), cap)
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def error_from(status: int, payload: Any, text: str) -> ServiceCallError:
+    """The service's error envelope as an exception (or the raw text if it sent none)."""
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        err = payload["error"]
+        return ServiceCallError(status, str(err.get("code")), str(err.get("message")), err.get("field"))
+    return ServiceCallError(status, "unexpected_response", text[:500])
+
+
+# -- files -------------------------------------------------------------------------------
+
+
+def read_token(path: Path) -> str:
+    """The bearer token from a file (trailing newline stripped)."""
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (blank lines skipped); every row must be a JSON object."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def by_id(rows: Iterable[dict[str, Any]], what: str) -> dict[str, dict[str, Any]]:
+    """Rows keyed by their `id`; a repeated id is an error (the join would be ambiguous)."""
+    indexed: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        key = row.get("id")
+        if not isinstance(key, str):
+            raise ValueError(f"{what}: a row has no string id")
+        if key in indexed:
+            raise ValueError(f"{what}: id {key!r} appears more than once")
+        indexed[key] = row
+    return indexed
+
+
+def decision_body(row: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A SemIf fixture row as a /decide body: only the fields the contract reads."""
+    body = {
+        "id": row["id"],
+        "state": row["state"],
+        "question": row["question"],
+        "options": [{"id": o["id"], "description": o["description"]} for o in row["options"]],
+    }
+    body.update({k: v for k, v in extra.items() if v is not None})
+    return body
+
+
+def shared_question(row: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A fixture row as one entry of /decide/shared's `decisions` (no state)."""
+    body = decision_body(row, **extra)
+    del body["state"]
+    return body
+
+
+def score_rows(
+    client: Client, rows: Sequence[dict[str, Any]], label: str = "scoring", **extra: Any
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Every fixture row through /decide, one at a time: (results by id, errors by id).
+
+    A refused row (4xx/5xx) is recorded, not raised, so one bad row cannot hide the rest;
+    the commands' "scored" gate fails on any error."""
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    for i, row in enumerate(rows, 1):
+        try:
+            results[row["id"]], _ = client.decide(decision_body(row, **extra))
+        except ServiceCallError as exc:
+            errors[row["id"]] = exc.as_dict()
+        if i % 25 == 0 or i == len(rows):
+            log(f"{label}: {i}/{len(rows)} rows ({time.perf_counter() - started:.1f} s)")
+    return results, errors
+
+
+def state_key(state: Any) -> str:
+    """Rows share a state when it renders to the same JSON (key order matters, as in the prompt)."""
+    return json.dumps(state, ensure_ascii=False)
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width table; numbers right-aligned."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, value in enumerate(row):
+            widths[i] = max(widths[i], len(value))
+    numeric = [all(_is_number(row[i]) for row in rows) and bool(rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
+        return "  ".join(parts).rstrip()
+
+    out = [line(list(headers)), line(["-" * w for w in widths])]
+    out.extend(line(row) for row in cells)
+    return "\n".join(out)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
+    if title:
+        print(title)
+    print(format_table(headers, rows))
+    print()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def fraction(n: int, total: int) -> str:
+    return f"{n}/{total}"
+
+
+@dataclass
+class Gate:
+    """One pass/fail condition of a command."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Outcome:
+    """What a command found: its summary, any per-row detail, and its gates."""
+
+    command: str
+    summary: dict[str, Any]
+    gates: list[Gate] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.gates)
+
+
+def default_out(command: str) -> Path:
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    return Path("acceptance-results") / f"{command}-{stamp}.json"
+
+
+def finish(outcome: Outcome, args: argparse.Namespace, service: dict[str, Any] | None) -> int:
+    """Print the gates, write the JSON result file and return the exit status."""
+    if outcome.gates:
+        print_table(
+            ["gate", "result", "detail"],
+            [[g.name, "PASS" if g.passed else "FAIL", g.detail] for g in outcome.gates],
+        )
+    payload = {
+        "command": outcome.command,
+        "passed": outcome.passed,
+        "finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "url": getattr(args, "url", None),
+        "arguments": {k: _jsonable(v) for k, v in vars(args).items() if k not in ("handler",)},
+        "service": service,
+        "summary": outcome.summary,
+        "gates": [asdict(g) for g in outcome.gates],
+        **outcome.details,
+    }
+    out = Path(args.out) if getattr(args, "out", None) else default_out(outcome.command)
+    write_result(out, payload)
+    verdict = "PASS" if outcome.passed else "FAIL"
+    print(f"{outcome.command}: {verdict} (result written to {out})")
+    return EXIT_PASS if outcome.passed else EXIT_GATE_FAILED
+
+
+def write_result(path: Path, payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False, default=_jsonable) + "\n", encoding="utf-8")
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+# -- command plumbing ---------------------------------------------------------------------
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="service base URL, e.g. http://127.0.0.1:8032")
+    parser.add_argument("--token-file", required=True, type=Path, help="file holding the bearer token")
+    parser.add_argument("--out", type=Path, default=None, help="JSON result file (default: acceptance-results/<command>-<time>.json)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
+    parser.add_argument("--max-busy-retries", type=int, default=DEFAULT_MAX_BUSY_RETRIES, help="retries of 429 busy per request")
+
+
+def connect(args: argparse.Namespace) -> tuple[Client, dict[str, Any]]:
+    """A client from the connection arguments, and the service's /health snapshot."""
+    client = Client(args.url, read_token(args.token_file), args.timeout, args.max_busy_retries)
+    try:
+        health = client.health()
+    except (httpx.HTTPError, ServiceCallError) as exc:
+        client.close()
+        raise SystemExit(f"error: cannot reach {args.url}/health: {exc}") from None
+    snapshot = {k: health.get(k) for k in HEALTH_KEYS if k in health}
+    if not health.get("ready", False):
+        client.close()
+        raise SystemExit(f"error: {args.url} is not ready (status {health.get('status')!r})")
+    return client, snapshot
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout holds only the tables."""
+    print(message, file=sys.stderr, flush=True)

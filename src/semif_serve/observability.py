@@ -1,0 +1,133 @@
+"""Request ids, one JSON log line per request, and Prometheus metrics.
+
+`RequestContext` is the outermost ASGI layer: it names every request, stamps
+`X-Request-ID` on every response, and on completion logs and counts what the route
+recorded in `scope["state"]["log"]` (rows, tokens, timings, workload: never the state
+text, never the token).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .admission import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from .admission import Admission
+    from .app import Service
+
+log = logging.getLogger("semif_serve.request")
+
+SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+ROUTES = {"/decide", "/decide/shared", "/health", "/metrics"}
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class ServiceCollector:
+    """Reads the live state (queue, memory, releases, refusals) at scrape time: one source of truth."""
+
+    def __init__(self, service: Service, admission: Admission) -> None:
+        self.service = service
+        self.admission = admission
+
+    def collect(self):
+        policy = self.service.worker.policy
+        yield GaugeMetricFamily("semif_requests_in_progress", "POST requests admitted and not finished", value=self.admission.in_progress)
+        yield GaugeMetricFamily("semif_queue_depth", "engine jobs waiting or running", value=self.service.worker.pending)
+        yield GaugeMetricFamily("semif_ready", "1 when the engine is warm and not draining", value=float(self.service.ready and not self.admission.draining))
+        yield CounterMetricFamily("semif_busy_rejections", "POSTs refused with 429 busy", value=self.admission.refused)
+        yield CounterMetricFamily("semif_out_of_memory", "requests that ran out of device memory", value=self.service.worker.out_of_memory_events)
+        yield CounterMetricFamily("semif_memory_releases", "times cached device memory was released", value=policy.releases)
+        yield GaugeMetricFamily("semif_memory_reserved_bytes", "memory reserved by the allocator", value=policy.memory.reserved_bytes())
+        yield GaugeMetricFamily("semif_memory_baseline_bytes", "reserved memory after warm-up", value=policy.baseline_bytes or 0)
+
+
+class Metrics:
+    """The service's Prometheus registry (its own, so tests and processes never share counters)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("semif_requests", "requests by route and status", ["route", "status"], registry=self.registry)
+        self.rows = Counter("semif_rows_scored", "rows (decisions x orderings) scored", registry=self.registry)
+        self.seconds = Histogram("semif_request_seconds", "end-to-end seconds by route", ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.forward = Histogram("semif_forward_seconds", "engine forward seconds per request", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prefix = Histogram("semif_prefix_tokens", "shared state prefix tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry)
+
+    def watch(self, service: Service, admission: Admission) -> None:
+        self.registry.register(ServiceCollector(service, admission))
+
+    def observe(self, route: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.seconds.labels(route).observe(seconds)
+        if "rows" in fields:
+            self.rows.inc(fields["rows"])
+        if "forward_seconds" in fields:
+            self.forward.observe(fields["forward_seconds"])
+        if "prefix_tokens" in fields:
+            self.prefix.observe(fields["prefix_tokens"])
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    """The caller's X-Request-ID when it is sane (<= 128 of [A-Za-z0-9._:-]), else a new one."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if SANE_REQUEST_ID.fullmatch(text):
+                return text
+    return uuid.uuid4().hex
+
+
+class RequestContext:
+    """Names each request, stamps X-Request-ID, and logs and counts it once it is answered."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = request_id_from(scope["headers"])
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["log"] = {}
+        status = 0
+
+        async def stamped(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, stamped)
+        finally:
+            seconds = time.perf_counter() - started
+            path = scope["path"]
+            route = path if path in ROUTES else "other"
+            fields = state.get("log", {})
+            self.metrics.observe(route, status, seconds, fields)
+            if route != "/metrics" and not (route == "/health" and status == 200):
+                log.info(
+                    "request",
+                    extra={
+                        "request_id": request_id,
+                        "method": scope["method"],
+                        "route": route,
+                        "status": status or None,
+                        "duration_ms": round(seconds * 1000, 3),
+                        **fields,
+                    },
+                )
