@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -21,6 +22,7 @@ EXIT_ERROR = 2
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_BUSY_RETRIES = 120
+_NUMERIC = re.compile(r"-|[+-]?[0-9][0-9.,e+-]*(%| ?ms| ?s|x)?")
 HEALTH_KEYS = ("version", "semif", "model", "device", "dtype", "demo", "limits")
 
 
@@ -225,7 +227,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     for row in cells:
         for i, value in enumerate(row):
             widths[i] = max(widths[i], len(value))
-    numeric = [all(_is_number(row[i]) for row in rows) and bool(rows) for i in range(len(headers))]
+    numeric = [bool(cells) and all(_NUMERIC.fullmatch(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(values: Sequence[str]) -> str:
         parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
@@ -241,10 +243,6 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
         print(title)
     print(format_table(headers, rows))
     print()
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _cell(value: Any) -> str:

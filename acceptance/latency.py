@@ -1,0 +1,129 @@
+"""`latency`: the spec's latency table (short /decide, ~2,000-token state, 3 rotations, 6
+orderings, 3 rotations on the long state), N runs x M requests, median and p90 end to end and
+server-side (the result's `total_seconds`)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from .common import Client, Gate, Outcome, ServiceCallError, add_connection_arguments, connect, finish, log, print_table
+from .stats import median, percentile
+from .workloads import LATENCY_CASES, FittedStates, LatencyCase, fit_latency_states
+
+
+def add_latency(commands) -> None:
+    p = commands.add_parser("latency", help="the spec's latency table: median and p90, end to end and server-side")
+    add_connection_arguments(p)
+    p.add_argument("--runs", type=int, default=3, help="runs (N)")
+    p.add_argument("--requests", type=int, default=20, help="requests per run and row (M)")
+    p.add_argument("--short-tokens", type=int, default=130, help="prompt tokens of the short decision")
+    p.add_argument("--long-tokens", type=int, default=2000, help="state tokens of the long decision")
+    p.add_argument(
+        "--max-median-ms",
+        action="append",
+        default=[],
+        metavar="ROW=MS",
+        help="gate: a row's median end-to-end latency at most MS (ROW is its 1-based number); repeatable",
+    )
+    p.set_defaults(handler=run_latency)
+
+
+def measure_latency(
+    client: Client, states: FittedStates, cases: Sequence[LatencyCase], runs: int, requests: int
+) -> list[dict[str, Any]]:
+    """Runs interleave the rows (run 1 of every row, then run 2, ...) so drift hits all rows
+    alike; each row gets one unrecorded warm-up request first."""
+    samples: list[dict[str, list[float]]] = [{"e2e": [], "server": [], "run_medians": []} for _ in cases]
+    tokens: list[int | None] = [None] * len(cases)
+    errors: list[list[dict[str, Any]]] = [[] for _ in cases]
+    for i, case in enumerate(cases):
+        try:
+            result, _ = client.decide(case.body(states.state(case), "warm-up"))
+            tokens[i] = result["input_tokens"]
+        except ServiceCallError as exc:
+            errors[i].append(exc.as_dict())
+    for run in range(runs):
+        for i, case in enumerate(cases):
+            run_e2e = []
+            for k in range(requests):
+                try:
+                    result, elapsed = client.decide(case.body(states.state(case), f"r{run}-{k}"))
+                except ServiceCallError as exc:
+                    errors[i].append(exc.as_dict())
+                    continue
+                run_e2e.append(elapsed)
+                samples[i]["server"].append(float(result["total_seconds"]))
+            samples[i]["e2e"].extend(run_e2e)
+            if run_e2e:
+                samples[i]["run_medians"].append(median(run_e2e))
+        log(f"latency: run {run + 1}/{runs} done")
+    rows = []
+    for i, case in enumerate(cases):
+        e2e, server = samples[i]["e2e"], samples[i]["server"]
+        rows.append(
+            {
+                "row": i + 1,
+                "name": case.name,
+                "orderings": case.orderings,
+                "input_tokens": tokens[i],
+                "requests": len(e2e),
+                "e2e_median_ms": 1000 * median(e2e) if e2e else None,
+                "e2e_p90_ms": 1000 * percentile(e2e, 90) if e2e else None,
+                "server_median_ms": 1000 * median(server) if server else None,
+                "server_p90_ms": 1000 * percentile(server, 90) if server else None,
+                "run_median_ms": [1000 * m for m in samples[i]["run_medians"]],
+                "errors": errors[i],
+            }
+        )
+    return rows
+
+
+def print_latency(rows: list[dict[str, Any]], states: FittedStates, runs: int, requests: int, title: str = "latency") -> None:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    print_table(
+        ["#", "request", "input tok", "e2e median ms", "e2e p90 ms", "server median ms", "server p90 ms"],
+        [[r["row"], r["name"], r["input_tokens"], ms(r["e2e_median_ms"]), ms(r["e2e_p90_ms"]), ms(r["server_median_ms"]), ms(r["server_p90_ms"])] for r in rows],
+        title=f"{title}: {runs} runs x {requests} requests; short prompt ~{states.short_input_tokens} tok, "
+        f"long state ~{states.long_state_tokens} tok",
+    )
+
+
+def parse_budgets(values: list[str], rows: int) -> dict[int, float]:
+    budgets = {}
+    for value in values:
+        row, sep, limit = value.partition("=")
+        if not sep or not row.isdigit() or not 1 <= int(row) <= rows:
+            raise SystemExit(f"error: --max-median-ms {value!r}: expected ROW=MS with ROW in 1..{rows}")
+        budgets[int(row)] = float(limit)
+    return budgets
+
+
+def latency_gates(rows: list[dict[str, Any]], budgets: dict[int, float]) -> list[Gate]:
+    failed = sum(len(r["errors"]) for r in rows)
+    gates = [Gate("answered", failed == 0, f"{sum(r['requests'] for r in rows)} requests timed, {failed} refused")]
+    for row, limit in sorted(budgets.items()):
+        value = rows[row - 1]["e2e_median_ms"]
+        gates.append(Gate(f"row {row} median", value is not None and value <= limit, f"{value if value is None else round(value, 1)} ms (limit {limit:g})"))
+    return gates
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    budgets = parse_budgets(args.max_median_ms, len(LATENCY_CASES))
+    client, service = connect(args)
+    with client:
+        log("latency: fitting the short and long states to the service's tokenizer")
+        states = fit_latency_states(client, args.short_tokens, args.long_tokens)
+        rows = measure_latency(client, states, LATENCY_CASES, args.runs, args.requests)
+    print_latency(rows, states, args.runs, args.requests)
+    summary = {
+        "runs": args.runs,
+        "requests": args.requests,
+        "short_input_tokens": states.short_input_tokens,
+        "long_state_tokens": states.long_state_tokens,
+        "rows": rows,
+    }
+    return finish(Outcome("latency", summary, latency_gates(rows, budgets)), args, service)
