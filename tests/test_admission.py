@@ -20,9 +20,18 @@ AUTH = (b"authorization", f"Bearer {TOKEN}".encode())
 
 def scope(headers=(), path="/decide", method="POST"):
     return {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "headers": [AUTH, *headers], "client": ("127.0.0.1", 1), "server": ("t", 80),
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [AUTH, *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("t", 80),
     }
 
 
@@ -63,7 +72,9 @@ class Exchange:
 
     @property
     def json(self):
-        return json.loads(b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body"))
+        return json.loads(
+            b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
+        )
 
 
 @pytest.fixture
@@ -158,8 +169,11 @@ def test_a_flood_with_cancelled_clients_leaves_no_slot_taken(engine, checkpoint)
     async def go():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+
             async def one(i):
-                return await client.post("/decide", json=decision(id=f"q{i}"), headers={"Authorization": f"Bearer {TOKEN}"})
+                return await client.post(
+                    "/decide", json=decision(id=f"q{i}"), headers={"Authorization": f"Bearer {TOKEN}"}
+                )
 
             tasks = [asyncio.create_task(one(i)) for i in range(24)]
             await asyncio.sleep(0.02)
@@ -197,22 +211,32 @@ def test_clients_that_disconnect_mid_request_over_real_http_release_their_slots(
             # Half a body, then hang up: the slot must come back.
             with socket.create_connection(("127.0.0.1", port)) as sock:
                 sock.sendall(
-                    b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + TOKEN.encode()
-                    + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:20]
+                    b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                    + TOKEN.encode()
+                    + b"\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body[:20]
                 )
                 time.sleep(0.1)
         for _ in range(3):
             # A full body, then hang up before the answer.
             with socket.create_connection(("127.0.0.1", port)) as sock:
                 sock.sendall(
-                    b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + TOKEN.encode()
-                    + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                    b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                    + TOKEN.encode()
+                    + b"\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
                 )
         deadline = time.monotonic() + 10
         while app.admission.in_progress and time.monotonic() < deadline:
             time.sleep(0.05)
         assert app.admission.in_progress == 0
-        ok = httpx.post(f"http://127.0.0.1:{port}/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
+        ok = httpx.post(
+            f"http://127.0.0.1:{port}/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         assert ok.status_code == 200
     finally:
         server.should_exit = True

@@ -58,7 +58,10 @@ def test_health_needs_no_token_and_holds_the_pins_and_limits(client, service):
     assert response.status_code == 200
     body = response.json()
     assert body["ready"] is True and body["status"] == "ok"
-    assert body["semif"] == {"commit": "23cf1f39fc9534fe81437200959b6dfc7106e45a", "prompt_version": "direct-options-v1"}
+    assert body["semif"] == {
+        "commit": "23cf1f39fc9534fe81437200959b6dfc7106e45a",
+        "prompt_version": "direct-options-v1",
+    }
     assert body["model"]["revision"] == service.settings.model_revision
     assert body["model"]["torch_version"] == __import__("torch").__version__
     assert body["model"]["transformers_version"] == __import__("transformers").__version__
@@ -85,6 +88,7 @@ def _set(path, value):
         else:
             target[path[-1]] = value
         return body
+
     return mutate
 
 
@@ -102,14 +106,26 @@ DECIDE_RULES = [
     ("number state", _set(["state"], 12), "state"),
     ("null state", _set(["state"], None), "state"),
     ("one option", _set(["options"], OPTIONS[:1]), "options"),
-    ("seventeen options", _set(["options"], [{"id": str(i), "description": "d"} for i in range(17)]), "options"),
+    (
+        "seventeen options",
+        _set(["options"], [{"id": str(i), "description": "d"} for i in range(17)]),
+        "options",
+    ),
     ("options not a list", _set(["options"], "yes,no"), "options"),
     ("option without id", _set(["options", 0, "id"], KeyError), "options[0].id"),
     ("option with empty id", _set(["options", 1, "id"], ""), "options[1].id"),
     ("option with numeric description", _set(["options", 1, "description"], 3), "options[1].description"),
     ("duplicate option ids", _set(["options"], [OPTIONS[0], dict(OPTIONS[0])]), "options"),
     ("unknown orderings", _set(["orderings"], "reverse"), "orderings"),
-    ("all over five options", lambda b: {**b, "orderings": "all", "options": [{"id": str(i), "description": "d"} for i in range(5)]}, "orderings"),
+    (
+        "all over five options",
+        lambda b: {
+            **b,
+            "orderings": "all",
+            "options": [{"id": str(i), "description": "d"} for i in range(5)],
+        },
+        "orderings",
+    ),
     ("numeric workload", _set(["workload"], 3), "workload"),
 ]
 
@@ -122,7 +138,11 @@ def test_every_decide_rule_is_a_422_naming_the_field(client, name, mutate, field
 
 @pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
 def test_a_state_holding_nan_or_infinity_is_422(client, literal):
-    body = b'{"id":"x","question":"q","options":[{"id":"a","description":"1"},{"id":"b","description":"2"}],"state":{"v":[1,' + literal + b"]}}"
+    body = (
+        b'{"id":"x","question":"q","options":[{"id":"a","description":"1"},{"id":"b","description":"2"}],"state":{"v":[1,'
+        + literal
+        + b"]}}"
+    )
     error = assert_error(client.post("/decide", content=body), 422, "validation_error", "state")
     assert "state.v[1]" in error["message"]
 
@@ -146,7 +166,8 @@ def test_curl_style_form_content_type_is_still_read_as_json(client):
     import json
 
     response = client.post(
-        "/decide", content=json.dumps(decision()).encode(),
+        "/decide",
+        content=json.dumps(decision()).encode(),
         headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
     assert response.status_code == 200
@@ -161,18 +182,27 @@ def test_a_bad_field_inside_a_shared_decision_is_named_by_its_path(client):
     bad = decision(id="b")
     bad["options"][1]["id"] = ""
     body = {"state": "s", "decisions": [decision(id="a"), bad]}
-    assert_error(client.post("/decide/shared", json=body), 422, "validation_error", "decisions[1].options[1].id")
+    assert_error(
+        client.post("/decide/shared", json=body), 422, "validation_error", "decisions[1].options[1].id"
+    )
 
 
 def test_an_empty_decision_list_is_422(client):
-    assert_error(client.post("/decide/shared", json={"state": "s", "decisions": []}), 422, "validation_error", "decisions")
+    assert_error(
+        client.post("/decide/shared", json={"state": "s", "decisions": []}),
+        422,
+        "validation_error",
+        "decisions",
+    )
 
 
 def test_rows_over_the_cap_are_422_too_many_rows(client, service):
     n = service.settings.max_rows + 1
     body = {"state": "s", "decisions": [decision(id=f"d{i}") for i in range(n)]}
     assert_error(client.post("/decide/shared", json=body), 422, "too_many_rows", "decisions")
-    rotations = decision(orderings="rotations", options=[{"id": str(i), "description": "d"} for i in range(16)])
+    rotations = decision(
+        orderings="rotations", options=[{"id": str(i), "description": "d"} for i in range(16)]
+    )
     body = {"state": "s", "decisions": [{**rotations, "id": f"r{i}"} for i in range(5)]}
     assert_error(client.post("/decide/shared", json=body), 422, "too_many_rows", "decisions")
 
@@ -185,7 +215,9 @@ def test_a_prompt_over_the_token_limit_is_422_and_never_truncated(client):
 
 
 def test_an_unknown_workload_is_422_naming_the_known_ones(client):
-    error = assert_error(client.post("/decide", json=decision(workload="nope")), 422, "unknown_workload", "workload")
+    error = assert_error(
+        client.post("/decide", json=decision(workload="nope")), 422, "unknown_workload", "workload"
+    )
     assert "known workloads" in error["message"]
 
 
@@ -198,8 +230,18 @@ def test_unknown_routes_and_wrong_methods_get_the_envelope(client):
 # -- results -----------------------------------------------------------------------------------
 
 SEMIF_KEYS = [
-    "id", "option_ids", "probabilities", "option_logits", "input_tokens", "forward_seconds",
-    "total_seconds", "prompt_sha256", "prompt_version", "model", "readout", "probability_status",
+    "id",
+    "option_ids",
+    "probabilities",
+    "option_logits",
+    "input_tokens",
+    "forward_seconds",
+    "total_seconds",
+    "prompt_sha256",
+    "prompt_version",
+    "model",
+    "readout",
+    "probability_status",
 ]
 
 
@@ -208,19 +250,38 @@ def test_a_decision_returns_semifs_result_dict_in_upstreams_key_order(client):
     assert list(body) == SEMIF_KEYS
     assert body["option_ids"] == ["yes", "no"]
     assert sum(body["probabilities"]) == pytest.approx(1.0, abs=1e-6)
-    assert list(body["model"])[:6] == ["source", "revision", "dtype", "device", "torch_version", "transformers_version"]
-    assert body["readout"] == "native full-vocabulary last-position logits restricted to declared answer slots"
+    assert list(body["model"])[:6] == [
+        "source",
+        "revision",
+        "dtype",
+        "device",
+        "torch_version",
+        "transformers_version",
+    ]
+    assert (
+        body["readout"] == "native full-vocabulary last-position logits restricted to declared answer slots"
+    )
     assert body["probability_status"] == "conditional option score; uncalibrated as decision confidence"
 
 
 def test_shared_results_come_back_in_request_order_with_the_timing_block(client):
     ids = ["zeta", "alpha", "mid", "beta"]
-    body = {"state": {"zones": ["a", "b"]}, "decisions": [decision(id=i, question=f"Is {i} fine?") for i in ids]}
+    body = {
+        "state": {"zones": ["a", "b"]},
+        "decisions": [decision(id=i, question=f"Is {i} fine?") for i in ids],
+    }
     reply = client.post("/decide/shared", json=body).json()
     assert [r["id"] for r in reply["results"]] == ids
     assert reply["timing"]["batch_size"] == 4
-    assert set(reply["timing"]) >= {"prefix_tokens", "prefill_seconds", "replicate_seconds", "suffix_forward_seconds",
-                                    "batch_size", "true_suffix_tokens", "padded_suffix_tokens"}
+    assert set(reply["timing"]) >= {
+        "prefix_tokens",
+        "prefill_seconds",
+        "replicate_seconds",
+        "suffix_forward_seconds",
+        "batch_size",
+        "true_suffix_tokens",
+        "padded_suffix_tokens",
+    }
     for result in reply["results"]:
         assert list(result) == SEMIF_KEYS
         assert result["model"]["serving_config"] == "native-state-prefix-parallel-v1"
@@ -234,9 +295,9 @@ def test_a_concurrent_burst_is_answered_correctly(client):
     async def burst():
         transport = httpx.ASGITransport(app=client.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return await asyncio.gather(*[
-                c.post("/decide", json=b, headers={"Authorization": f"Bearer {TOKEN}"}) for b in bodies
-            ])
+            return await asyncio.gather(
+                *[c.post("/decide", json=b, headers={"Authorization": f"Bearer {TOKEN}"}) for b in bodies]
+            )
 
     answers = asyncio.run(burst())
     for seq, answer in zip(sequential, answers, strict=True):

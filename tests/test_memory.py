@@ -112,8 +112,12 @@ def test_every_engine_failure_releases_but_a_refused_request_does_not():
 
 @pytest.mark.parametrize(
     "exc",
-    [cuda_oom(""), cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB"),
-     RuntimeError("CUDA error: out of memory"), MemoryError()],
+    [
+        cuda_oom(""),
+        cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: out of memory"),
+        MemoryError(),
+    ],
     ids=["empty-oom", "oom", "runtime-error", "host"],
 )
 def test_every_kind_of_out_of_memory_maps_to_503(exc):
@@ -207,14 +211,14 @@ def test_a_shared_request_over_the_memory_budget_is_split_and_equals_the_unsplit
 ):
     body = {
         "state": {"report": "Deployment finished; two of three zones are healthy."},
-        "decisions": [
-            decision(id=f"d{i}", question=f"Question {i}: is zone {i} healthy?") for i in range(5)
-        ],
+        "decisions": [decision(id=f"d{i}", question=f"Question {i}: is zone {i} healthy?") for i in range(5)],
     }
     unsplit = post(create_app(service), "/decide/shared", body).json()
     assert unsplit["timing"]["forward_batches"] == 1
 
-    probe = service.engine.codec.encode_prompt(body["state"], "Question 0: is zone 0 healthy?", ("a", "b"), "x")
+    probe = service.engine.codec.encode_prompt(
+        body["state"], "Question 0: is zone 0 healthy?", ("a", "b"), "x"
+    )
     prefix = len(service.engine.codec.state_prefix(body["state"], probe))
     width = len(probe.ids) - prefix + 8
     estimate = service.engine.estimate

@@ -36,14 +36,23 @@ def test_a_decision_moves_the_request_row_and_forward_counters(client):
     before = client.get("/metrics").text
     assert client.post("/decide", json=decision(orderings="rotations")).status_code == 200
     after = client.get("/metrics").text
-    assert metric(after, "semif_requests_total", route="/decide", status="200") == metric(
-        before, "semif_requests_total", route="/decide", status="200") + 1
+    assert (
+        metric(after, "semif_requests_total", route="/decide", status="200")
+        == metric(before, "semif_requests_total", route="/decide", status="200") + 1
+    )
     assert metric(after, "semif_rows_scored_total") == metric(before, "semif_rows_scored_total") + 2
     assert metric(after, "semif_forward_seconds_count") == metric(before, "semif_forward_seconds_count") + 1
     assert metric(after, "semif_prefix_tokens_count") == metric(before, "semif_prefix_tokens_count") + 1
-    for name in ("semif_requests_in_progress", "semif_queue_depth", "semif_busy_rejections_total",
-                 "semif_out_of_memory_total", "semif_memory_reserved_bytes",
-                 "semif_memory_baseline_bytes", "semif_memory_releases_total", "semif_request_seconds_count"):
+    for name in (
+        "semif_requests_in_progress",
+        "semif_queue_depth",
+        "semif_busy_rejections_total",
+        "semif_out_of_memory_total",
+        "semif_memory_reserved_bytes",
+        "semif_memory_baseline_bytes",
+        "semif_memory_releases_total",
+        "semif_request_seconds_count",
+    ):
         assert name in after
 
 
@@ -51,8 +60,10 @@ def test_a_refused_request_is_counted_under_its_status(client):
     before = client.get("/metrics").text
     assert client.post("/decide", auth=False, json=decision()).status_code == 401
     after = client.get("/metrics").text
-    assert metric(after, "semif_requests_total", route="/decide", status="401") == metric(
-        before, "semif_requests_total", route="/decide", status="401") + 1
+    assert (
+        metric(after, "semif_requests_total", route="/decide", status="401")
+        == metric(before, "semif_requests_total", route="/decide", status="401") + 1
+    )
 
 
 def test_metrics_can_be_put_behind_the_token(engine, checkpoint):
@@ -90,9 +101,15 @@ def test_every_request_logs_one_json_line_without_the_state_or_the_token(client)
     logger.setLevel(logging.INFO)
     secret_state = "Zone 7 secret migration notes"
     try:
-        client.post("/decide", json=decision(state=secret_state, workload=None), headers={"X-Request-ID": "log-1"})
-        client.post("/decide", auth=False, json=decision(state=secret_state),
-                    headers={"Authorization": "Bearer wrong-" + TOKEN, "X-Request-ID": "log-2"})
+        client.post(
+            "/decide", json=decision(state=secret_state, workload=None), headers={"X-Request-ID": "log-1"}
+        )
+        client.post(
+            "/decide",
+            auth=False,
+            json=decision(state=secret_state),
+            headers={"Authorization": "Bearer wrong-" + TOKEN, "X-Request-ID": "log-2"},
+        )
     finally:
         logger.removeHandler(handler)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
@@ -125,8 +142,10 @@ def test_sigterm_drains_finishes_the_request_in_flight_and_exits(checkpoint, tmp
         "SEMIF_SHUTDOWN_GRACE_SECONDS": "20",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "semif_serve.cli"], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "semif_serve.cli"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -142,8 +161,12 @@ def test_sigterm_drains_finishes_the_request_in_flight_and_exits(checkpoint, tmp
         body = json.dumps(decision()).encode()
         in_flight = socket.create_connection(("127.0.0.1", port))
         in_flight.sendall(
-            b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + TOKEN.encode()
-            + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:10]
+            b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+            + TOKEN.encode()
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body[:10]
         )
         time.sleep(0.3)
         process.send_signal(signal.SIGTERM)

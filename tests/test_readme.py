@@ -49,7 +49,10 @@ def test_the_readme_curl_examples_work_against_the_demo_service(service):
         script = re.sub(r"^T=.*$", f"T={TOKEN}", script, flags=re.M)
         out = subprocess.run(
             ["bash", "-c", 'curl() { command curl "$@"; echo; }\n' + script],
-            capture_output=True, text=True, timeout=60, check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         ).stdout
         replies = [json.loads(line) for line in out.splitlines() if line.strip()]
         assert len(replies) == block.count("curl ")

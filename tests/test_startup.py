@@ -29,7 +29,8 @@ def clean_env(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "variable", ["SEMIF_MAX_ROWS", "SEMIF_MAX_INPUT_TOKENS", "SEMIF_MAX_QUEUE", "SEMIF_MAX_BODY_BYTES", "SEMIF_PORT"]
+    "variable",
+    ["SEMIF_MAX_ROWS", "SEMIF_MAX_INPUT_TOKENS", "SEMIF_MAX_QUEUE", "SEMIF_MAX_BODY_BYTES", "SEMIF_PORT"],
 )
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_every_limit_below_one_is_refused_naming_the_variable(clean_env, variable, value):
@@ -98,14 +99,21 @@ def run_cli(args, env_overrides, timeout=120):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEMIF_")}
     env.update(env_overrides)
     return subprocess.run(
-        [sys.executable, "-m", "semif_serve.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "semif_serve.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def base_env(checkpoint) -> dict[str, str]:
     return {
-        "SEMIF_MODEL_PATH": str(checkpoint), "SEMIF_MODEL_REVISION": "demo-random-weights-v1",
-        "SEMIF_DEVICE": "cpu", "SEMIF_API_TOKEN": TOKEN, "SEMIF_PORT": "1",
+        "SEMIF_MODEL_PATH": str(checkpoint),
+        "SEMIF_MODEL_REVISION": "demo-random-weights-v1",
+        "SEMIF_DEVICE": "cpu",
+        "SEMIF_API_TOKEN": TOKEN,
+        "SEMIF_PORT": "1",
     }
 
 

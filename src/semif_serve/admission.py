@@ -66,7 +66,11 @@ class Admission:
             return
         request_id = scope.get("state", {}).get("request_id")
         if self.draining:
-            await send_error(send, ServiceError(503, "draining", "the service is shutting down", headers={"Retry-After": "5"}), request_id)
+            await send_error(
+                send,
+                ServiceError(503, "draining", "the service is shutting down", headers={"Retry-After": "5"}),
+                request_id,
+            )
             return
         if self.in_progress >= self.max_queue:
             self.refused += 1
@@ -84,7 +88,12 @@ class Admission:
             if not ASCII_DIGITS.fullmatch(declared):
                 await send_error(
                     send,
-                    ServiceError(400, "invalid_content_length", "Content-Length must be plain ASCII digits", "Content-Length"),
+                    ServiceError(
+                        400,
+                        "invalid_content_length",
+                        "Content-Length must be plain ASCII digits",
+                        "Content-Length",
+                    ),
                     request_id,
                 )
                 return

@@ -90,9 +90,7 @@ class Service:
         """`POST /decide`: one decision; orderings run as one shared batch."""
         decision = parse_body(Decision, body)
         planned, rows = plan_rows([decision], [""], self.settings.max_rows, self.calibration)
-        batch = await self.worker.run(
-            lambda: self.engine.score(decision.state, rows, shared=len(rows) > 1)
-        )
+        batch = await self.worker.run(lambda: self.engine.score(decision.state, rows, shared=len(rows) > 1))
         record.update(request_record([decision.workload], batch))
         result = build_result(planned[0], batch, self.engine.model_info, self.calibration)
         if batch.shared:
@@ -199,8 +197,16 @@ def create_app(service: Service) -> RequestContext:
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = HTTP_CODES.get(exc.status_code, "http_error")
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        error = ServiceError(exc.status_code, code, message.get(exc.status_code, str(exc.detail)), headers=dict(exc.headers or {}))
+        message = {
+            404: f"no route {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }
+        error = ServiceError(
+            exc.status_code,
+            code,
+            message.get(exc.status_code, str(exc.detail)),
+            headers=dict(exc.headers or {}),
+        )
         return error_response(error, request)
 
     async def answer(

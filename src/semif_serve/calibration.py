@@ -360,8 +360,7 @@ def _join(args: argparse.Namespace) -> tuple[list[Row], list[Any], int, int]:
         logits, option_ids, p_line = preds[key]
         if gold_id not in option_ids:
             raise _InputError(
-                f"{args.predictions} line {p_line}: gold option {json.dumps(gold_id)} "
-                "is not among option_ids"
+                f"{args.predictions} line {p_line}: gold option {json.dumps(gold_id)} is not among option_ids"
             )
         rows.append((logits, option_ids.index(gold_id)))
         groups.append(group)
@@ -378,9 +377,7 @@ def run_calibrate(argv: list[str]) -> int:
     try:
         rows, groups, no_pred, no_gold = _join(args)
         if not rows:
-            raise _InputError(
-                f"no gold row joins a prediction by id ({args.gold}, {args.predictions})"
-            )
+            raise _InputError(f"no gold row joins a prediction by id ({args.gold}, {args.predictions})")
     except _InputError as exc:
         print(f"semif-serve calibrate: error: {exc}", file=sys.stderr)
         return 2

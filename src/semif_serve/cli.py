@@ -83,7 +83,12 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
 
     log.info(
         "serving",
-        extra={"host": settings.host, "port": settings.port, "device": settings.device, "demo": settings.demo},
+        extra={
+            "host": settings.host,
+            "port": settings.port,
+            "device": settings.device,
+            "demo": settings.demo,
+        },
     )
     run_server(create_app(service), settings.host, settings.port, settings.shutdown_grace_seconds)
     service.worker.shutdown()

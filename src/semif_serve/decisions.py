@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .calibration import CalibrationTable, calibrated_probabilities
-from .engine import SHARED_READOUT, SHARED_SERVING_CONFIG, DIRECT_READOUT, BatchScore, Row, RowScore
+from .engine import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG, BatchScore, Row, RowScore
 from .errors import invalid
 from .orderings import combine, mean_option_logits, option_orders
 from .prompt import PROMPT_VERSION
@@ -78,7 +78,11 @@ def semif_result(
 
 
 def _calibrated(
-    calibration: CalibrationTable, workload: str, mode: str, logits: Sequence[float], option_ids: list[str] | None
+    calibration: CalibrationTable,
+    workload: str,
+    mode: str,
+    logits: Sequence[float],
+    option_ids: list[str] | None,
 ) -> dict[str, Any]:
     temperature = calibration.temperature(workload, mode)
     probs = calibrated_probabilities(logits, temperature.value)

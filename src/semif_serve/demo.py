@@ -188,8 +188,13 @@ def write_checkpoint(
     torch.manual_seed(seed)
     if multimodal:
         vision = dict(
-            depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-            out_hidden_size=shape.hidden_size, patch_size=4, spatial_merge_size=2,
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=shape.hidden_size,
+            patch_size=4,
+            spatial_merge_size=2,
             temporal_patch_size=2,
         )
         config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)

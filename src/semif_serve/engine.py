@@ -171,7 +171,9 @@ class TorchEngine:
 
     # -- scoring -------------------------------------------------------------------------
 
-    def score(self, state: Any, rows: Sequence[Row], shared: bool, rows_per_forward: int | None = None) -> BatchScore:
+    def score(
+        self, state: Any, rows: Sequence[Row], shared: bool, rows_per_forward: int | None = None
+    ) -> BatchScore:
         """Score rows over one state. `shared=False` with one row runs SemIf's plain forward;
         otherwise the state prefix is prefilled once and the rows run in padded batches of at
         most `rows_per_forward` (all in one when None)."""
@@ -188,7 +190,9 @@ class TorchEngine:
             if rows_per_forward is None:
                 rows_per_forward = self._rows_that_fit(len(prefix), [p.ids for p in prompts], rows)
             per_row, timing = self._shared(prefix, [p.ids for p in prompts], rows, rows_per_forward)
-            forward_seconds = timing["prefill_seconds"] + timing["replicate_seconds"] + timing["suffix_forward_seconds"]
+            forward_seconds = (
+                timing["prefill_seconds"] + timing["replicate_seconds"] + timing["suffix_forward_seconds"]
+            )
         total = time.perf_counter() - started
         scores = [
             RowScore(logits, probs, len(p.ids), p.sha256)
@@ -269,7 +273,9 @@ class TorchEngine:
                     batch_cache.reorder_cache(torch.zeros(len(chunk), dtype=torch.long, device=self.device))
                 self.memory.synchronize()
                 t2 = time.perf_counter()
-                results.extend(self._suffix_forward(batch_cache, n_prefix, chunk, rows[start : start + step], timing))
+                results.extend(
+                    self._suffix_forward(batch_cache, n_prefix, chunk, rows[start : start + step], timing)
+                )
                 del batch_cache
                 self.memory.synchronize()
                 timing["replicate_seconds"] += t2 - t1
@@ -278,7 +284,9 @@ class TorchEngine:
             del cache
         return results, timing
 
-    def _suffix_forward(self, cache, n_prefix: int, chunk: list[list[int]], rows: Sequence[Row], timing: dict) -> list[tuple[list[float], list[float]]]:
+    def _suffix_forward(
+        self, cache, n_prefix: int, chunk: list[list[int]], rows: Sequence[Row], timing: dict
+    ) -> list[tuple[list[float], list[float]]]:
         torch = self.torch
         suffixes = [ids[n_prefix:] for ids in chunk]
         lengths = [len(s) for s in suffixes]

@@ -54,8 +54,7 @@ class CudaMemory:
         cap = int(self.cap_gib * GIB)
         if cap > total:
             raise ConfigurationError(
-                f"SEMIF_VRAM_CAP_GIB: {self.cap_gib} GiB is more than the card's "
-                f"{total / GIB:.2f} GiB"
+                f"SEMIF_VRAM_CAP_GIB: {self.cap_gib} GiB is more than the card's {total / GIB:.2f} GiB"
             )
         fraction = cap / total
         self._cuda.set_per_process_memory_fraction(fraction, 0)
@@ -145,7 +144,9 @@ class MemoryEstimate:
     SAFETY = 1.25
 
     def __init__(self, config, element_bytes: int) -> None:
-        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        layer_types = list(
+            getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        )
         n_full = layer_types.count("full_attention")
         n_linear = len(layer_types) - n_full
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -158,7 +159,9 @@ class MemoryEstimate:
         recurrent = v_heads * getattr(config, "linear_key_head_dim", 0) * v_dim * 4  # float32 state
         self.state_per_row = n_linear * (conv_dim * kernel * element_bytes + recurrent)
         # One layer's working set per token: residual stream, MLP and linear-attention projections.
-        self.act_per_token = element_bytes * (4 * config.hidden_size + 3 * config.intermediate_size + 2 * conv_dim)
+        self.act_per_token = element_bytes * (
+            4 * config.hidden_size + 3 * config.intermediate_size + 2 * conv_dim
+        )
         self.logits_per_position = config.vocab_size * (element_bytes + 4)
 
     def row_bytes(self, prefix_tokens: int, width: int, kept_positions: int) -> int:

@@ -40,14 +40,38 @@ class ServiceCollector:
 
     def collect(self):
         policy = self.service.worker.policy
-        yield GaugeMetricFamily("semif_requests_in_progress", "POST requests admitted and not finished", value=self.admission.in_progress)
-        yield GaugeMetricFamily("semif_queue_depth", "engine jobs waiting or running", value=self.service.worker.pending)
-        yield GaugeMetricFamily("semif_ready", "1 when the engine is warm and not draining", value=float(self.service.ready and not self.admission.draining))
-        yield CounterMetricFamily("semif_busy_rejections", "POSTs refused with 429 busy", value=self.admission.refused)
-        yield CounterMetricFamily("semif_out_of_memory", "requests that ran out of device memory", value=self.service.worker.out_of_memory_events)
-        yield CounterMetricFamily("semif_memory_releases", "times cached device memory was released", value=policy.releases)
-        yield GaugeMetricFamily("semif_memory_reserved_bytes", "memory reserved by the allocator", value=policy.memory.reserved_bytes())
-        yield GaugeMetricFamily("semif_memory_baseline_bytes", "reserved memory after warm-up", value=policy.baseline_bytes or 0)
+        yield GaugeMetricFamily(
+            "semif_requests_in_progress",
+            "POST requests admitted and not finished",
+            value=self.admission.in_progress,
+        )
+        yield GaugeMetricFamily(
+            "semif_queue_depth", "engine jobs waiting or running", value=self.service.worker.pending
+        )
+        yield GaugeMetricFamily(
+            "semif_ready",
+            "1 when the engine is warm and not draining",
+            value=float(self.service.ready and not self.admission.draining),
+        )
+        yield CounterMetricFamily(
+            "semif_busy_rejections", "POSTs refused with 429 busy", value=self.admission.refused
+        )
+        yield CounterMetricFamily(
+            "semif_out_of_memory",
+            "requests that ran out of device memory",
+            value=self.service.worker.out_of_memory_events,
+        )
+        yield CounterMetricFamily(
+            "semif_memory_releases", "times cached device memory was released", value=policy.releases
+        )
+        yield GaugeMetricFamily(
+            "semif_memory_reserved_bytes",
+            "memory reserved by the allocator",
+            value=policy.memory.reserved_bytes(),
+        )
+        yield GaugeMetricFamily(
+            "semif_memory_baseline_bytes", "reserved memory after warm-up", value=policy.baseline_bytes or 0
+        )
 
 
 class Metrics:
@@ -55,11 +79,31 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("semif_requests", "requests by route and status", ["route", "status"], registry=self.registry)
-        self.rows = Counter("semif_rows_scored", "rows (decisions x orderings) scored", registry=self.registry)
-        self.seconds = Histogram("semif_request_seconds", "end-to-end seconds by route", ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.forward = Histogram("semif_forward_seconds", "engine forward seconds per request", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.prefix = Histogram("semif_prefix_tokens", "shared state prefix tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "semif_requests", "requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.rows = Counter(
+            "semif_rows_scored", "rows (decisions x orderings) scored", registry=self.registry
+        )
+        self.seconds = Histogram(
+            "semif_request_seconds",
+            "end-to-end seconds by route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.forward = Histogram(
+            "semif_forward_seconds",
+            "engine forward seconds per request",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefix = Histogram(
+            "semif_prefix_tokens",
+            "shared state prefix tokens per request",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
 
     def watch(self, service: Service, admission: Admission) -> None:
         self.registry.register(ServiceCollector(service, admission))

@@ -40,9 +40,7 @@ class EncodedPrompt:
 def user_message(state: Any, question: str, descriptions: Sequence[str]) -> str:
     """The user turn: evidence, criterion and lettered options; option ids are never shown."""
     options = [{"letter": LETTERS[i], "description": d} for i, d in enumerate(descriptions)]
-    return json.dumps(
-        {"evidence": state, "criterion": question, "options": options}, ensure_ascii=False
-    )
+    return json.dumps({"evidence": state, "criterion": question, "options": options}, ensure_ascii=False)
 
 
 def evidence_opening(state: Any) -> str:
@@ -61,8 +59,7 @@ def answer_slots(tokenizer) -> list[int]:
             )
         if tokenizer.decode(ids) != letter:
             raise TokenizerContractError(
-                f"answer letter {letter!r} does not decode back to itself "
-                f"(got {tokenizer.decode(ids)!r})"
+                f"answer letter {letter!r} does not decode back to itself (got {tokenizer.decode(ids)!r})"
             )
         if ids[0] in slots:
             raise TokenizerContractError(

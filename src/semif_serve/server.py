@@ -47,7 +47,11 @@ class DrainingServer(uvicorn.Server):
 def run_server(app, host: str, port: int, grace_seconds: float) -> None:
     """Serve `app` (from create_app) until drained."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False,
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
         timeout_graceful_shutdown=max(1, int(grace_seconds)),
     )
     DrainingServer(config, app.admission, grace_seconds).run()
