@@ -306,3 +306,28 @@ def test_a_concurrent_burst_is_answered_correctly(client):
         assert got["id"] == seq["id"]
         assert got["prompt_sha256"] == seq["prompt_sha256"]
         assert got["option_logits"] == pytest.approx(seq["option_logits"], abs=1e-5)
+
+
+def test_health_answers_while_the_engine_thread_is_busy(client, service):
+    import threading
+
+    gate = threading.Event()
+
+    async def go():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            busy = asyncio.create_task(service.worker.run(lambda: gate.wait(10)))
+            await asyncio.sleep(0.05)
+            queued = asyncio.create_task(
+                c.post("/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
+            )
+            await asyncio.sleep(0.05)
+            health = await asyncio.wait_for(c.get("/health"), timeout=5)
+            gate.set()
+            await busy
+            return health, await queued
+
+    health, queued = asyncio.run(go())
+    assert health.status_code == 200
+    assert health.json()["queue"]["engine_pending"] == 2
+    assert queued.status_code == 200
