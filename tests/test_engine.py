@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_settings
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from conftest import make_settings
 from semif_serve.app import Service
 from semif_serve.demo import write_checkpoint
 from semif_serve.engine import CheckpointError, Row, TorchEngine
@@ -49,8 +49,16 @@ UNUSABLE_PREFIX_STATE = "It failed."
 
 
 def descriptions(n: int, tag: str) -> tuple[str, ...]:
-    words = ["It succeeded.", "It failed.", "Unclear.", "Yes.", "No.", "A refund request.",
-             "A password reset.", "The billing queue."]
+    words = [
+        "It succeeded.",
+        "It failed.",
+        "Unclear.",
+        "Yes.",
+        "No.",
+        "A refund request.",
+        "A password reset.",
+        "The billing queue.",
+    ]
     return tuple(f"{words[i % len(words)]} ({tag} {i})" for i in range(n))
 
 
@@ -59,8 +67,11 @@ def question_rows() -> list[Row]:
     return [
         Row("Did the deployment succeed?", descriptions(2, "a"), "decisions[0]"),
         Row("Which queue handles this ticket?", descriptions(3, "b"), "decisions[1]"),
-        Row("Is the customer asking for a refund, and how sure is the evidence about it?",
-            descriptions(5, "c"), "decisions[2]"),
+        Row(
+            "Is the customer asking for a refund, and how sure is the evidence about it?",
+            descriptions(5, "c"),
+            "decisions[2]",
+        ),
         Row("Which option?", descriptions(9, "d"), "decisions[3]"),
         Row("Pick the best of sixteen listed options.", descriptions(16, "e"), "decisions[4]"),
     ]
@@ -151,7 +162,9 @@ def test_the_prompt_text_is_the_chat_template_of_the_system_and_user_turns(engin
     prompt = engine.codec.encode_prompt(state, question, descs, "state")
     assert prompt.text == text
     assert prompt.ids == tokenizer.encode(text, add_special_tokens=False)
-    assert '{"evidence": {"a": "b"}, "criterion": "Q?", "options": [{"letter": "A", "description": "x"}' in text
+    assert (
+        '{"evidence": {"a": "b"}, "criterion": "Q?", "options": [{"letter": "A", "description": "x"}' in text
+    )
     assert text.endswith("<think>\n\n</think>\n\n")
 
 
@@ -173,7 +186,9 @@ def test_shared_rows_equal_a_direct_read_of_each_row(engine, state) -> None:
         assert got.prompt_sha256 == want.prompt_sha256
 
     timing = shared.timing
-    prefix = engine.codec.state_prefix(state, engine.codec.encode_prompt(state, rows[0].question, rows[0].descriptions, "x"))
+    prefix = engine.codec.state_prefix(
+        state, engine.codec.encode_prompt(state, rows[0].question, rows[0].descriptions, "x")
+    )
     suffixes = [r.input_tokens - len(prefix) for r in shared.rows]
     assert timing["prefix_tokens"] == len(prefix) > 0
     assert timing["batch_size"] == len(rows)
@@ -196,7 +211,9 @@ def test_the_long_state_is_about_six_hundred_tokens(engine) -> None:
 
 @pytest.mark.parametrize("state", [STATES["long_string"], STATES["nested_object"]], ids=["long", "nested"])
 @pytest.mark.parametrize("per_forward, batches", [(1, 5), (2, 3), (4, 2), (5, 1)])
-def test_sub_batches_give_the_numbers_of_one_batch_and_are_counted(engine, state, per_forward, batches) -> None:
+def test_sub_batches_give_the_numbers_of_one_batch_and_are_counted(
+    engine, state, per_forward, batches
+) -> None:
     rows = question_rows()
     whole = engine.score(state, rows, shared=True)
     split = engine.score(state, rows, shared=True, rows_per_forward=per_forward)
@@ -301,7 +318,9 @@ def test_the_engine_refuses_an_over_limit_row_on_both_paths_naming_its_field(sma
         with pytest.raises(ServiceError) as caught:
             small_limit_engine.score("ok", rows, shared=shared)
         assert (caught.value.status, caught.value.code, caught.value.field) == (
-            422, "too_many_tokens", "decisions[1]"
+            422,
+            "too_many_tokens",
+            "decisions[1]",
         )
 
 
@@ -389,7 +408,9 @@ def test_a_service_whose_tokenizer_breaks_the_answer_boundary_fails_to_start(bou
     assert caught.value.code == "answer_boundary"
 
 
-def test_the_loader_refuses_a_checkpoint_whose_tokenizer_breaks_the_answer_slots(checkpoint, tmp_path) -> None:
+def test_the_loader_refuses_a_checkpoint_whose_tokenizer_breaks_the_answer_slots(
+    checkpoint, tmp_path
+) -> None:
     broken = edited_copy(checkpoint, tmp_path / "ckpt", lowercase)
     with pytest.raises(TokenizerContractError, match="answer letter 'A' does not decode back to itself"):
         TorchEngine.load(make_settings(broken))
@@ -447,7 +468,9 @@ def test_a_non_qwen35_architecture_is_refused_unless_allowed(checkpoint, tmp_pat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_device_cuda_without_a_gpu_is_a_configuration_error_before_any_weights_load(checkpoint, tmp_path) -> None:
+def test_device_cuda_without_a_gpu_is_a_configuration_error_before_any_weights_load(
+    checkpoint, tmp_path
+) -> None:
     target = tmp_path / "ckpt"
     shutil.copytree(checkpoint, target)
     (target / "model.safetensors").write_bytes(b"not weights")  # loading these would fail differently
@@ -475,7 +498,9 @@ def multimodal(tmp_path_factory):
     return directory, TorchEngine.load(make_settings(directory))
 
 
-def test_a_multimodal_checkpoint_loads_its_text_model_and_counts_the_skipped_vision_tensors(multimodal) -> None:
+def test_a_multimodal_checkpoint_loads_its_text_model_and_counts_the_skipped_vision_tensors(
+    multimodal,
+) -> None:
     directory, engine = multimodal
     with safe_open(str(directory / "model.safetensors"), "pt") as fh:
         names = list(fh.keys())
@@ -490,7 +515,11 @@ def test_a_multimodal_checkpoints_option_logits_equal_its_own_text_only_forward(
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     full = Qwen3_5ForConditionalGeneration.from_pretrained(str(directory), dtype=torch.float32)
     full.eval()
-    state, question, descs = {"zones": 3, "health": "passed"}, "Did the deployment succeed?", descriptions(4, "mm")
+    state, question, descs = (
+        {"zones": 3, "health": "passed"},
+        "Did the deployment succeed?",
+        descriptions(4, "mm"),
+    )
     text = render(tokenizer, state, question, descs)
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = plain_option_logits(full, tokenizer, ids, len(descs))

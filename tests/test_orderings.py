@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import TOKEN, decision, make_settings
+
 from semif_serve.app import Service, create_app
 from semif_serve.demo import write_checkpoint
 from semif_serve.engine import Row
@@ -296,13 +296,19 @@ def test_a_single_read_is_calibrated_with_the_workloads_single_temperature(
     result = post(calibrated_service, "/decide", body).json()
     block = result["calibrated"]
     expected = softmax_by_hand(result["option_logits"], temperature)
-    assert (block["workload"], block["temperature"], block["temperature_mode"]) == (workload, temperature, "single")
+    assert (block["workload"], block["temperature"], block["temperature_mode"]) == (
+        workload,
+        temperature,
+        "single",
+    )
     assert_close(block["probabilities"], expected, 1e-9)
     assert argmax(block["probabilities"]) == argmax(result["probabilities"])
     assert_close(result["probabilities"], softmax_by_hand(result["option_logits"]), 1e-6)  # native untouched
 
 
-def test_rotations_are_calibrated_with_the_rotations_temperature_on_the_mean_logits(calibrated_service) -> None:
+def test_rotations_are_calibrated_with_the_rotations_temperature_on_the_mean_logits(
+    calibrated_service,
+) -> None:
     body = decision(state=STATE, options=THREE, workload="w", orderings="rotations")
     result = post(calibrated_service, "/decide", body).json()
     block = result["combined"]["calibrated"]

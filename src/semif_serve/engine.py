@@ -9,7 +9,6 @@ right-padded forward and read each row at its last real position.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -91,6 +90,7 @@ class TorchEngine:
         self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
         # Bytes between the warm baseline and the cap; None where the device has no cap.
         self.headroom_bytes: int | None = None
+        self.skipped_tensors = 0
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.model_info = {
@@ -334,12 +334,3 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-def read_demo_marker(directory: Path) -> dict | None:
-    """The demo checkpoint's marker file, if this is one."""
-    path = directory / "DEMO.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-__all__ = ["TorchEngine", "Row", "RowScore", "BatchScore", "CheckpointError", "ServiceError"]
