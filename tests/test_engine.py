@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import shutil
 from pathlib import Path
@@ -263,23 +262,39 @@ def test_every_prompt_over_a_state_starts_with_its_state_prefix(engine, referenc
         assert codec.state_prefix(state, prompt) == prefix  # the same whichever question cut it
 
 
-def test_a_state_whose_prefix_does_not_tokenise_as_a_prefix_falls_back_to_full_prompts(
-    engine, caplog
+def test_a_state_whose_prefix_does_not_tokenise_as_a_prefix_is_cut_back_to_what_every_prompt_shares(
+    engine,
 ) -> None:
     state, rows = UNUSABLE_PREFIX_STATE, question_rows()[:3]
-    prompt = engine.codec.encode_prompt(state, rows[0].question, rows[0].descriptions, "state")
-    prefix = engine.codec.state_prefix(state, prompt)
-    assert prompt.ids[: len(prefix)] != prefix  # the precondition: this prefix cannot be used
+    prompts = [engine.codec.encode_prompt(state, r.question, r.descriptions, "state") for r in rows]
+    prefix = engine.codec.state_prefix(state, prompts[0])
+    assert prompts[0].ids[: len(prefix)] != prefix  # the precondition: this prefix cannot be used
 
-    with caplog.at_level(logging.WARNING, logger="semif_serve.engine"):
-        shared = engine.score(state, rows, shared=True)
-    assert "state prefix" in caplog.text
-    assert shared.timing["prefix_tokens"] == 0
-    assert shared.timing["prefill_seconds"] == 0
-    assert shared.timing["true_suffix_tokens"] == sum(r.input_tokens for r in shared.rows)
+    shared = engine.score(state, rows, shared=True)
+    used = shared.timing["prefix_tokens"]
+    assert 0 < used < len(prefix)
+    for prompt in prompts:
+        assert prompt.ids[:used] == prefix[:used]
+    # The longest such cut: one more token and some prompt no longer starts with it.
+    assert any(p.ids[: used + 1] != prefix[: used + 1] for p in prompts)
     for got, row in zip(shared.rows, rows, strict=True):
         want = engine.score(state, [row], shared=False).rows[0]
         assert_close(got.option_logits, want.option_logits, 1e-5)
+
+
+def test_the_shared_token_prefix_is_the_longest_cut_every_prompt_starts_with() -> None:
+    from types import SimpleNamespace
+
+    from semif_serve.engine import shared_token_prefix
+
+    def prompts(*ids):
+        return [SimpleNamespace(ids=list(i)) for i in ids]
+
+    assert shared_token_prefix([1, 2, 3], prompts([1, 2, 3, 9], [1, 2, 3, 8])) == [1, 2, 3]
+    assert shared_token_prefix([1, 2, 3], prompts([1, 2, 7, 9], [1, 2, 3, 8])) == [1, 2]
+    assert shared_token_prefix([1, 2, 3], prompts([5, 2, 3, 9])) == []
+    # A prompt never gives up its last token to the prefix: the suffix must read a position.
+    assert shared_token_prefix([1, 2, 3], prompts([1, 2, 3])) == [1, 2]
 
 
 # -- the token limit -----------------------------------------------------------------------

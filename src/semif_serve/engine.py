@@ -183,10 +183,7 @@ class TorchEngine:
             readout, forward_seconds = self._direct(prompts[0].ids, len(rows[0].descriptions))
             per_row, timing = [readout], {}
         else:
-            prefix = self.codec.state_prefix(state, prompts[0])
-            if any(p.ids[: len(prefix)] != prefix for p in prompts):
-                log.warning("state prefix does not tokenise as a prefix; scoring without it")
-                prefix = []
+            prefix = shared_token_prefix(self.codec.state_prefix(state, prompts[0]), prompts)
             if rows_per_forward is None:
                 rows_per_forward = self._rows_that_fit(len(prefix), [p.ids for p in prompts], rows)
             per_row, timing = self._shared(prefix, [p.ids for p in prompts], rows, rows_per_forward)
@@ -315,6 +312,23 @@ class TorchEngine:
         timing["true_suffix_tokens"] += sum(lengths)
         timing["padded_suffix_tokens"] += width * len(chunk)
         return readout
+
+
+def shared_token_prefix(state_prefix: list[int], prompts: Sequence) -> list[int]:
+    """The state prefix, cut back to the tokens every prompt really starts with.
+
+    Upstream's rule (drop the prefix's last token) covers a tokenizer that merges JSON
+    punctuation into one token; a tokenizer that splits it into several needs a deeper cut.
+    Any common token prefix is exact: the model is causal.
+    """
+    length = len(state_prefix)
+    for prompt in prompts:
+        length = min(length, len(prompt.ids) - 1)
+        while length and prompt.ids[:length] != state_prefix[:length]:
+            length -= 1
+    if length < len(state_prefix):
+        log.debug("state prefix cut from %d to %d tokens", len(state_prefix), length)
+    return state_prefix[:length]
 
 
 def _device_memory(settings: Settings, torch) -> DeviceMemory:
