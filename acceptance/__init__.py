@@ -6,13 +6,3 @@ Every command prints a short table, writes a JSON result file and exits non-zero
 fails. The client side needs only the standard library and httpx: it never imports torch or
 the service, so it runs from any host that can reach the service.
 """
-
-COMMANDS = (
-    "score",
-    "parity",
-    "noise-floor",
-    "negative-control",
-    "shared-vs-direct",
-    "averaging",
-    "latency",
-)

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from .common import (
+    CheckError,
     Client,
     Gate,
     Outcome,
@@ -33,7 +34,9 @@ def add_averaging(commands) -> None:
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--bins", type=int, default=10, help="ECE bins")
-    p.add_argument("--require-gain", action="store_true", help="gate: the 95%% CI of rotations - single must lie above 0")
+    p.add_argument(
+        "--require-gain", action="store_true", help="gate: the 95%% CI of rotations - single must lie above 0"
+    )
     p.set_defaults(handler=run_averaging)
 
 
@@ -41,16 +44,25 @@ def check_labelled(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         label = row.get("label")
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(row["options"]):
-            raise SystemExit(f"error: row {row['id']!r} has no valid label (an index into its options)")
+            raise CheckError(f"row {row['id']!r} has no valid label (an index into its options)")
 
 
 def read_row(row: dict[str, Any], single: dict, rotations: dict, every: dict | None) -> dict[str, Any]:
     """One row's three reads: chosen option, confidence, correctness, agreement."""
     gold = row["options"][row["label"]]["id"]
     every = every or rotations
-    out = {"id": row["id"], "group_id": row.get("group_id", row["id"]), "gold": gold, "all_fallback": every is rotations}
+    out = {
+        "id": row["id"],
+        "group_id": row.get("group_id", row["id"]),
+        "gold": gold,
+        "all_fallback": every is rotations,
+    }
     single_top = top_option(single)
-    out["single"] = {"top": single_top, "confidence": max(single["probabilities"]), "correct": single_top == gold}
+    out["single"] = {
+        "top": single_top,
+        "confidence": max(single["probabilities"]),
+        "correct": single_top == gold,
+    }
     for mode, result in (("rotations", rotations), ("all", every)):
         combined = result["combined"]
         out[mode] = {
@@ -63,7 +75,9 @@ def read_row(row: dict[str, Any], single: dict, rotations: dict, every: dict | N
     return out
 
 
-def score_averaging(client: Client, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+def score_averaging(
+    client: Client, rows: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     reads: list[dict[str, Any]] = []
     errors: dict[str, dict[str, Any]] = {}
     for i, row in enumerate(rows, 1):
@@ -102,7 +116,11 @@ def averaging_summary(reads: list[dict[str, Any]], resamples: int, seed: int, bi
     differences = {}
     for treatment, baseline in COMPARISONS:
         differences[f"{treatment} - {baseline}"] = group_bootstrap_difference(
-            groups, [r[baseline]["correct"] for r in reads], [r[treatment]["correct"] for r in reads], resamples, seed
+            groups,
+            [r[baseline]["correct"] for r in reads],
+            [r[treatment]["correct"] for r in reads],
+            resamples,
+            seed,
         )
     return {
         "rows": len(reads),
@@ -136,11 +154,17 @@ def print_averaging(summary: dict[str, Any]) -> None:
                 f"{_pct(split['accuracy'])} ({split['rows']})" if split else "-",
             ]
         )
-    print_table(["mode", "accuracy", "rows", "ECE", "unanimous acc (rows)", "split acc (rows)"], rows,
-                title=f"averaging: {summary['rows']} rows, {summary['groups']} groups")
+    print_table(
+        ["mode", "accuracy", "rows", "ECE", "unanimous acc (rows)", "split acc (rows)"],
+        rows,
+        title=f"averaging: {summary['rows']} rows, {summary['groups']} groups",
+    )
     print_table(
         ["difference", "points", "95% CI (group bootstrap)"],
-        [[name, _pts(d["difference"]), f"{_pts(d['ci_low'])}..{_pts(d['ci_high'])}"] for name, d in summary["differences"].items()],
+        [
+            [name, _pts(d["difference"]), f"{_pts(d['ci_low'])}..{_pts(d['ci_high'])}"]
+            for name, d in summary["differences"].items()
+        ],
     )
 
 
@@ -151,11 +175,17 @@ def run_averaging(args: argparse.Namespace) -> int:
     with client:
         reads, errors = score_averaging(client, rows)
     if not reads:
-        raise SystemExit("error: no row could be scored")
+        raise CheckError("no row could be scored")
     summary = averaging_summary(reads, args.resamples, args.seed, args.bins)
     print_averaging(summary)
     gates = [Gate("scored", not errors, f"{len(reads)}/{len(rows)} rows scored in every mode")]
     if args.require_gain:
         d = summary["differences"]["rotations - single"]
-        gates.append(Gate("rotations gain", d["ci_low"] > 0, f"{_pts(d['difference'])} pts, CI {_pts(d['ci_low'])}..{_pts(d['ci_high'])}"))
+        gates.append(
+            Gate(
+                "rotations gain",
+                d["ci_low"] > 0,
+                f"{_pts(d['difference'])} pts, CI {_pts(d['ci_low'])}..{_pts(d['ci_high'])}",
+            )
+        )
     return finish(Outcome("averaging", summary, gates, {"rows": reads, "errors": errors}), args, service)

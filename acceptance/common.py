@@ -26,6 +26,10 @@ _NUMERIC = re.compile(r"-|[+-]?[0-9][0-9.,e+-]*(%| ?ms| ?s|x)?")
 HEALTH_KEYS = ("version", "semif", "model", "device", "dtype", "demo", "limits")
 
 
+class CheckError(Exception):
+    """The check cannot run (bad input, service unreachable or not ready): exit status 2."""
+
+
 class ServiceCallError(Exception):
     """A non-2xx answer from the service, with its error envelope."""
 
@@ -54,6 +58,7 @@ class Client:
         token: str,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_busy_retries: int = DEFAULT_MAX_BUSY_RETRIES,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.max_busy_retries = max_busy_retries
@@ -62,6 +67,7 @@ class Client:
             base_url=self.url,
             timeout=httpx.Timeout(timeout, connect=10.0),
             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            transport=transport,
         )
 
     def __enter__(self) -> Client:
@@ -313,7 +319,9 @@ def finish(outcome: Outcome, args: argparse.Namespace, service: dict[str, Any] |
 def write_result(path: Path, payload: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False, default=_jsonable) + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps(payload, indent=2, ensure_ascii=False, default=_jsonable) + "\n", encoding="utf-8"
+    )
     return path
 
 
@@ -335,9 +343,19 @@ def _jsonable(value: Any) -> Any:
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="service base URL, e.g. http://127.0.0.1:8032")
     parser.add_argument("--token-file", required=True, type=Path, help="file holding the bearer token")
-    parser.add_argument("--out", type=Path, default=None, help="JSON result file (default: acceptance-results/<command>-<time>.json)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON result file (default: acceptance-results/<command>-<time>.json)",
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
-    parser.add_argument("--max-busy-retries", type=int, default=DEFAULT_MAX_BUSY_RETRIES, help="retries of 429 busy per request")
+    parser.add_argument(
+        "--max-busy-retries",
+        type=int,
+        default=DEFAULT_MAX_BUSY_RETRIES,
+        help="retries of 429 busy per request",
+    )
 
 
 def connect(args: argparse.Namespace) -> tuple[Client, dict[str, Any]]:
@@ -347,11 +365,11 @@ def connect(args: argparse.Namespace) -> tuple[Client, dict[str, Any]]:
         health = client.health()
     except (httpx.HTTPError, ServiceCallError) as exc:
         client.close()
-        raise SystemExit(f"error: cannot reach {args.url}/health: {exc}") from None
+        raise CheckError(f"cannot reach {args.url}/health: {exc}") from None
     snapshot = {k: health.get(k) for k in HEALTH_KEYS if k in health}
     if not health.get("ready", False):
         client.close()
-        raise SystemExit(f"error: {args.url} is not ready (status {health.get('status')!r})")
+        raise CheckError(f"{args.url} is not ready (status {health.get('status')!r})")
     return client, snapshot
 
 

@@ -8,13 +8,26 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from .common import Client, Gate, Outcome, ServiceCallError, add_connection_arguments, connect, finish, log, print_table
+from .common import (
+    CheckError,
+    Client,
+    Gate,
+    Outcome,
+    ServiceCallError,
+    add_connection_arguments,
+    connect,
+    finish,
+    log,
+    print_table,
+)
 from .stats import median, percentile
 from .workloads import LATENCY_CASES, FittedStates, LatencyCase, fit_latency_states
 
 
 def add_latency(commands) -> None:
-    p = commands.add_parser("latency", help="the spec's latency table: median and p90, end to end and server-side")
+    p = commands.add_parser(
+        "latency", help="the spec's latency table: median and p90, end to end and server-side"
+    )
     add_connection_arguments(p)
     p.add_argument("--runs", type=int, default=3, help="runs (N)")
     p.add_argument("--requests", type=int, default=20, help="requests per run and row (M)")
@@ -80,13 +93,26 @@ def measure_latency(
     return rows
 
 
-def print_latency(rows: list[dict[str, Any]], states: FittedStates, runs: int, requests: int, title: str = "latency") -> None:
+def print_latency(
+    rows: list[dict[str, Any]], states: FittedStates, runs: int, requests: int, title: str = "latency"
+) -> None:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     print_table(
         ["#", "request", "input tok", "e2e median ms", "e2e p90 ms", "server median ms", "server p90 ms"],
-        [[r["row"], r["name"], r["input_tokens"], ms(r["e2e_median_ms"]), ms(r["e2e_p90_ms"]), ms(r["server_median_ms"]), ms(r["server_p90_ms"])] for r in rows],
+        [
+            [
+                r["row"],
+                r["name"],
+                r["input_tokens"],
+                ms(r["e2e_median_ms"]),
+                ms(r["e2e_p90_ms"]),
+                ms(r["server_median_ms"]),
+                ms(r["server_p90_ms"]),
+            ]
+            for r in rows
+        ],
         title=f"{title}: {runs} runs x {requests} requests; short prompt ~{states.short_input_tokens} tok, "
         f"long state ~{states.long_state_tokens} tok",
     )
@@ -97,17 +123,25 @@ def parse_budgets(values: list[str], rows: int) -> dict[int, float]:
     for value in values:
         row, sep, limit = value.partition("=")
         if not sep or not row.isdigit() or not 1 <= int(row) <= rows:
-            raise SystemExit(f"error: --max-median-ms {value!r}: expected ROW=MS with ROW in 1..{rows}")
+            raise CheckError(f"--max-median-ms {value!r}: expected ROW=MS with ROW in 1..{rows}")
         budgets[int(row)] = float(limit)
     return budgets
 
 
 def latency_gates(rows: list[dict[str, Any]], budgets: dict[int, float]) -> list[Gate]:
     failed = sum(len(r["errors"]) for r in rows)
-    gates = [Gate("answered", failed == 0, f"{sum(r['requests'] for r in rows)} requests timed, {failed} refused")]
+    gates = [
+        Gate("answered", failed == 0, f"{sum(r['requests'] for r in rows)} requests timed, {failed} refused")
+    ]
     for row, limit in sorted(budgets.items()):
         value = rows[row - 1]["e2e_median_ms"]
-        gates.append(Gate(f"row {row} median", value is not None and value <= limit, f"{value if value is None else round(value, 1)} ms (limit {limit:g})"))
+        gates.append(
+            Gate(
+                f"row {row} median",
+                value is not None and value <= limit,
+                f"{value if value is None else round(value, 1)} ms (limit {limit:g})",
+            )
+        )
     return gates
 
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from .common import Gate, Outcome, add_connection_arguments, connect, finish, fraction, print_table, score_rows
+from .common import (
+    Gate,
+    Outcome,
+    add_connection_arguments,
+    connect,
+    finish,
+    fraction,
+    print_table,
+    score_rows,
+)
 from .parity import fixture_argument, load_fixture
 from .stats import compare_results, summarise_comparisons
 
@@ -13,7 +22,12 @@ def add_noise_floor(commands) -> None:
     p = commands.add_parser("noise-floor", help="score the same rows twice: n/N identical, max gap")
     add_connection_arguments(p)
     fixture_argument(p)
-    p.add_argument("--tolerance", type=float, default=0.0, help="largest allowed probability difference between the passes (0: bit-identical)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.0,
+        help="largest allowed probability difference between the passes (0: bit-identical)",
+    )
     p.set_defaults(handler=run_noise_floor)
 
 
@@ -23,7 +37,9 @@ def run_noise_floor(args: argparse.Namespace) -> int:
     with client:
         first, errors_1 = score_rows(client, rows, label="noise floor, pass 1")
         second, errors_2 = score_rows(client, rows, label="noise floor, pass 2")
-    outcome = noise_floor_outcome([r["id"] for r in rows], first, second, {**errors_1, **errors_2}, args.tolerance)
+    outcome = noise_floor_outcome(
+        [r["id"] for r in rows], first, second, {**errors_1, **errors_2}, args.tolerance
+    )
     s = outcome.summary
     print_table(
         ["check", "result"],
@@ -38,7 +54,9 @@ def run_noise_floor(args: argparse.Namespace) -> int:
 
 
 def noise_floor_outcome(ids, first, second, errors, tolerance: float) -> Outcome:
-    compared = [compare_results(second[i], first[i], tie_margin=0.0) for i in ids if i in first and i in second]
+    compared = [
+        compare_results(second[i], first[i], tie_margin=0.0) for i in ids if i in first and i in second
+    ]
     summary = summarise_comparisons(compared)
     summary.update(fixture_rows=len(ids), errors=len(errors), tolerance=tolerance)
     if tolerance == 0.0:
@@ -51,11 +69,16 @@ def noise_floor_outcome(ids, first, second, errors, tolerance: float) -> Outcome
             and summary["max_gap"] <= tolerance
         )
     gates = [
-        Gate("scored", not errors and len(compared) == len(ids), f"{len(compared)}/{len(ids)} rows scored twice"),
+        Gate(
+            "scored",
+            not errors and len(compared) == len(ids),
+            f"{len(compared)}/{len(ids)} rows scored twice",
+        ),
         Gate(
             "deterministic",
             stable,
-            f"identical {fraction(summary['identical'], len(ids))}, max gap {summary['max_gap']!s} (tolerance {tolerance:g})",
+            f"identical {fraction(summary['identical'], len(ids))}, "
+            f"max gap {summary['max_gap']!s} (tolerance {tolerance:g})",
         ),
     ]
     unstable = [c for c in compared if not c["identical"]]

@@ -68,6 +68,7 @@ class ServiceProcess:
         work_dir: Path,
         startup_timeout: float = 600.0,
         log_name: str = "service.log",
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
@@ -86,6 +87,7 @@ class ServiceProcess:
             SEMIF_API_TOKEN_FILE=str(self.token_file),
         )
         env.update({f"SEMIF_{k.upper()}": str(v) for k, v in settings.items()})
+        env.update(extra_env or {})
         self.env = env
         self.process: subprocess.Popen | None = None
 
@@ -106,18 +108,25 @@ class ServiceProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"semif-serve exited with {self.process.returncode} during startup; see {self.log_path}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"semif-serve exited with {self.process.returncode} during startup; "
+                    f"see {self.log_path}:\n{self.tail()}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        raise RuntimeError(f"semif-serve was not ready within {self.startup_timeout:.0f} s; see {self.log_path}")
+        raise RuntimeError(
+            f"semif-serve was not ready within {self.startup_timeout:.0f} s; see {self.log_path}"
+        )
 
     def tail(self, lines: int = 30) -> str:
         try:
-            return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+            return "\n".join(
+                self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+            )
         except OSError:
             return ""
 

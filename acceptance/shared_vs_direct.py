@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from .common import (
+    CheckError,
     Client,
     ServiceCallError,
     add_connection_arguments,
@@ -64,7 +65,7 @@ def run_shared_vs_direct(args: argparse.Namespace) -> int:
     rows = load_fixture(args)
     groups = group_by_state(rows, args.min_group)
     if not groups:
-        raise SystemExit(f"error: no state is shared by {args.min_group} or more rows")
+        raise CheckError(f"no state is shared by {args.min_group} or more rows")
     members = [r for g in groups for r in g]
     client, service = connect(args)
     max_rows = int((service.get("limits") or {}).get("max_rows", 64))
@@ -72,8 +73,14 @@ def run_shared_vs_direct(args: argparse.Namespace) -> int:
         shared, shared_errors, timings = score_shared(client, groups, max_rows)
         direct, direct_errors = score_rows(client, members, label="direct")
     outcome = compare_against(
-        "shared-vs-direct", [r["id"] for r in members], shared, direct,
-        {**shared_errors, **direct_errors}, args.tie_margin, args.max_gap, reference_name="direct",
+        "shared-vs-direct",
+        [r["id"] for r in members],
+        shared,
+        direct,
+        {**shared_errors, **direct_errors},
+        args.tie_margin,
+        args.max_gap,
+        reference_name="direct",
     )
     outcome.summary["states"] = len(groups)
     outcome.details["shared_timings"] = timings

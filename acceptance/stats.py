@@ -37,9 +37,7 @@ def probability_gap(ours: dict[str, Any], reference: dict[str, Any]) -> float | 
     return max(abs(a[k] - b[k]) for k in a)
 
 
-def compare_results(
-    ours: dict[str, Any], reference: dict[str, Any], tie_margin: float
-) -> dict[str, Any]:
+def compare_results(ours: dict[str, Any], reference: dict[str, Any], tie_margin: float) -> dict[str, Any]:
     """One row of a parity comparison: hashes, tops, margins, the probability gap and a verdict.
 
     kind: "match" (same top), "tie_flip" (different top, and either side's top-2 margin is
@@ -108,7 +106,9 @@ def accuracy(correct: Sequence[bool]) -> float | None:
     return sum(correct) / len(correct) if correct else None
 
 
-def expected_calibration_error(confidences: Sequence[float], correct: Sequence[bool], bins: int = 10) -> float:
+def expected_calibration_error(
+    confidences: Sequence[float], correct: Sequence[bool], bins: int = 10
+) -> float:
     """Top-label ECE over `bins` equal-width bins of confidence: sum over bins of
     (rows in bin / rows) * |accuracy in bin - mean confidence in bin|. Bin b holds
     (b/bins, (b+1)/bins]; confidence 0 falls in the first bin."""
@@ -124,9 +124,7 @@ def expected_calibration_error(confidences: Sequence[float], correct: Sequence[b
         totals[b][2] += int(bool(ok))
     n = len(confidences)
     return sum(
-        (count / n) * abs(hits / count - conf_sum / count)
-        for count, conf_sum, hits in totals
-        if count
+        (count / n) * abs(hits / count - conf_sum / count) for count, conf_sum, hits in totals if count
     )
 
 
@@ -147,7 +145,9 @@ def group_bootstrap_difference(
         members.setdefault(g, []).append(i)
     keys = list(members)
     # Per group: rows, and the summed per-row difference (treatment - baseline).
-    per_group = [(len(members[k]), sum(int(treatment[i]) - int(baseline[i]) for i in members[k])) for k in keys]
+    per_group = [
+        (len(members[k]), sum(int(treatment[i]) - int(baseline[i]) for i in members[k])) for k in keys
+    ]
     point = sum(d for _, d in per_group) / len(groups)
     rng = random.Random(seed)
     draws = []
