@@ -258,8 +258,8 @@ class CapacityProbe:
 
 def disable_splitting(service) -> Callable[[], None]:
     """Turn off the engine's own batch splitting (its memory estimate), so a request that does
-    not fit really runs out of memory; returns the undo. Reaches into the engine: the service
-    has no setting for it."""
+    not fit really runs out of memory; returns the undo. In-process, so one run measures both;
+    SEMIF_SPLIT_BATCHES=false does the same for a whole service."""
     engine = service.engine
     saved = getattr(engine, "headroom_bytes", None)
     engine.headroom_bytes = None

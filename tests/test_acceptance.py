@@ -12,14 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import TOKEN
+
+from acceptance import cli, stats
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from conftest import TOKEN  # noqa: E402
-
-from acceptance import cli, stats  # noqa: E402
 from acceptance.common import Client, Gate, Outcome, ServiceCallError, format_table, read_jsonl, write_jsonl  # noqa: E402
 from acceptance.gpu_latency import (  # noqa: E402
     CapacityProbe,
@@ -581,3 +578,21 @@ def test_bench_table_has_one_row_per_measurement():
     assert "9.0x" in rows[0][1] and "70 tok/row" in rows[1][0] and "10.0x" in rows[1][1]
     assert "+15.0%" in rows[4][1] and "16 clients" in rows[5][0]
     assert bench.table_rows({}) == []
+
+
+def test_the_gpu_memory_gates_pass_a_release_and_fail_a_leak():
+    from acceptance.gpu_memory import memory_gates
+
+    healthy = {
+        "baseline_gib": 7.85,
+        "margin_gib": 0.5,
+        "after_large_gib": 7.9,
+        "after_oom_gib": 7.85,
+        "forced_oom": "503 out_of_memory",
+        "next_request": "answered",
+    }
+    assert all(g.passed for g in memory_gates(healthy))
+    leaked = {**healthy, "after_oom_gib": 11.9}
+    assert [g.name for g in memory_gates(leaked) if not g.passed] == ["back to baseline after OOM"]
+    kept = {**healthy, "after_large_gib": 12.6, "forced_oom": "500 internal_error"}
+    assert {g.name for g in memory_gates(kept) if not g.passed} == {"burst given back", "forced OOM is 503"}

@@ -545,3 +545,28 @@ def test_a_multimodal_checkpoints_option_logits_equal_its_own_text_only_forward(
     shared = engine.score(state, [Row(question, descs, "state"), Row("Other?", ("x", "y"), "s")], shared=True)
     assert shared.timing["prefix_tokens"] > 0
     assert_close(shared.rows[0].option_logits, expected, 1e-5)
+
+
+@pytest.mark.parametrize("which", ["good", "broken"])
+def test_the_per_tail_boundary_check_agrees_with_re_encoding_every_prompt(
+    which, checkpoint, boundary_checkpoint
+) -> None:
+    directory = checkpoint if which == "good" else boundary_checkpoint
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    codec = PromptCodec(tokenizer, 4096)
+    for state in STATES.values():
+        for n in (2, 5, 16):
+            descs = descriptions(n, "t")
+            text = render(tokenizer, state, "Which one?", descs)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            full = [
+                tokenizer.encode(text + L, add_special_tokens=False) == ids + [s]
+                for L, s in zip(LETTERS[:n], codec.slots, strict=False)
+            ]
+            try:
+                codec.encode_prompt(state, "Which one?", descs, "state")
+                refused = False
+            except ServiceError as error:
+                assert error.code == "answer_boundary"
+                refused = True
+            assert refused == (not all(full))

@@ -72,7 +72,7 @@ class Service:
         self.worker.run_now(lambda: self.engine.score(WARM_UP_STATE, WARM_UP_ROWS, shared=True))
         baseline = self.worker.policy.mark_baseline()
         cap = self.engine.memory.cap_bytes()
-        if cap is not None:
+        if cap is not None and self.settings.split_batches:
             self.engine.headroom_bytes = cap - baseline
         self.ready = True
 

@@ -76,6 +76,9 @@ class PromptCodec:
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
         self.slots = answer_slots(tokenizer)
+        self._tail_checks: dict[str, int | None] = {}
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._boundary_tokens = [t.content for t in added.values() if not getattr(t, "rstrip", False)]
 
     def render_prompt(self, state: Any, question: str, descriptions: Sequence[str]) -> str:
         """The chat-template rendering of the system and user turns, ready for the answer letter."""
@@ -105,17 +108,47 @@ class PromptCodec:
                 "it is never truncated",
                 code="too_many_tokens",
             )
-        for letter, slot in zip(LETTERS[: len(descriptions)], self.slots, strict=False):
-            if self.encode(text + letter) != ids + [slot]:
-                raise ServiceError(
-                    422,
-                    "answer_boundary",
-                    f"appending the answer letter {letter!r} changes this prompt's tokenisation, "
-                    "so its logit cannot be read faithfully",
-                    field,
-                )
+        broken = self._first_broken_letter(text, ids, len(descriptions))
+        if broken is not None:
+            raise ServiceError(
+                422,
+                "answer_boundary",
+                f"appending the answer letter {LETTERS[broken]!r} changes this prompt's tokenisation, "
+                "so its logit cannot be read faithfully",
+                field,
+            )
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         return EncodedPrompt(text, ids, digest, user_offset)
+
+    def _first_broken_letter(self, text: str, ids: list[int], n_letters: int) -> int | None:
+        """SemIf's boundary check, `encode(prompt + letter) == ids + [slot]`, for the first n letters.
+
+        The tokenizer never merges across an added token, so only the text after the prompt's
+        last one can interact with the letter: the check runs once per distinct tail (the chat
+        template's fixed ending) instead of re-encoding every prompt once per letter.
+        """
+        tail = self._answer_tail(text)
+        if tail is None:
+            return self._first_mismatch(text, ids, n_letters)
+        if tail not in self._tail_checks:
+            self._tail_checks[tail] = self._first_mismatch(tail, self.encode(tail), len(LETTERS))
+        broken = self._tail_checks[tail]
+        return broken if broken is not None and broken < n_letters else None
+
+    def _first_mismatch(self, text: str, ids: list[int], n_letters: int) -> int | None:
+        return next(
+            (i for i in range(n_letters) if self.encode(text + LETTERS[i]) != ids + [self.slots[i]]),
+            None,
+        )
+
+    def _answer_tail(self, text: str) -> str | None:
+        """The text after the last added token that cannot absorb what follows it, if any."""
+        cut = -1
+        for token in self._boundary_tokens:
+            at = text.rfind(token)
+            if at >= 0:
+                cut = max(cut, at + len(token))
+        return text[cut:] if cut >= 0 else None
 
     def state_prefix(self, state: Any, prompt: EncodedPrompt) -> list[int]:
         """Token ids every prompt over `state` starts with: the text up to `{"evidence": <state>`,

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     release_margin_mib: int = Field(
         512, ge=0, description="Release cached memory when reserved exceeds baseline by this."
     )
+    split_batches: bool = Field(
+        True, description="Split shared batches that the memory estimate says would not fit the cap."
+    )
     calibration: Path | None = Field(None, description="calibration.json: workload temperatures.")
     metrics_public: bool = Field(True, description="Serve /metrics without the token.")
     shutdown_grace_seconds: float = Field(
