@@ -222,7 +222,7 @@ def test_a_shared_request_over_the_memory_budget_is_split_and_equals_the_unsplit
     prefix = len(service.engine.codec.state_prefix(body["state"], probe))
     width = len(probe.ids) - prefix + 8
     estimate = service.engine.estimate
-    two_rows = estimate.prefill_bytes(prefix) + 2 * estimate.row_bytes(prefix, width, 1) + 1
+    two_rows = estimate.prefill_bytes(prefix) + 2 * estimate.row_bytes(prefix, width) + 1
     memory = SimulatedMemory(floor=0, cap=two_rows)
     split_service = service_on(engine, checkpoint, memory)
     split = post(create_app(split_service), "/decide/shared", body).json()

@@ -3,7 +3,8 @@
 A row's score is SemIf's readout: the full-vocabulary logits at the last prompt position,
 in float32, restricted to the answer slots. Rows that share a state run through one path:
 prefill the state prefix once, replicate its cache over the rows, run every suffix in one
-right-padded forward and read each row at its last real position.
+right-padded forward and read each row at its last real position, whose
+hidden state alone goes through the vocabulary projection.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class TorchEngine:
         self.codec = PromptCodec(tokenizer, settings.max_input_tokens)
         self.device = torch.device(settings.device)
         self.slot_ids = torch.tensor(self.codec.slots, device=self.device)
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
         self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
         # Bytes between the warm baseline and the cap; None where the device has no cap.
         self.headroom_bytes: int | None = None
@@ -202,10 +205,9 @@ class TorchEngine:
         if self.headroom_bytes is None:
             return None
         width = max(len(ids) for ids in prompts) - n_prefix
-        kept = len({len(ids) for ids in prompts})
-        fit = self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, kept)
+        fit = self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width)
         if fit == 0:
-            need = self.estimate.prefill_bytes(n_prefix) + self.estimate.row_bytes(n_prefix, width, 1)
+            need = self.estimate.prefill_bytes(n_prefix) + self.estimate.row_bytes(n_prefix, width)
             raise ServiceError(
                 413,
                 "too_large_for_memory",
@@ -250,11 +252,9 @@ class TorchEngine:
             cache = None
             if n_prefix:
                 t0 = time.perf_counter()
-                out = self.model(
-                    input_ids=torch.tensor([prefix], device=self.device), use_cache=True, logits_to_keep=1
-                )
-                cache = out.past_key_values
-                del out
+                cache = self.decoder(
+                    input_ids=torch.tensor([prefix], device=self.device), use_cache=True
+                ).past_key_values
                 self.memory.synchronize()
                 timing["prefill_seconds"] = time.perf_counter() - t0
             step = rows_per_forward or len(prompts)
@@ -295,20 +295,18 @@ class TorchEngine:
             input_ids[i, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
             mask[i, n_prefix : n_prefix + len(suffix)] = 1
         positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(chunk), width)
-        last = [n - 1 for n in lengths]
-        keep = sorted(set(last))
-        out = self.model(
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        hidden = self.decoder(
             input_ids=input_ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=cache is not None,
-            logits_to_keep=torch.tensor(keep, device=self.device),
-        )
-        columns = torch.tensor([keep.index(p) for p in last], device=self.device)
-        selected = out.logits[torch.arange(len(chunk), device=self.device), columns]
-        del out
-        readout = [self._readout(selected[i], len(row.descriptions)) for i, row in enumerate(rows)]
+        ).last_hidden_state
+        # Only each row's last real position goes through the vocabulary projection.
+        logits = self.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
+        del hidden
+        readout = [self._readout(logits[i], len(row.descriptions)) for i, row in enumerate(rows)]
         timing["true_suffix_tokens"] += sum(lengths)
         timing["padded_suffix_tokens"] += width * len(chunk)
         return readout

@@ -140,7 +140,7 @@ class MemoryEstimate:
     """Bytes a shared-path forward needs, from the model's geometry (see docs/memory.md).
 
     per row  = cache_per_token * (prefix + width) + state_per_row + act_per_token * width
-               + logits_per_position * kept
+               + logits_per_row
     prefill  = 2 * (cache_per_token * prefix + state_per_row) + act_per_token * prefix
     Each is multiplied by SAFETY, because the allocator rounds and fragments. Attention
     scores are not counted: the cap exists only on CUDA, where SDPA does not materialise them.
@@ -167,15 +167,15 @@ class MemoryEstimate:
         self.act_per_token = element_bytes * (
             4 * config.hidden_size + 3 * config.intermediate_size + 2 * conv_dim
         )
-        self.logits_per_position = config.vocab_size * (element_bytes + 4)
+        self.logits_per_row = config.vocab_size * (element_bytes + 4)
 
-    def row_bytes(self, prefix_tokens: int, width: int, kept_positions: int) -> int:
+    def row_bytes(self, prefix_tokens: int, width: int) -> int:
         """Estimated bytes one more row adds to a suffix forward."""
         raw = (
             self.cache_per_token * (prefix_tokens + width)
             + self.state_per_row
             + self.act_per_token * width
-            + self.logits_per_position * kept_positions
+            + self.logits_per_row
         )
         return int(raw * self.SAFETY)
 
@@ -187,8 +187,8 @@ class MemoryEstimate:
         )
         return int(raw * self.SAFETY)
 
-    def rows_per_forward(self, headroom: int, prefix_tokens: int, width: int, kept_positions: int) -> int:
+    def rows_per_forward(self, headroom: int, prefix_tokens: int, width: int) -> int:
         """How many rows fit in one suffix forward under `headroom` bytes (0: not even one)."""
         available = headroom - self.prefill_bytes(prefix_tokens)
-        per_row = self.row_bytes(prefix_tokens, width, kept_positions)
+        per_row = self.row_bytes(prefix_tokens, width)
         return max(0, available // per_row)
