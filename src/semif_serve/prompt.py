@@ -43,9 +43,10 @@ def user_message(state: Any, question: str, descriptions: Sequence[str]) -> str:
     return json.dumps({"evidence": state, "criterion": question, "options": options}, ensure_ascii=False)
 
 
-def evidence_opening(state: Any) -> str:
-    """`{"evidence": <state>` : the part of the user turn every question over `state` shares."""
-    return json.dumps({"evidence": state}, ensure_ascii=False)[:-1]
+def question_independent_opening(state: Any) -> str:
+    """`{"evidence": <state>, "criterion": "`: the part of the user turn every question over
+    `state` shares (upstream cuts after the state; the key that follows is shared too)."""
+    return json.dumps({"evidence": state, "criterion": ""}, ensure_ascii=False)[:-2]
 
 
 def answer_slots(tokenizer) -> list[int]:
@@ -151,7 +152,8 @@ class PromptCodec:
         return text[cut:] if cut >= 0 else None
 
     def state_prefix(self, state: Any, prompt: EncodedPrompt) -> list[int]:
-        """Token ids every prompt over `state` starts with: the text up to `{"evidence": <state>`,
-        tokenised, minus its last token (JSON punctuation can merge across the cut)."""
-        cut = prompt.user_offset + len(evidence_opening(state))
+        """Token ids every prompt over `state` starts with: the text up to
+        `{"evidence": <state>, "criterion": "`, tokenised, minus its last token (punctuation
+        can merge across the cut)."""
+        cut = prompt.user_offset + len(question_independent_opening(state))
         return self.encode(prompt.text[:cut])[:-1]
