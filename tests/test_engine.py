@@ -187,8 +187,13 @@ def test_shared_rows_equal_a_direct_read_of_each_row(engine, state) -> None:
     prefix = engine.codec.state_prefix(
         state, engine.codec.encode_prompt(state, rows[0].question, rows[0].descriptions, "x")
     )
-    suffixes = [r.input_tokens - len(prefix) for r in shared.rows]
-    assert timing["prefix_tokens"] == len(prefix) > 0
+    # Rows share everything up to their first differing token (at least the state prefix).
+    ids = [engine.codec.encode_prompt(state, r.question, r.descriptions, "x").ids for r in rows]
+    common = 0
+    while common < min(map(len, ids)) - 1 and len({i[common] for i in ids}) == 1:
+        common += 1
+    suffixes = [r.input_tokens - common for r in shared.rows]
+    assert timing["prefix_tokens"] == common >= len(prefix) > 0
     assert timing["batch_size"] == len(rows)
     assert timing["forward_batches"] == 1
     assert timing["true_suffix_tokens"] == sum(suffixes)
@@ -295,6 +300,10 @@ def test_the_shared_token_prefix_is_the_longest_cut_every_prompt_starts_with() -
     assert shared_token_prefix([1, 2, 3], prompts([1, 2, 3, 9], [1, 2, 3, 8])) == [1, 2, 3]
     assert shared_token_prefix([1, 2, 3], prompts([1, 2, 7, 9], [1, 2, 3, 8])) == [1, 2]
     assert shared_token_prefix([1, 2, 3], prompts([5, 2, 3, 9])) == []
+    # Several rows share whatever they still have in common (the question of one decision's orderings).
+    assert shared_token_prefix([1, 2, 3], prompts([1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5, 8])) == [1, 2, 3, 4, 5]
+    # One row keeps the state prefix: its suffix is the question.
+    assert shared_token_prefix([1, 2], prompts([1, 2, 3, 4, 5])) == [1, 2]
     # A prompt never gives up its last token to the prefix: the suffix must read a position.
     assert shared_token_prefix([1, 2, 3], prompts([1, 2, 3])) == [1, 2]
 

@@ -313,20 +313,25 @@ class TorchEngine:
 
 
 def shared_token_prefix(state_prefix: list[int], prompts: Sequence) -> list[int]:
-    """The state prefix, cut back to the tokens every prompt really starts with.
+    """The tokens to prefill once: the state prefix, cut back to what every prompt starts with,
+    then, for several rows, extended over whatever they all still share (the question, for
+    the orderings of one decision). Any common token prefix is exact: the model is causal.
 
     Upstream's rule (drop the prefix's last token) covers a tokenizer that merges JSON
-    punctuation into one token; a tokenizer that splits it into several needs a deeper cut.
-    Any common token prefix is exact: the model is causal.
+    punctuation into one token; one that merges deeper needs the cut-back. Every row keeps at
+    least its last token, whose position is read.
     """
-    length = len(state_prefix)
-    for prompt in prompts:
-        length = min(length, len(prompt.ids) - 1)
-        while length and prompt.ids[:length] != state_prefix[:length]:
-            length -= 1
+    limit = min(len(p.ids) for p in prompts) - 1
+    length = min(len(state_prefix), limit)
+    while length and any(p.ids[:length] != state_prefix[:length] for p in prompts):
+        length -= 1
     if length < len(state_prefix):
         log.debug("state prefix cut from %d to %d tokens", len(state_prefix), length)
-    return state_prefix[:length]
+    first = prompts[0].ids
+    if len(prompts) > 1 and length == len(state_prefix):
+        while length < limit and all(p.ids[length] == first[length] for p in prompts):
+            length += 1
+    return first[:length]
 
 
 def _device_memory(settings: Settings, torch) -> DeviceMemory:
