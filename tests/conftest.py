@@ -86,3 +86,16 @@ def decision(**overrides) -> dict:
     }
     body.update(overrides)
     return body
+
+
+def open_post(port: int, body: bytes, send: int | None = None):
+    """A raw HTTP/1.1 POST /decide over a socket, sending only the first `send` body bytes."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    head = (
+        f"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body[:send])
+    return sock

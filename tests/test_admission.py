@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
-from conftest import TOKEN, decision, make_settings
+from conftest import TOKEN, decision, make_settings, open_post
 
+from acceptance.server import LoopbackServer
 from semif_serve.app import Service, create_app
 
 AUTH = (b"authorization", f"Bearer {TOKEN}".encode())
@@ -189,55 +187,22 @@ def test_a_flood_with_cancelled_clients_leaves_no_slot_taken(engine, checkpoint)
     assert service.worker.pending == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_clients_that_disconnect_mid_request_over_real_http_release_their_slots(engine, checkpoint):
     service = Service.start(make_settings(checkpoint, max_queue=3), engine=engine)
     app = create_app(service)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with LoopbackServer(app) as server:
+        port = int(server.url.rsplit(":", 1)[1])
         body = json.dumps(decision()).encode()
         for _ in range(3):
             # Half a body, then hang up: the slot must come back.
-            with socket.create_connection(("127.0.0.1", port)) as sock:
-                sock.sendall(
-                    b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
-                    + TOKEN.encode()
-                    + b"\r\nContent-Length: "
-                    + str(len(body)).encode()
-                    + b"\r\n\r\n"
-                    + body[:20]
-                )
+            with open_post(port, body, send=20):
                 time.sleep(0.1)
         for _ in range(3):
             # A full body, then hang up before the answer.
-            with socket.create_connection(("127.0.0.1", port)) as sock:
-                sock.sendall(
-                    b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
-                    + TOKEN.encode()
-                    + b"\r\nContent-Length: "
-                    + str(len(body)).encode()
-                    + b"\r\n\r\n"
-                    + body
-                )
+            open_post(port, body).close()
         deadline = time.monotonic() + 10
         while app.admission.in_progress and time.monotonic() < deadline:
             time.sleep(0.05)
         assert app.admission.in_progress == 0
-        ok = httpx.post(
-            f"http://127.0.0.1:{port}/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"}
-        )
+        ok = httpx.post(f"{server.url}/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

@@ -116,9 +116,7 @@ def test_number_and_object_forms_parse_with_fallback_to_the_single_read(tmp_path
     text = '{"wanli256": 2.499, "authored144": {"single": 1.2342, "rotations": 1.1}}'
     table = load_calibration(write(tmp_path, text))
     assert table.names() == ["authored144", "wanli256"]
-    assert table.temperature("authored144", "rotations") == Temperature(
-        1.1, "rotations", "rotations"
-    )
+    assert table.temperature("authored144", "rotations") == Temperature(1.1, "rotations", "rotations")
     assert table.temperature("authored144", "all") == Temperature(1.2342, "all", "single")
     assert table.temperature("wanli256", "rotations") == Temperature(2.499, "rotations", "single")
     assert table.as_dict() == {
@@ -332,9 +330,7 @@ def test_calibrate_in_rotations_mode_reads_combined_probabilities(
     assert any("single" in line for line in printed[:-1])
 
 
-def test_a_malformed_line_exits_2_naming_the_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_malformed_line_exits_2_naming_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gold, preds, _ = write_fixtures(tmp_path, n=10, t_true=1.0, seed=4)
     lines = preds.read_text().splitlines()
     lines[2] = "{not json"

@@ -7,15 +7,15 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-from conftest import TOKEN, decision, make_settings
+from conftest import TOKEN, decision, make_settings, open_post
 
+from acceptance.server import free_port
 from semif_serve.app import Service, create_app
 from semif_serve.logs import JsonFormatter
 
@@ -123,15 +123,9 @@ def test_every_request_logs_one_json_line_without_the_state_or_the_token(client)
     assert secret_state not in text and TOKEN not in text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_drains_finishes_the_request_in_flight_and_exits(checkpoint, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "SEMIF_MODEL_PATH": str(checkpoint),
@@ -159,15 +153,7 @@ def test_sigterm_drains_finishes_the_request_in_flight_and_exits(checkpoint, tmp
         else:
             pytest.fail("the service did not come up")
         body = json.dumps(decision()).encode()
-        in_flight = socket.create_connection(("127.0.0.1", port))
-        in_flight.sendall(
-            b"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
-            + TOKEN.encode()
-            + b"\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body[:10]
-        )
+        in_flight = open_post(port, body, send=10)
         time.sleep(0.3)
         process.send_signal(signal.SIGTERM)
         time.sleep(0.5)

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from conftest import TOKEN
 
+from acceptance.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.settings import Settings, env_name
 
@@ -34,18 +31,9 @@ def test_the_configuration_table_lists_every_setting():
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_the_readme_curl_examples_work_against_the_demo_service(service):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with LoopbackServer(create_app(service)) as server:
         block = next(b for b in re.findall(r"```bash\n(.*?)```", README, re.S) if "curl" in b)
-        script = block.replace("127.0.0.1:8032", f"127.0.0.1:{port}")
+        script = block.replace("http://127.0.0.1:8032", server.url)
         script = re.sub(r"^T=.*$", f"T={TOKEN}", script, flags=re.M)
         out = subprocess.run(
             ["bash", "-c", 'curl() { command curl "$@"; echo; }\n' + script],
@@ -60,6 +48,3 @@ def test_the_readme_curl_examples_work_against_the_demo_service(service):
         assert replies[1]["combined"]["orderings"] == 3
         assert replies[2]["ready"] is True
         assert not any("error" in r for r in replies)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

@@ -42,9 +42,7 @@ MODEL_TARGET = "/models/qwen3.5-4b"
 
 
 def project_version() -> str:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
-        "version"
-    ]
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
 
 
 def load_compose(path: Path) -> dict:
@@ -182,11 +180,7 @@ def test_interpolation_variables_are_known(path):
 
 
 def replicas(compose: dict) -> dict[str, dict]:
-    return {
-        name: service
-        for name, service in compose["services"].items()
-        if name.startswith("semif-gpu")
-    }
+    return {name: service for name, service in compose["services"].items() if name.startswith("semif-gpu")}
 
 
 def test_multi_stack_replicas():
