@@ -174,6 +174,12 @@ def add_score(commands) -> None:
     add_connection_arguments(p)
     fixture_argument(p)
     p.add_argument("--predictions-out", required=True, type=Path, help="JSONL file of SemIf result dicts")
+    p.add_argument(
+        "--orderings",
+        choices=("rotations", "all"),
+        default=None,
+        help="ask every row in these orderings (results then carry `combined`, for calibrate --mode)",
+    )
     p.set_defaults(handler=run_score)
 
 
@@ -181,7 +187,8 @@ def run_score(args: argparse.Namespace) -> int:
     rows = load_fixture(args)
     client, service = connect(args)
     with client:
-        results, errors = score_rows(client, rows)
+        extra = {"orderings": args.orderings} if args.orderings else {}
+        results, errors = score_rows(client, rows, **extra)
     write_jsonl(args.predictions_out, (results[r["id"]] for r in rows if r["id"] in results))
     gates = [Gate("scored", not errors, f"{len(results)}/{len(rows)} rows scored")]
     print(f"wrote {len(results)} predictions to {args.predictions_out}")

@@ -596,3 +596,23 @@ def test_the_gpu_memory_gates_pass_a_release_and_fail_a_leak():
     assert [g.name for g in memory_gates(leaked) if not g.passed] == ["back to baseline after OOM"]
     kept = {**healthy, "after_large_gib": 12.6, "forced_oom": "500 internal_error"}
     assert {g.name for g in memory_gates(kept) if not g.passed} == {"burst given back", "forced OOM is 503"}
+
+
+@pytest.mark.parametrize("mode", ["single", "rotations"])
+def test_scored_service_output_feeds_the_calibrate_command(live, capsys, mode):
+    from semif_serve.cli import main as semif_main
+
+    path = live["work"] / f"scored-{mode}.jsonl"
+    extra = [] if mode == "single" else ["--orderings", mode]
+    rc, result = run(
+        live, "score", "--fixture", str(live["fixture"]), "--predictions-out", str(path), *extra, out=mode
+    )
+    assert rc == 0 and result["summary"]["scored"] == 12
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(("combined" in r) == (mode != "single") for r in rows)
+    capsys.readouterr()
+    args = ["calibrate", "--gold", str(live["fixture"]), "--predictions", str(path), "--mode", mode]
+    assert semif_main([*args, "--workload", "w"]) == 0
+    entry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    value = entry["w"] if mode == "single" else entry["w"][mode]
+    assert 0.05 <= value <= 20
