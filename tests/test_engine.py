@@ -242,8 +242,11 @@ def test_a_single_row_on_the_shared_path_equals_its_direct_read(engine) -> None:
 def test_identical_rows_in_one_batch_read_the_same(engine) -> None:
     row = question_rows()[1]
     batch = engine.score(STATES["list"], [row, row, row], shared=True)
-    for other in batch.rows[1:]:
-        assert_close(other.option_logits, batch.rows[0].option_logits, 1e-5)
+    # Identical rows share all but their last token: the suffix is a one-token decode step.
+    assert batch.timing["prefix_tokens"] == batch.rows[0].input_tokens - 1
+    direct = engine.score(STATES["list"], [row], shared=False).rows[0]
+    for other in batch.rows:
+        assert_close(other.option_logits, direct.option_logits, 1e-5)
 
 
 # -- the state prefix ----------------------------------------------------------------------
