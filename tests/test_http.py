@@ -331,3 +331,21 @@ def test_health_answers_while_the_engine_thread_is_busy(client, service):
     assert health.status_code == 200
     assert health.json()["queue"]["engine_pending"] == 2
     assert queued.status_code == 200
+
+
+def test_an_unexpected_failure_outside_a_decision_still_gets_the_500_envelope(service, monkeypatch):
+    from semif_serve.app import create_app
+
+    def broken(admission):
+        raise RuntimeError(TOKEN)
+
+    monkeypatch.setattr(service, "health", broken)
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(service), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.get("/health")
+
+    response = asyncio.run(go())
+    assert_error(response, 500, "internal_error", None)
+    assert TOKEN not in response.text

@@ -187,8 +187,6 @@ def create_app(service: Service) -> RequestContext:
     metrics = Metrics()
     metrics.watch(service, admission)
     outer = RequestContext(admission, metrics)
-    outer.admission = admission
-    outer.metrics = metrics
 
     @api.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
@@ -208,6 +206,11 @@ def create_app(service: Service) -> RequestContext:
             headers=dict(exc.headers or {}),
         )
         return error_response(error, request)
+
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected failure: %s", type(exc).__name__)
+        return error_response(internal(), request)
 
     async def answer(
         request: Request, handler: Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .admission import ASGIApp, Receive, Scope, Send
+from .admission import Receive, Scope, Send
 
 if TYPE_CHECKING:
     from .admission import Admission
@@ -132,9 +132,14 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
 class RequestContext:
     """Names each request, stamps X-Request-ID, and logs and counts it once it is answered."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: Admission, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+
+    @property
+    def admission(self) -> Admission:
+        """The admission layer this context wraps (its queue and drain state)."""
+        return self.app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
