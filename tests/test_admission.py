@@ -80,22 +80,27 @@ def small_service(engine, checkpoint):
     return Service.start(make_settings(checkpoint, max_queue=2, max_body_bytes=1000), engine=engine)
 
 
-def test_a_request_past_the_queue_cap_gets_429_before_its_body_is_read(small_service):
-    app = create_app(small_service)
+def while_every_slot_is_taken(app, path="/decide", method="POST", body=b""):
+    """Fill the queue with requests whose bodies never finish, send one more, return its exchange."""
 
     async def go():
         hold = asyncio.Event()
-        stuck = [Exchange([b"{"], hold=hold) for _ in range(2)]
+        stuck = [Exchange([b"{"], hold=hold) for _ in range(app.admission.max_queue)]
         tasks = [asyncio.create_task(app(scope(), e.receive, e.send)) for e in stuck]
         await asyncio.sleep(0.05)
-        assert app.admission.in_progress == 2
-        refused = Exchange([json.dumps(decision()).encode()])
-        await app(scope(), refused.receive, refused.send)
+        assert app.admission.in_progress == app.admission.max_queue
+        extra = Exchange([body])
+        await app(scope(path=path, method=method), extra.receive, extra.send)
         hold.set()
         await asyncio.gather(*tasks)
-        return refused
+        return extra
 
-    refused = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_request_past_the_queue_cap_gets_429_before_its_body_is_read(small_service):
+    app = create_app(small_service)
+    refused = while_every_slot_is_taken(app, body=json.dumps(decision()).encode())
     assert refused.status == 429
     assert refused.reads == 0
     assert refused.json["error"]["code"] == "busy"
@@ -105,19 +110,7 @@ def test_a_request_past_the_queue_cap_gets_429_before_its_body_is_read(small_ser
 
 def test_health_is_answered_while_every_slot_is_taken(small_service):
     app = create_app(small_service)
-
-    async def go():
-        hold = asyncio.Event()
-        stuck = [Exchange([b"{"], hold=hold) for _ in range(2)]
-        tasks = [asyncio.create_task(app(scope(), e.receive, e.send)) for e in stuck]
-        await asyncio.sleep(0.05)
-        health = Exchange([b""])
-        await app(scope(path="/health", method="GET"), health.receive, health.send)
-        hold.set()
-        await asyncio.gather(*tasks)
-        return health
-
-    health = asyncio.run(go())
+    health = while_every_slot_is_taken(app, path="/health", method="GET")
     assert health.status == 200
     assert health.json["queue"]["in_progress"] == 2
 
