@@ -1,4 +1,4 @@
-"""The `semif-serve` command: serve, demo, demo-model, calibrate, env-template.
+"""The `semif-serve` command: serve, demo, demo-model, calibrate, env-template, check-model, manifest.
 
 The entry point forces HF_HUB_OFFLINE=1 before anything imports transformers: the service
 never downloads weights or data.
@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import sys
+import textwrap
 from pathlib import Path
 
 EXIT_CONFIG = 2
@@ -47,6 +48,7 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
     """Validate everything, load and warm up the engine, then bind the port; fail closed."""
     from .app import Service, create_app
     from .calibration import CalibrationFileError
+    from .checkpoint_files import verify_checkpoint
     from .engine import CheckpointError
     from .errors import ServiceError
     from .logs import configure_logging
@@ -61,6 +63,7 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
         log.error("invalid configuration: %s", exc)
         return EXIT_CONFIG
     try:
+        verify_checkpoint(settings.model_path, settings.model_manifest)
         service = Service.start(settings)
     except (ConfigurationError, CalibrationFileError) as exc:
         log.error("invalid configuration: %s", exc)
@@ -95,18 +98,145 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
     return 0
 
 
+ENV_TEMPLATE_POINTER = (
+    "Every setting is a SEMIF_* environment variable; `semif-serve env-template` prints them all "
+    "with their defaults and meanings."
+)
+
+
+def settings_epilog() -> str:
+    """Every SEMIF_* variable with its default, generated from Settings, for `serve --help`."""
+    from .env_template import _format_value
+    from .settings import Settings, env_name
+
+    lines = ["settings (environment variables, default in brackets):"]
+    for field, info in Settings.model_fields.items():
+        default = _format_value(info.default) or "unset"
+        lines.append(f"  {env_name(field):<30} {info.description} [{default}]")
+    lines += ["", ENV_TEMPLATE_POINTER]
+    return "\n".join(lines)
+
+
+def check_model(directory: Path, manifest: Path | None) -> int:
+    """`semif-serve check-model`: 0 when the directory is complete (and matches the manifest)."""
+    from .checkpoint_files import CheckpointFilesError, check_checkpoint, verify_checkpoint
+    from .memory import GIB
+    from .settings import ConfigurationError
+
+    try:
+        report = check_checkpoint(directory)
+        print(f"{directory}: complete")
+        print(f"  config.json: model_type {report.model_type}")
+        print(f"  tokenizer: {', '.join(report.tokenizer)}")
+        print(
+            f"  weights: {len(report.shards)} safetensors files, {report.tensors} tensors, "
+            f"{report.bytes:,} bytes ({report.bytes / GIB:.2f} GiB)"
+        )
+        if manifest is None:
+            print("  manifest: not checked (add --manifest FILE to compare every file's SHA-256)")
+        else:
+            verification = verify_checkpoint(directory, manifest)
+            print(
+                f"  manifest: all {verification.files} files match {manifest} ({verification.seconds:.1f} s)"
+            )
+    except CheckpointFilesError as exc:
+        print(f"check-model: {exc}", file=sys.stderr)
+        return 1
+    except ConfigurationError as exc:
+        print(f"check-model: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
+def write_manifest(directory: Path, target: Path | None) -> int:
+    """`semif-serve manifest`: the SHA-256 manifest of a model directory, to stdout or a file."""
+    from .checkpoint_files import CheckpointFilesError, render_manifest
+
+    try:
+        text = render_manifest(directory, exclude=target)
+    except (CheckpointFilesError, OSError) as exc:
+        print(f"manifest: {exc}", file=sys.stderr)
+        return 1
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        target.write_text(text, encoding="utf-8")
+        print(f"wrote the SHA-256 of {text.count(chr(10))} files to {target}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `semif-serve` argument parser: one subcommand per task, each pointing to env-template."""
+    parser = argparse.ArgumentParser(
+        prog="semif-serve", description=__doc__.splitlines()[0], epilog=ENV_TEMPLATE_POINTER
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, summary: str, details: str = "", **kw) -> argparse.ArgumentParser:
+        description = f"{summary[0].upper()}{summary[1:]}." + (f" {details}" if details else "")
+        return commands.add_parser(
+            name,
+            help=summary,
+            description="\n\n".join(textwrap.fill(text, 88) for text in (description, ENV_TEMPLATE_POINTER)),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kw,
+        )
+
+    command(
+        "serve",
+        "serve the configured model (the default when no command is given)",
+        "Validates the settings, verifies the weights against SEMIF_MODEL_MANIFEST when it is set, "
+        "loads and warms up the model, then binds SEMIF_HOST:SEMIF_PORT. Exits 2 on invalid "
+        "configuration, 3 when the checkpoint or the warm-up fails.",
+        epilog=settings_epilog(),
+    )
+    demo = command(
+        "demo",
+        "serve a random-weight demo model on the CPU (its answers carry no meaning)",
+        "Builds the demo checkpoint once (under SEMIF_DEMO_DIR, else ~/.cache/semif-serve/demo-model), "
+        "then serves it in the foreground. It reads SEMIF_PORT, SEMIF_API_TOKEN (fixed, so examples "
+        "can be pasted; otherwise a new token is printed on every run) and SEMIF_CALIBRATION.",
+    )
+    demo.add_argument("--port", type=int, default=None, help="port to bind (default: SEMIF_PORT, else 8032)")
+    model = command("demo-model", "write the random-weight demo checkpoint to DIR, without serving it")
+    model.add_argument("directory", type=Path, metavar="DIR", help="folder to write (created if missing)")
+    # calibrate parses its own arguments (run_calibrate); its help lives there.
+    commands.add_parser("calibrate", help="fit a workload temperature", add_help=False)
+    command("env-template", "print every SEMIF_* variable with its default, as a commented env file")
+    check = command(
+        "check-model",
+        "check that a model directory is complete before serving it",
+        "Verifies config.json, the tokenizer files, the safetensors index, and that every shard it "
+        "names is present and readable (its header parses and its tensors fill the file). With "
+        "--manifest it also compares every file's SHA-256. Exits 0 when complete, 1 otherwise.",
+    )
+    check.add_argument("directory", type=Path, metavar="DIR", help="the model directory (SEMIF_MODEL_PATH)")
+    check.add_argument(
+        "--manifest", type=Path, default=None, metavar="FILE", help="a manifest from `semif-serve manifest`"
+    )
+    manifest = command(
+        "manifest",
+        "print the SHA-256 manifest of a model directory, for SEMIF_MODEL_MANIFEST",
+        "One `<sha256>  <path>` line per file (sha256sum's format; hidden paths skipped). Point "
+        "SEMIF_MODEL_MANIFEST at it and startup refuses (exit 3) a directory whose files differ.",
+    )
+    manifest.add_argument(
+        "directory", type=Path, metavar="DIR", help="the model directory (SEMIF_MODEL_PATH)"
+    )
+    manifest.add_argument(
+        "--write",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the manifest to FILE instead of stdout",
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `semif-serve` console script."""
     force_offline()
-    parser = argparse.ArgumentParser(prog="semif-serve", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command")
-    commands.add_parser("serve", help="serve the configured model (the default)")
-    demo = commands.add_parser("demo", help="serve a random-weight demo model on the CPU")
-    demo.add_argument("--port", type=int, default=None)
-    model = commands.add_parser("demo-model", help="write the demo checkpoint to DIR")
-    model.add_argument("directory", type=Path)
-    commands.add_parser("calibrate", help="fit a workload temperature", add_help=False)
-    commands.add_parser("env-template", help="print every SEMIF_* variable with its default")
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "calibrate":
@@ -126,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(render_env_template())
         return 0
+    if args.command == "check-model":
+        return check_model(args.directory, args.manifest)
+    if args.command == "manifest":
+        return write_manifest(args.directory, args.write)
     if args.command == "demo":
         from .demo import DEMO_REVISION
 

@@ -31,6 +31,10 @@ class Settings(BaseSettings):
 
     model_path: Path | None = Field(None, description="Local model directory (read-only mount).")
     model_revision: str = Field("", description="Revision string of the checkpoint (required).")
+    model_manifest: Path | None = Field(
+        None,
+        description="SHA-256 manifest of the model directory (semif-serve manifest); startup verifies it.",
+    )
     model_source: str = Field("Qwen/Qwen3.5-4B", description="Model id reported in results.")
     allow_any_architecture: bool = Field(
         False, description="Serve a checkpoint whose model_type is not a Qwen3.5 text model."
