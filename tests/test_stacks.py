@@ -32,6 +32,10 @@ SETTINGS_VARS = {env_name(field) for field in Settings.model_fields}
 # Compose-level interpolation variables that are not service settings.
 STACK_VARS = {
     "SEMIF_VERSION",
+    "SEMIF_GPU",
+    "SEMIF_GPU0",
+    "SEMIF_GPU1",
+    "HOST_PORT",
     "MODEL_HOST_DIR",
     "MODEL_REVISION",
     "CONF_HOST_DIR",
@@ -85,7 +89,7 @@ def gpu_ids(service: dict) -> list[str]:
     assert device.get("driver", "nvidia") == "nvidia"
     assert "gpu" in device["capabilities"]
     assert "count" not in device, "device_ids and count are exclusive"
-    return [str(i) for i in device["device_ids"]]
+    return [with_defaults(i) for i in device["device_ids"]]
 
 
 def check_semif_service(service: dict, compose: dict) -> None:
@@ -164,8 +168,8 @@ def test_single_stack():
     assert set(compose["services"]) == {"semif"}
     service = compose["services"]["semif"]
     check_semif_service(service, compose)
-    assert gpu_ids(service) == ["1"]
-    assert any(str(port).split(":")[-2:] == ["8032", "8032"] for port in service["ports"])
+    assert gpu_ids(service) == ["0"]
+    assert any(with_defaults(port).split(":")[-2:] == ["8032", "8032"] for port in service["ports"])
 
 
 @pytest.mark.parametrize("path", [SINGLE, MULTI], ids=["semif", "semif-multi"])
@@ -174,6 +178,33 @@ def test_interpolation_variables_are_known(path):
     assert names <= STACK_VARS | SETTINGS_VARS, sorted(names - STACK_VARS - SETTINGS_VARS)
     # A compose-level name must not collide with a setting of another meaning.
     assert not (names & SETTINGS_VARS)
+
+
+@pytest.mark.parametrize("path", [SINGLE, MULTI], ids=["semif", "semif-multi"])
+def test_every_stack_variable_has_a_default_and_is_documented(path):
+    text = path.read_text(encoding="utf-8")
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    readme = (path.parent / "README.md").read_text(encoding="utf-8")
+    readme += (SINGLE.parent / "README.md").read_text(encoding="utf-8")
+    for match in INTERPOLATION.finditer(text):
+        assert match["default"], f"${{{match['name']}}} has no default"
+        assert match["name"] in header, f"{match['name']} is not listed in the compose header"
+        assert f"`{match['name']}`" in readme, f"{match['name']} is not in the stack README"
+
+
+@pytest.mark.parametrize("path", [SINGLE, MULTI], ids=["semif", "semif-multi"])
+def test_host_paths_default_to_the_checkout_not_to_one_site(path):
+    compose = load_compose(path)
+    for name, service in compose["services"].items():
+        for target, volume in mounts(service).items():
+            source = with_defaults(volume["source"])
+            assert not source.startswith("/"), f"{name}: {target} defaults to the site path {source}"
+            assert (path.parent / source).resolve().is_relative_to(ROOT), source
+        if "/etc/semif" in mounts(service):
+            conf = path.parent / with_defaults(mounts(service)["/etc/semif"]["source"])
+            assert (conf / "calibration.json").is_file(), "the default conf folder holds calibration.json"
+    for secret in compose["secrets"].values():
+        assert not with_defaults(secret["file"]).startswith("/")
 
 
 # ----------------------------------------------------------------------- stacks/semif-multi
@@ -208,7 +239,7 @@ def test_multi_stack_nginx_service():
     compose = load_compose(MULTI)
     nginx = compose["services"]["nginx"]
     assert nginx["restart"] == "unless-stopped"
-    assert any(str(port).split(":")[-2:] == ["8032", "8032"] for port in nginx["ports"])
+    assert any(with_defaults(port).split(":")[-2:] == ["8032", "8032"] for port in nginx["ports"])
     assert mounts(nginx)["/etc/nginx/nginx.conf"] == {
         "source": "./nginx.conf",
         "read_only": True,
