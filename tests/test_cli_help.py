@@ -42,13 +42,12 @@ def test_serve_help_lists_every_setting_with_its_default(capsys):
     text = help_text(capsys, "serve")
     for field, info in Settings.model_fields.items():
         default = info.default
-        written = (
-            "unset"
-            if default is None
-            else str(default).lower()
-            if isinstance(default, bool)
-            else str(default)
-        )
+        if default in (None, ""):
+            written = "unset"
+        elif isinstance(default, bool):
+            written = str(default).lower()
+        else:
+            written = str(default)
         assert re.search(rf"{env_name(field)} .*?\[{re.escape(written)}\]", text), env_name(field)
 
 
