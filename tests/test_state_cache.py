@@ -218,3 +218,10 @@ def test_the_digest_depends_on_every_id_and_the_length():
     assert prefix_digest([1, 2, 3]) != prefix_digest([1, 2, 4])
     assert prefix_digest([0]) != prefix_digest([0, 0])
     assert prefix_digest((1, 2)) == prefix_digest([1, 2])
+
+
+def test_a_states_bytes_match_the_memory_estimates_geometry(engine, model):
+    for n in (1, 17, 90):
+        ids = token_ids(n, 20 + n)
+        expected = engine.estimate.cache_per_token * n + engine.estimate.state_per_row
+        assert StoredState(ids, prefill(model, ids)).nbytes == expected
