@@ -205,6 +205,7 @@ class Batcher(Generic[R]):
         return len(self._queue)
 
     def stats(self) -> BatchStats:
+        """A copy of the counters, readable from any thread."""
         with self._stats_lock:
             return BatchStats(**vars(self._stats))
 
