@@ -1,0 +1,304 @@
+"""Cross-request batching: plan the forwards for what is queued, and the loop that runs them.
+
+`plan_groups` is pure (no torch, no asyncio): requests over the same state prefix share one
+group (one prefill, or one cache hit); rows go into right-padded groups bounded by
+`max_batch_rows` and `max_batch_tokens` (padded tokens = rows x widest suffix, plus the prefix
+for groups over a state); a request's rows are split only when the request alone exceeds the
+bounds. `Batcher` is the asyncio side: when the engine is free it takes everything queued
+(never waiting on purpose), drops cancelled requests before their forward, runs each group on
+the engine thread through `run_group`, and when a merged group fails, retries each request
+alone so that one bad request fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request to score: `row_tokens[i]` is row i's token count after the state prefix
+    (the whole prompt when `prefix_key` is None); `payload` is whatever the engine needs."""
+
+    id: Hashable
+    prefix_key: Hashable | None
+    prefix_tokens: int
+    row_tokens: tuple[int, ...]
+    payload: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.row_tokens or min(self.row_tokens) < 1:
+            raise ValueError("a job needs at least one row of at least one token")
+        if self.prefix_key is None and self.prefix_tokens:
+            raise ValueError("a job without a prefix key has no prefix tokens")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows `start:stop` of one job, as they run in one group."""
+
+    job: Job
+    start: int
+    stop: int
+
+    @property
+    def row_tokens(self) -> tuple[int, ...]:
+        return self.job.row_tokens[self.start : self.stop]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One forward: parts of jobs over the same state prefix (or none), right-padded together."""
+
+    prefix_key: Hashable | None
+    prefix_tokens: int
+    parts: tuple[Part, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.stop - p.start for p in self.parts)
+
+    @property
+    def width(self) -> int:
+        return max(max(p.row_tokens) for p in self.parts)
+
+    @property
+    def true_tokens(self) -> int:
+        return sum(sum(p.row_tokens) for p in self.parts)
+
+    @property
+    def padded_tokens(self) -> int:
+        """What the bounds limit: rows x widest row, plus the prefix it prefills."""
+        return self.rows * self.width + self.prefix_tokens
+
+    @property
+    def job_ids(self) -> tuple[Hashable, ...]:
+        return tuple(p.job.id for p in self.parts)
+
+    def keeping(self, job_ids: set[Hashable]) -> Group | None:
+        """This group with only the parts of `job_ids`; None when nothing is left."""
+        parts = tuple(p for p in self.parts if p.job.id in job_ids)
+        return Group(self.prefix_key, self.prefix_tokens, parts) if parts else None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Limits on one forward; a single row past them still runs alone (the engine judges it)."""
+
+    max_batch_rows: int = 64
+    max_batch_tokens: int = 16_384
+
+    def __post_init__(self) -> None:
+        if self.max_batch_rows < 1 or self.max_batch_tokens < 1:
+            raise ValueError("batch bounds must be >= 1")
+
+    def fits(self, group: Group) -> bool:
+        return group.rows <= self.max_batch_rows and group.padded_tokens <= self.max_batch_tokens
+
+
+def plan_groups(jobs: Sequence[Job], bounds: Bounds) -> list[Group]:
+    """The forwards to run for `jobs`, deterministic in their order.
+
+    Jobs are bucketed by prefix key (first appearance first); within a bucket each job goes
+    whole into the first group it fits, else opens a new one; a job that fits no group even
+    alone is cut into consecutive row slices, each as large as fits (at least one row).
+    """
+    buckets: dict[Hashable, list[Group]] = {}
+    ids: set[Hashable] = set()
+    for job in jobs:
+        if job.id in ids:
+            raise ValueError(f"job id {job.id!r} appears twice")
+        ids.add(job.id)
+        key = ("prefix", job.prefix_key) if job.prefix_key is not None else ("none",)
+        groups = buckets.setdefault(key, [])
+        if groups and groups[0].prefix_tokens != job.prefix_tokens:
+            raise ValueError(f"job {job.id!r} disagrees on the length of prefix {job.prefix_key!r}")
+        whole = Part(job, 0, len(job.row_tokens))
+        for i, group in enumerate(groups):
+            merged = Group(group.prefix_key, group.prefix_tokens, (*group.parts, whole))
+            if bounds.fits(merged):
+                groups[i] = merged
+                break
+        else:
+            alone = Group(job.prefix_key, job.prefix_tokens, (whole,))
+            groups.extend([alone] if bounds.fits(alone) else _slices(job, bounds))
+    return [group for groups in buckets.values() for group in groups]
+
+
+def _slices(job: Job, bounds: Bounds) -> list[Group]:
+    groups, start = [], 0
+    while start < len(job.row_tokens):
+        stop = start + 1
+        while stop < len(job.row_tokens) and bounds.fits(
+            Group(job.prefix_key, job.prefix_tokens, (Part(job, start, stop + 1),))
+        ):
+            stop += 1
+        groups.append(Group(job.prefix_key, job.prefix_tokens, (Part(job, start, stop),)))
+        start = stop
+    return groups
+
+
+RunGroup = Callable[[Group], Mapping[Hashable, Sequence[R]]]
+
+
+@dataclass
+class BatchStats:
+    """Counters of the batcher's forwards (a snapshot is a copy)."""
+
+    forwards: int = 0
+    rows: int = 0
+    true_tokens: int = 0
+    padded_tokens: int = 0
+    merged_forwards: int = 0  # forwards that carried more than one request
+    isolated_retries: int = 0  # requests rerun alone after their merged forward failed
+    cancelled_dropped: int = 0
+
+
+class _Pending:
+    def __init__(self, job: Job, future: asyncio.Future) -> None:
+        self.job = job
+        self.future = future
+        self.rows: dict[int, list[Any]] = {}
+
+    def deliver(self, part: Part, results: Sequence[Any]) -> None:
+        if len(results) != part.stop - part.start:
+            raise RuntimeError(f"run_group returned {len(results)} results for {part.stop - part.start} rows")
+        self.rows[part.start] = list(results)
+        if sum(len(r) for r in self.rows.values()) == len(self.job.row_tokens) and not self.future.done():
+            self.future.set_result([r for start in sorted(self.rows) for r in self.rows[start]])
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+class Batcher(Generic[R]):
+    """Queues jobs with futures and runs them, merged, on the engine thread.
+
+    `run_group(group)` runs on `executor` (one thread: the engine's) and returns, for every job
+    in the group, the results of that job's rows in the group, in order; it raises to fail
+    the group. `submit(job)` resolves to the job's row results in row order.
+    """
+
+    def __init__(self, run_group: RunGroup, bounds: Bounds, executor: Executor | None = None) -> None:
+        self.run_group = run_group
+        self.bounds = bounds
+        self._own_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
+        self._queue: list[_Pending] = []
+        self._ids: set[Hashable] = set()  # jobs queued or running: ids must be unique among them
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stats = BatchStats()
+        self._stats_lock = threading.Lock()
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the engine (not counting the group running now)."""
+        return len(self._queue)
+
+    def stats(self) -> BatchStats:
+        """A copy of the counters, readable from any thread."""
+        with self._stats_lock:
+            return BatchStats(**vars(self._stats))
+
+    async def submit(self, job: Job) -> list[R]:
+        """Queue `job` and wait for its rows' results; cancelling the caller drops the job
+        if its forward has not started."""
+        if job.id in self._ids:
+            raise ValueError(f"job id {job.id!r} is already queued or running")
+        loop = asyncio.get_running_loop()
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = loop.create_task(self._loop())
+        future = loop.create_future()
+        self._ids.add(job.id)
+        future.add_done_callback(lambda _: self._ids.discard(job.id))
+        self._queue.append(_Pending(job, future))
+        self._wakeup.set()
+        return await future
+
+    async def close(self) -> None:
+        """Stop the loop (queued jobs are cancelled) and the batcher's own executor."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for pending in self._queue:
+            pending.future.cancel()
+        self._queue.clear()
+        if self._own_executor:
+            self.executor.shutdown(wait=False)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            taken, self._queue = self._queue, []
+            live = {p.job.id: p for p in taken if not self._dropped(p)}
+            for group in self._plan(live):
+                await self._run(group, live)
+
+    def _plan(self, live: dict[Hashable, _Pending]) -> list[Group]:
+        try:
+            return plan_groups([p.job for p in live.values()], self.bounds)
+        except ValueError:
+            pass  # jobs that disagree with each other: plan each alone, fail only the invalid
+        groups: list[Group] = []
+        for pending in live.values():
+            try:
+                groups.extend(plan_groups([pending.job], self.bounds))
+            except ValueError as exc:
+                pending.fail(exc)
+        return groups
+
+    def _dropped(self, pending: _Pending) -> bool:
+        if pending.future.done():
+            with self._stats_lock:
+                self._stats.cancelled_dropped += pending.future.cancelled()
+            return True
+        return False
+
+    async def _run(self, group: Group, live: dict[Hashable, _Pending]) -> None:
+        group = group.keeping({i for i in group.job_ids if not live[i].future.done()})
+        if group is None:
+            return
+        try:
+            results = await self._forward(group)
+        except Exception as exc:  # noqa: BLE001 - routed to the callers, never raised here
+            if len(set(group.job_ids)) == 1:
+                live[group.job_ids[0]].fail(exc)
+                return
+            for part in group.parts:
+                with self._stats_lock:
+                    self._stats.isolated_retries += 1
+                await self._run(Group(group.prefix_key, group.prefix_tokens, (part,)), live)
+            return
+        for part in group.parts:
+            pending = live[part.job.id]
+            try:
+                pending.deliver(part, results[part.job.id])
+            except (KeyError, RuntimeError) as exc:
+                pending.fail(RuntimeError(f"run_group gave no usable results for job {part.job.id!r}: {exc}"))
+
+    async def _forward(self, group: Group) -> Mapping[Hashable, Sequence[R]]:
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(self.executor, self.run_group, group)
+        with self._stats_lock:
+            s = self._stats
+            s.forwards += 1
+            s.rows += group.rows
+            s.true_tokens += group.true_tokens
+            s.padded_tokens += group.rows * group.width
+            s.merged_forwards += len(set(group.job_ids)) > 1
+        return results

@@ -1,0 +1,301 @@
+"""Cross-request batching: the grouping rules (pure, property-checked) and the batcher's loop,
+driven through a gated fake engine on a real thread (a model cannot be paused mid-forward)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from semif_serve.batching import Batcher, Bounds, Group, Job, Part, plan_groups
+
+HANG_GUARD_S = 10
+
+
+def job(job_id, key=None, prefix=0, rows=(5,), payload=None) -> Job:
+    return Job(job_id, key, prefix, tuple(rows), payload)
+
+
+def shape(groups: list[Group]) -> list[list[tuple]]:
+    return [[(p.job.id, p.start, p.stop) for p in g.parts] for g in groups]
+
+
+# -- planning ------------------------------------------------------------------------------
+
+
+def test_requests_over_the_same_state_prefix_share_one_group_and_others_pad_together():
+    jobs = [
+        job("a", "s1", 100, (4, 6)),
+        job("b", None, 0, (30,)),
+        job("c", "s2", 50, (3,)),
+        job("d", "s1", 100, (9,)),
+        job("e", None, 0, (12, 20)),
+    ]
+    groups = plan_groups(jobs, Bounds(max_batch_rows=64, max_batch_tokens=16_384))
+    assert shape(groups) == [
+        [("a", 0, 2), ("d", 0, 1)],
+        [("b", 0, 1), ("e", 0, 2)],
+        [("c", 0, 1)],
+    ]
+
+
+def test_padded_tokens_are_rows_times_the_widest_row_plus_the_prefix_prefilled():
+    (over_state,) = plan_groups([job("a", "s", 100, (4, 6)), job("b", "s", 100, (9,))], Bounds())
+    assert (over_state.rows, over_state.width, over_state.true_tokens) == (3, 9, 19)
+    assert over_state.padded_tokens == 3 * 9 + 100
+    (plain,) = plan_groups([job("c", rows=(7, 2))], Bounds())
+    assert plain.padded_tokens == 2 * 7
+
+
+def test_a_job_that_does_not_fit_beside_others_opens_a_new_group_whole():
+    bounds = Bounds(max_batch_rows=4, max_batch_tokens=10_000)
+    jobs = [job("a", rows=(5, 5, 5)), job("b", rows=(5, 5)), job("c", rows=(5,))]
+    assert shape(plan_groups(jobs, bounds)) == [[("a", 0, 3), ("c", 0, 1)], [("b", 0, 2)]]
+
+
+def test_a_job_too_large_alone_is_cut_into_consecutive_slices_that_each_fit():
+    bounds = Bounds(max_batch_rows=64, max_batch_tokens=100)
+    big = job("big", "s", 40, (10, 10, 10, 10, 10, 10, 10))
+    assert shape(plan_groups([big], bounds)) == [[("big", 0, 6)], [("big", 6, 7)]]
+    assert all(bounds.fits(g) for g in plan_groups([big], bounds))
+
+
+def test_a_single_row_past_the_bounds_still_runs_alone():
+    groups = plan_groups([job("huge", rows=(500,)), job("small", rows=(3,))], Bounds(max_batch_tokens=100))
+    assert shape(groups) == [[("huge", 0, 1)], [("small", 0, 1)]]
+
+
+def test_planning_refuses_duplicate_ids_and_disagreeing_prefix_lengths():
+    with pytest.raises(ValueError, match="twice"):
+        plan_groups([job("a"), job("a")], Bounds())
+    with pytest.raises(ValueError, match="length of prefix"):
+        plan_groups([job("a", "s", 10), job("b", "s", 11)], Bounds())
+
+
+jobs_strategy = st.lists(
+    st.tuples(
+        st.sampled_from([None, "s1", "s2", "s3"]),
+        st.lists(st.integers(1, 60), min_size=1, max_size=12),
+    ),
+    min_size=1,
+    max_size=20,
+)
+prefix_length = {None: 0, "s1": 30, "s2": 200, "s3": 1}
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs=jobs_strategy, max_rows=st.integers(1, 16), max_tokens=st.integers(1, 600))
+def test_every_plan_covers_each_row_once_respects_the_bounds_and_splits_only_oversized_jobs(
+    specs, max_rows, max_tokens
+):
+    jobs = [job(i, key, prefix_length[key], rows) for i, (key, rows) in enumerate(specs)]
+    bounds = Bounds(max_batch_rows=max_rows, max_batch_tokens=max_tokens)
+    groups = plan_groups(jobs, bounds)
+    assert groups == plan_groups(jobs, bounds)  # deterministic
+    covered = {j.id: [] for j in jobs}
+    for group in groups:
+        assert all(p.job.prefix_key == group.prefix_key for p in group.parts)
+        assert len(set(group.job_ids)) == len(group.job_ids)
+        if not bounds.fits(group):
+            assert group.rows == 1  # only a single row may exceed the bounds, alone
+        for part in group.parts:
+            covered[part.job.id].extend(range(part.start, part.stop))
+    for j in jobs:
+        assert sorted(covered[j.id]) == list(range(len(j.row_tokens)))
+        alone = Group(j.prefix_key, j.prefix_tokens, (Part(j, 0, len(j.row_tokens)),))
+        pieces = sum(p.job.id == j.id for g in groups for p in g.parts)
+        if bounds.fits(alone):
+            assert pieces == 1
+
+
+# -- the batcher ---------------------------------------------------------------------------
+
+
+class GatedEngine:
+    """A fake engine on the batcher's real thread: records each group, can hold the first
+    forward until released, and fails any group containing a job id in `bad`."""
+
+    def __init__(self, hold_first: bool = True, bad: frozenset = frozenset()) -> None:
+        self.groups: list[Group] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
+        self.bad = bad
+        self.threads: set[str] = set()
+
+    def __call__(self, group: Group):
+        self.threads.add(threading.current_thread().name)
+        self.groups.append(group)
+        self.started.set()
+        self.release.wait(HANG_GUARD_S)
+        if self.bad & set(group.job_ids):
+            raise RuntimeError("this request cannot run")
+        return {p.job.id: [f"{p.job.payload}#{row}" for row in range(p.start, p.stop)] for p in group.parts}
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
+
+
+async def busy(batcher: Batcher, engine: GatedEngine) -> asyncio.Task:
+    """Occupy the engine with a first job and return once its forward has started."""
+    first = asyncio.create_task(batcher.submit(job("first", payload="F")))
+    await asyncio.to_thread(engine.started.wait, HANG_GUARD_S)
+    return first
+
+
+async def settle() -> None:
+    """Let queued submissions reach the queue (they append on their first step)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_lone_job_runs_at_once_alone_and_gets_its_rows_in_order():
+    engine = GatedEngine(hold_first=False)
+
+    async def main():
+        batcher = Batcher(engine, Bounds())
+        result = await batcher.submit(job("a", rows=(3, 4, 5), payload="A"))
+        await batcher.close()
+        return result, batcher.stats()
+
+    result, stats = run(main())
+    assert result == ["A#0", "A#1", "A#2"]
+    assert shape(engine.groups) == [[("a", 0, 3)]]
+    assert (stats.forwards, stats.rows, stats.merged_forwards) == (1, 3, 0)
+    (thread,) = engine.threads
+    assert thread.startswith("semif-batch")
+
+
+def test_jobs_queued_while_the_engine_is_busy_merge_into_one_forward_and_each_gets_its_own_results():
+    engine = GatedEngine()
+
+    async def main():
+        batcher = Batcher(engine, Bounds())
+        first = await busy(batcher, engine)
+        tasks = [
+            asyncio.create_task(batcher.submit(job(name, "state", 100, (4, 6), payload=name.upper())))
+            for name in ("b", "c", "d")
+        ]
+        await settle()
+        assert batcher.queued == 3
+        engine.release.set()
+        results = await asyncio.gather(first, *tasks)
+        await batcher.close()
+        return results, batcher.stats()
+
+    results, stats = run(main())
+    assert results == [["F#0"], ["B#0", "B#1"], ["C#0", "C#1"], ["D#0", "D#1"]]
+    assert shape(engine.groups) == [[("first", 0, 1)], [("b", 0, 2), ("c", 0, 2), ("d", 0, 2)]]
+    assert (stats.forwards, stats.merged_forwards, stats.rows) == (2, 1, 7)
+    assert stats.padded_tokens == 1 * 5 + 6 * 6 and stats.true_tokens == 5 + 3 * 10
+
+
+def test_a_job_cancelled_by_its_caller_while_queued_is_dropped_before_its_forward():
+    engine = GatedEngine()
+
+    async def main():
+        batcher = Batcher(engine, Bounds())
+        first = await busy(batcher, engine)
+        kept = asyncio.create_task(batcher.submit(job("kept", payload="K")))
+        gone = asyncio.create_task(batcher.submit(job("gone", payload="G")))
+        await settle()
+        gone.cancel()
+        await settle()
+        engine.release.set()
+        results = await asyncio.gather(first, kept)
+        await batcher.close()
+        return results, gone.cancelled(), batcher.stats()
+
+    results, cancelled, stats = run(main())
+    assert results == [["F#0"], ["K#0"]] and cancelled
+    assert "gone" not in {i for g in engine.groups for i in g.job_ids}
+    assert stats.cancelled_dropped == 1
+
+
+def test_a_failing_request_in_a_merged_forward_fails_alone_and_the_others_succeed():
+    engine = GatedEngine(bad=frozenset({"bad"}))
+
+    async def main():
+        batcher = Batcher(engine, Bounds())
+        first = await busy(batcher, engine)
+        tasks = [
+            asyncio.create_task(batcher.submit(job(name, "state", 10, (3,), payload=name)))
+            for name in ("ok1", "bad", "ok2")
+        ]
+        await settle()
+        engine.release.set()
+        results = await asyncio.gather(first, *tasks, return_exceptions=True)
+        await batcher.close()
+        return results, batcher.stats()
+
+    (first, ok1, bad, ok2), stats = run(main())
+    assert (first, ok1, ok2) == (["F#0"], ["ok1#0"], ["ok2#0"])
+    assert isinstance(bad, RuntimeError) and "cannot run" in str(bad)
+    assert shape(engine.groups)[1:] == [
+        [("ok1", 0, 1), ("bad", 0, 1), ("ok2", 0, 1)],
+        [("ok1", 0, 1)],
+        [("bad", 0, 1)],
+        [("ok2", 0, 1)],
+    ]
+    assert stats.isolated_retries == 3
+
+
+def test_a_job_split_over_several_forwards_gets_all_its_rows_back_in_order():
+    engine = GatedEngine(hold_first=False)
+
+    async def main():
+        batcher = Batcher(engine, Bounds(max_batch_rows=2))
+        result = await batcher.submit(job("wide", rows=(1, 2, 3, 4, 5), payload="W"))
+        await batcher.close()
+        return result
+
+    assert run(main()) == [f"W#{i}" for i in range(5)]
+    assert shape(engine.groups) == [[("wide", 0, 2)], [("wide", 2, 4)], [("wide", 4, 5)]]
+
+
+def test_a_caller_cancelled_during_its_forward_is_not_answered_and_the_loop_keeps_serving():
+    engine = GatedEngine()
+
+    async def main():
+        batcher = Batcher(engine, Bounds())
+        first = await busy(batcher, engine)
+        first.cancel()
+        engine.release.set()
+        after = await batcher.submit(job("after", payload="X"))
+        await batcher.close()
+        return first.cancelled(), after
+
+    assert run(main()) == (True, ["X#0"])
+
+
+def test_a_job_id_already_queued_is_refused_at_submit():
+    engine = GatedEngine()
+
+    async def main():
+        batcher = Batcher(engine, Bounds())
+        first = await busy(batcher, engine)
+        with pytest.raises(ValueError, match="already queued"):
+            await batcher.submit(job("first"))
+        engine.release.set()
+        await first
+        await batcher.close()
+
+    run(main())
+
+
+def test_an_engine_returning_too_few_results_fails_that_job_not_the_loop():
+    def short(group: Group):
+        return {p.job.id: [] for p in group.parts}
+
+    async def main():
+        batcher = Batcher(short, Bounds())
+        with pytest.raises(RuntimeError, match="no usable results"):
+            await batcher.submit(job("a"))
+        await batcher.close()
+
+    run(main())
