@@ -14,7 +14,7 @@ from conftest import TOKEN, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.app import Service
-from semif_serve.demo import write_checkpoint
+from semif_serve.demo import DEMO_REVISION, write_checkpoint
 from semif_serve.engine import TorchEngine
 from semif_serve.errors import ServiceError
 from semif_serve.settings import ConfigurationError, load_settings
@@ -110,7 +110,7 @@ def run_cli(args, env_overrides, timeout=120):
 def base_env(checkpoint) -> dict[str, str]:
     return {
         "SEMIF_MODEL_PATH": str(checkpoint),
-        "SEMIF_MODEL_REVISION": "demo-random-weights-v1",
+        "SEMIF_MODEL_REVISION": DEMO_REVISION,
         "SEMIF_DEVICE": "cpu",
         "SEMIF_API_TOKEN": TOKEN,
         "SEMIF_PORT": "1",

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEMO_REVISION = "demo-random-weights-v1"
+# v2: Qwen3.5's real tokenizer (v1 had a toy BPE); a demo cache of another revision is rebuilt.
+DEMO_REVISION = "demo-random-weights-v2"
 
 # Qwen3.5's embedding rows: 248,044 ranks + 33 added tokens, padded to a multiple of 256.
 QWEN35_VOCAB_SIZE = 248320
@@ -156,12 +158,27 @@ def qwen35_tokenizer():
     return fast
 
 
+_TOKENIZER_DIRS: list = []
+
+
+@functools.cache
+def _saved_tokenizer() -> Path:
+    """Qwen3.5's tokenizer files, saved once per process (each checkpoint copies them)."""
+    import tempfile
+
+    holder = tempfile.TemporaryDirectory(prefix="semif-qwen35-tokenizer-")
+    _TOKENIZER_DIRS.append(holder)  # removed when the process exits
+    qwen35_tokenizer().save_pretrained(holder.name)
+    return Path(holder.name)
+
+
 def build_tokenizer(directory: Path):
-    """Save Qwen3.5's tokenizer (see `qwen35_tokenizer`) to `directory` and return it."""
-    tokenizer = qwen35_tokenizer()
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(directory))
-    return tokenizer
+    """Write Qwen3.5's tokenizer (see `qwen35_tokenizer`) to `directory` and return it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for source in _saved_tokenizer().iterdir():
+        shutil.copyfile(source, directory / source.name)
+    return qwen35_tokenizer()
 
 
 def write_checkpoint(
@@ -216,11 +233,12 @@ def write_checkpoint(
     if slot_bias:
         with torch.no_grad():
             # Tied embeddings: a letter's logit is its row dotted with the last position's final
-            # hidden state (RMS-normed: norm ~ sqrt(hidden_size)). Every prompt ends with "\n", and
-            # in a random-weight model that state points along the "\n" embedding, so moving the
-            # letter's row along it raises the logit by about `bias`. (A fixed direction such as
+            # hidden state (RMS-normed: norm ~ sqrt(hidden_size)). Every prompt ends with "\n\n" (one
+            # token), and in a random-weight model that state points along its embedding, so moving
+            # the letter's row along it raises the logit by about `bias`. (A fixed direction such as
             # all-ones has a seed-dependent sign: with seed 0 it lowered the logit instead.)
-            newline = embed.weight[tokenizer.convert_tokens_to_ids("\u010a")].clone()
+            [last] = tokenizer.encode("\n\n", add_special_tokens=False)
+            newline = embed.weight[last].clone()
             direction = newline / newline.norm()
             for letter, bias in slot_bias.items():
                 token_id = tokenizer.convert_tokens_to_ids(letter)
