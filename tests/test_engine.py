@@ -107,10 +107,10 @@ def plain_option_logits(model, tokenizer, ids: list[int], n: int) -> list[float]
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(checkpoint, tokenizer):
     model = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     model.eval()
-    return model, AutoTokenizer.from_pretrained(str(checkpoint))
+    return model, tokenizer
 
 
 def assert_close(actual, expected, tol: float) -> None:
@@ -417,8 +417,13 @@ def boundary_checkpoint(checkpoint, tmp_path_factory) -> Path:
     return edited_copy(checkpoint, tmp_path_factory.mktemp("boundary") / "ckpt", newlines_merge_with_a)
 
 
-def test_a_letter_that_merges_across_the_answer_boundary_refuses_the_prompt(boundary_checkpoint) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(boundary_checkpoint))
+@pytest.fixture(scope="module")
+def boundary_tokenizer(boundary_checkpoint):
+    return AutoTokenizer.from_pretrained(str(boundary_checkpoint))
+
+
+def test_a_letter_that_merges_across_the_answer_boundary_refuses_the_prompt(boundary_tokenizer) -> None:
+    tokenizer = boundary_tokenizer
     codec = PromptCodec(tokenizer, 4096)  # every letter alone is still one token
     text = render(tokenizer, "ok", "Did it?", ("Yes.", "No."))
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -562,11 +567,8 @@ def test_a_multimodal_checkpoints_option_logits_equal_its_own_text_only_forward(
 
 
 @pytest.mark.parametrize("which", ["good", "broken"])
-def test_the_per_tail_boundary_check_agrees_with_re_encoding_every_prompt(
-    which, checkpoint, boundary_checkpoint
-) -> None:
-    directory = checkpoint if which == "good" else boundary_checkpoint
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+def test_the_per_tail_boundary_check_agrees_with_re_encoding_every_prompt(which, request) -> None:
+    tokenizer = request.getfixturevalue("tokenizer" if which == "good" else "boundary_tokenizer")
     codec = PromptCodec(tokenizer, 4096)
     for state in STATES.values():
         for n in (2, 5, 16):
