@@ -179,3 +179,16 @@ def test_the_demo_checkpoint_is_written_offline_and_deterministically(tmp_path):
         assert digest[0] == digest[1], name
     marker = json.loads((first / "DEMO.json").read_text())
     assert marker["random_weights"] is True
+
+
+def test_the_demo_rebuilds_a_cached_checkpoint_of_another_revision(tmp_path, monkeypatch):
+    from semif_serve.cli import ensure_demo_checkpoint
+
+    built = []
+    monkeypatch.setattr("semif_serve.demo.write_checkpoint", built.append)
+    (tmp_path / "DEMO.json").write_text(json.dumps({"revision": "demo-random-weights-v1"}))
+    ensure_demo_checkpoint(tmp_path)
+    assert built == [tmp_path]
+    (tmp_path / "DEMO.json").write_text(json.dumps({"revision": DEMO_REVISION}))
+    ensure_demo_checkpoint(tmp_path)
+    assert built == [tmp_path]
