@@ -24,6 +24,14 @@ def checkpoint(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("demo-model"))
 
 
+@pytest.fixture(scope="session")
+def tokenizer(checkpoint):
+    """The checkpoint's tokenizer (Qwen3.5's real vocabulary) as transformers loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(checkpoint))
+
+
 def make_settings(model_path: Path, **overrides) -> Settings:
     values = dict(
         model_path=model_path,

@@ -32,7 +32,7 @@ SYSTEM = (
     "Respond with only its uppercase letter, with no explanation or reasoning."
 )
 LETTERS = "ABCDEFGHIJKLMNOP"
-LONG_TEXT = "The service returned errors for ten minutes after the release, then recovered. " * 36
+LONG_TEXT = "The service returned errors for ten minutes after the release, then recovered. " * 42
 
 STATES = {
     "short_string": "Health checks passed in all three zones",
@@ -107,10 +107,10 @@ def plain_option_logits(model, tokenizer, ids: list[int], n: int) -> list[float]
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(checkpoint, tokenizer):
     model = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     model.eval()
-    return model, AutoTokenizer.from_pretrained(str(checkpoint))
+    return model, tokenizer
 
 
 def assert_close(actual, expected, tol: float) -> None:
@@ -374,7 +374,7 @@ def b_reads_as_a(spec: dict) -> None:
 
 
 def p_is_two_tokens(spec: dict) -> None:
-    spec["normalizer"] = {"type": "Replace", "pattern": {"String": "P"}, "content": "PP"}
+    spec["normalizer"] = {"type": "Replace", "pattern": {"String": "P"}, "content": "P P"}
 
 
 def newlines_merge_with_a(spec: dict) -> None:
@@ -383,9 +383,9 @@ def newlines_merge_with_a(spec: dict) -> None:
         p for p in spec["pre_tokenizer"]["pretokenizers"] if p["type"] == "ByteLevel"
     )
     vocab = spec["model"]["vocab"]
-    top = max(vocab.values())
-    vocab["ĊĊ"], vocab["ĊĊA"] = top + 1, top + 2
-    spec["model"]["merges"] += [["Ċ", "Ċ"], ["ĊĊ", "A"]]
+    assert vocab["ĊĊ"] and ["Ċ", "Ċ"] in spec["model"]["merges"]  # Qwen3.5 already merges "\n\n"
+    vocab["ĊĊA"] = max(token["id"] for token in spec["added_tokens"]) + 1
+    spec["model"]["merges"].append(["ĊĊ", "A"])
 
 
 @pytest.mark.parametrize(
@@ -417,8 +417,13 @@ def boundary_checkpoint(checkpoint, tmp_path_factory) -> Path:
     return edited_copy(checkpoint, tmp_path_factory.mktemp("boundary") / "ckpt", newlines_merge_with_a)
 
 
-def test_a_letter_that_merges_across_the_answer_boundary_refuses_the_prompt(boundary_checkpoint) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(boundary_checkpoint))
+@pytest.fixture(scope="module")
+def boundary_tokenizer(boundary_checkpoint):
+    return AutoTokenizer.from_pretrained(str(boundary_checkpoint))
+
+
+def test_a_letter_that_merges_across_the_answer_boundary_refuses_the_prompt(boundary_tokenizer) -> None:
+    tokenizer = boundary_tokenizer
     codec = PromptCodec(tokenizer, 4096)  # every letter alone is still one token
     text = render(tokenizer, "ok", "Did it?", ("Yes.", "No."))
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -562,11 +567,8 @@ def test_a_multimodal_checkpoints_option_logits_equal_its_own_text_only_forward(
 
 
 @pytest.mark.parametrize("which", ["good", "broken"])
-def test_the_per_tail_boundary_check_agrees_with_re_encoding_every_prompt(
-    which, checkpoint, boundary_checkpoint
-) -> None:
-    directory = checkpoint if which == "good" else boundary_checkpoint
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+def test_the_per_tail_boundary_check_agrees_with_re_encoding_every_prompt(which, request) -> None:
+    tokenizer = request.getfixturevalue("tokenizer" if which == "good" else "boundary_tokenizer")
     codec = PromptCodec(tokenizer, 4096)
     for state in STATES.values():
         for n in (2, 5, 16):

@@ -14,7 +14,7 @@ from conftest import TOKEN, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.app import Service
-from semif_serve.demo import write_checkpoint
+from semif_serve.demo import DEMO_REVISION, write_checkpoint
 from semif_serve.engine import TorchEngine
 from semif_serve.errors import ServiceError
 from semif_serve.settings import ConfigurationError, load_settings
@@ -110,7 +110,7 @@ def run_cli(args, env_overrides, timeout=120):
 def base_env(checkpoint) -> dict[str, str]:
     return {
         "SEMIF_MODEL_PATH": str(checkpoint),
-        "SEMIF_MODEL_REVISION": "demo-random-weights-v1",
+        "SEMIF_MODEL_REVISION": DEMO_REVISION,
         "SEMIF_DEVICE": "cpu",
         "SEMIF_API_TOKEN": TOKEN,
         "SEMIF_PORT": "1",
@@ -179,3 +179,16 @@ def test_the_demo_checkpoint_is_written_offline_and_deterministically(tmp_path):
         assert digest[0] == digest[1], name
     marker = json.loads((first / "DEMO.json").read_text())
     assert marker["random_weights"] is True
+
+
+def test_the_demo_rebuilds_a_cached_checkpoint_of_another_revision(tmp_path, monkeypatch):
+    from semif_serve.cli import ensure_demo_checkpoint
+
+    built = []
+    monkeypatch.setattr("semif_serve.demo.write_checkpoint", built.append)
+    (tmp_path / "DEMO.json").write_text(json.dumps({"revision": "demo-random-weights-v1"}))
+    ensure_demo_checkpoint(tmp_path)
+    assert built == [tmp_path]
+    (tmp_path / "DEMO.json").write_text(json.dumps({"revision": DEMO_REVISION}))
+    ensure_demo_checkpoint(tmp_path)
+    assert built == [tmp_path]

