@@ -126,9 +126,9 @@ class Admission:
                 await send_error(send, draining(), request_id)
 
     async def _screened(self, scope: Scope, receive: Receive, send: Send, request_id: str | None) -> None:
-        raw_path = scope.get("raw_path")
-        if raw_path is not None and raw_path.decode("latin-1") != scope["path"]:
-            await send_error(send, encoded_path(raw_path.decode("latin-1")), request_id)
+        raw_path = (scope.get("raw_path") or b"").partition(b"?")[0].decode("latin-1")
+        if raw_path and raw_path != scope["path"]:
+            await send_error(send, encoded_path(raw_path), request_id)
             return
         if scope["path"] in self.protected_paths:
             try:

@@ -31,6 +31,8 @@ from .errors import ServiceError
 
 log = logging.getLogger("semif_serve.server")
 
+MAX_HEAD_BYTES = 16 * 1024  # request line + headers, however they arrive (h11 alone checks only pieces)
+
 
 def raw_error(error: ServiceError) -> bytes:
     """A complete HTTP/1.1 response carrying the envelope, for answers sent outside any ASGI cycle."""
@@ -61,6 +63,9 @@ class EnvelopeProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_size(data) > MAX_HEAD_BYTES:
+            self.send_400_response("header block too large")
+            return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._headers_arrived()
@@ -81,6 +86,12 @@ class EnvelopeProtocol(H11Protocol):
         self.transport.write(raw_error(error))
         self.transport.close()
 
+    def _head_size(self, data: bytes) -> int:
+        """Bytes of the request line and headers received so far."""
+        buffered = self.conn.trailing_data[0] + data
+        end = buffered.find(b"\r\n\r\n")
+        return end if end >= 0 else len(buffered)
+
     def _await_headers(self) -> None:
         self._headers_arrived()
         self.header_deadline = self.loop.call_later(self.header_timeout_seconds, self._headers_timed_out)
@@ -93,6 +104,9 @@ class EnvelopeProtocol(H11Protocol):
     def _headers_timed_out(self) -> None:
         self.header_deadline = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if not self.conn.trailing_data[0]:
+            self.transport.close()  # nothing was sent: close without an answer, like an idle keep-alive
             return
         error = ServiceError(
             408,
@@ -111,7 +125,14 @@ def server_config(
         "EnvelopeProtocol", (EnvelopeProtocol,), {"header_timeout_seconds": header_timeout_seconds}
     )
     return uvicorn.Config(
-        app, host=host, port=port, http=protocol, log_config=None, access_log=False, **options
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        log_config=None,
+        access_log=False,
+        **options,
     )
 
 
@@ -150,5 +171,7 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(app, host: str, port: int, grace_seconds: float, header_timeout_seconds: float = 10.0) -> None:
     """Serve `app` (from create_app) until drained."""
-    config = server_config(app, host, port, header_timeout_seconds, timeout_graceful_shutdown=grace_seconds)
+    config = server_config(
+        app, host, port, header_timeout_seconds, timeout_graceful_shutdown=grace_seconds, lifespan="off"
+    )
     DrainingServer(config, app.admission, grace_seconds).run()
