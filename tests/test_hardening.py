@@ -436,7 +436,7 @@ def stuck_post(port: int, token: str) -> socket.socket:
 
 
 def test_shutdown_takes_one_grace_period_in_total_and_logs_the_cancelled_request(checkpoint, tmp_path):
-    with serving(checkpoint, tmp_path, grace=1.5) as service:
+    with serving(checkpoint, tmp_path, grace=2.0) as service:
         sock = stuck_post(service.port, service.token)
         time.sleep(0.3)
         started = time.monotonic()
@@ -445,14 +445,14 @@ def test_shutdown_takes_one_grace_period_in_total_and_logs_the_cancelled_request
         answered = time.monotonic() - started
         assert service.process.wait(timeout=30) == 0
         log = service.log_path.read_text()
-    assert answered < 1.5 + 1.0, answered
+    assert answered < 2.0 + 1.0, answered
     assert_envelope(status, headers, body, 503, "draining")
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     assert logged(lines, "request cancelled")
     assert "Exception in ASGI application" not in log
     # Before the fix the server waited for the drain, then for uvicorn's own grace again.
     served = stamp(logged(lines, "Finished server process")) - stamp(logged(lines, "draining"))
-    assert served < 1.5 + 1.0, served
+    assert served < 2.0 + 1.0, served
 
 
 def logged(lines: list[dict], prefix: str) -> dict:
