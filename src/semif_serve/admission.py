@@ -1,18 +1,24 @@
-"""Admission control in front of the app (pure ASGI): the queue cap and the body limit.
+"""Admission control in front of the app (pure ASGI): literal paths, authentication, the queue cap,
+the body limit and the body deadline.
 
-A request counts from the moment its headers arrive until its response is sent or its
-client disconnects. Past the cap it gets 429 before a byte of its body is read; a body is
-read only up to the limit, and the chunk that would pass it is never kept.
+A request on a protected path is authenticated from its headers before it may take a slot,
+so an unauthenticated client never holds one. A POST counts from then until its response is
+sent or its client disconnects. Past the cap it gets 429 before a byte of its body is read; a
+body is read only up to the limit (the chunk that would pass it is never kept) and only until
+the body deadline, after which it gets 408 and its slot back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
+from starlette.responses import JSONResponse
+
+from .auth import Authenticator
 from .errors import ServiceError
 
 Scope = dict[str, Any]
@@ -21,19 +27,25 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+log = logging.getLogger("semif_serve.admission")
+
 ASCII_DIGITS = re.compile(rb"[0-9]+")  # int() and isdigit() would accept Unicode digits
 RETRY_AFTER_SECONDS = "1"
 
 
+def error_response(error: ServiceError, request_id: str | None = None) -> JSONResponse:
+    """The envelope as a response: the one serialisation of every error the service sends."""
+    headers = dict(error.headers)
+    if request_id is not None:
+        headers["X-Request-ID"] = request_id
+    return JSONResponse(error.envelope(request_id), status_code=error.status, headers=headers)
+
+
 async def send_error(send: Send, error: ServiceError, request_id: str | None = None) -> None:
     """Send the error envelope as a complete response."""
-    body = json.dumps(error.envelope(request_id)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    if request_id is not None:
-        headers.append((b"x-request-id", request_id.encode()))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    response = error_response(error, request_id)
+    await send({"type": "http.response.start", "status": error.status, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 def busy(max_queue: int) -> ServiceError:
@@ -49,28 +61,86 @@ def body_too_large(limit: int) -> ServiceError:
     return ServiceError(413, "body_too_large", f"the request body is over the limit of {limit} bytes")
 
 
-class Admission:
-    """The queue cap and the body limit for POST requests; everything else passes straight through."""
+def body_timeout(seconds: float) -> ServiceError:
+    return ServiceError(
+        408,
+        "body_timeout",
+        f"the request body did not arrive within {seconds:g} seconds",
+        headers={"Connection": "close"},
+    )
 
-    def __init__(self, app: ASGIApp, max_queue: int, max_body_bytes: int) -> None:
+
+def draining() -> ServiceError:
+    return ServiceError(503, "draining", "the service is shutting down", headers={"Retry-After": "5"})
+
+
+def encoded_path(path: str) -> ServiceError:
+    return ServiceError(
+        404, "not_found", f"no route {path}: paths are matched as sent, percent-encoding is not decoded"
+    )
+
+
+class Admission:
+    """Literal paths, auth on protected paths, and the queue cap, body limit and body deadline for POSTs."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_queue: int,
+        max_body_bytes: int,
+        body_timeout_seconds: float,
+        authenticator: Authenticator,
+        protected_paths: Collection[str],
+    ) -> None:
         self.app = app
         self.max_queue = max_queue
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_seconds = body_timeout_seconds
+        self.authenticator = authenticator
+        self.protected_paths = frozenset(protected_paths)
         self.in_progress = 0
+        self.reading_bodies = 0
         self.refused = 0
         self.draining = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_id = scope.get("state", {}).get("request_id")
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._screened(scope, receive, tracked, request_id)
+        except asyncio.CancelledError:
+            log.warning("request cancelled", extra={"request_id": request_id, "route": scope["path"]})
+            if not self.draining:
+                raise
+            # Cancelled by the server at shutdown: answered and logged as such, not as an ASGI exception.
+            if not started:
+                await send_error(send, draining(), request_id)
+
+    async def _screened(self, scope: Scope, receive: Receive, send: Send, request_id: str | None) -> None:
+        raw_path = (scope.get("raw_path") or b"").partition(b"?")[0].decode("latin-1")
+        if raw_path and raw_path != scope["path"]:
+            await send_error(send, encoded_path(raw_path), request_id)
+            return
+        if scope["path"] in self.protected_paths:
+            try:
+                self.authenticator.check(scope["headers"])
+            except ServiceError as error:
+                await send_error(send, error, request_id)
+                return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
         if self.draining:
-            await send_error(
-                send,
-                ServiceError(503, "draining", "the service is shutting down", headers={"Retry-After": "5"}),
-                request_id,
-            )
+            await send_error(send, draining(), request_id)
             return
         if self.in_progress >= self.max_queue:
             self.refused += 1
@@ -100,7 +170,14 @@ class Admission:
             if int(declared) > self.max_body_bytes:
                 await send_error(send, body_too_large(self.max_body_bytes), request_id)
                 return
-        body = await self._read_body(receive)
+        self.reading_bodies += 1
+        try:
+            async with asyncio.timeout(self.body_timeout_seconds):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            body = body_timeout(self.body_timeout_seconds)
+        finally:
+            self.reading_bodies -= 1
         if body is None:
             return  # the client went away; nothing to answer
         if isinstance(body, ServiceError):

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import SEMIF_COMMIT, __version__
 from .admission import Admission
+from .admission import error_response as admission_error_response
+from .auth import Authenticator
 from .calibration import CalibrationTable, load_calibration
 from .decisions import build_result, plan_rows
 from .engine import BatchScore, Row, TorchEngine
@@ -76,16 +77,6 @@ class Service:
             self.engine.headroom_bytes = cap - baseline
         self.ready = True
 
-    def check_token(self, header: str | None) -> None:
-        """Require `Authorization: Bearer <token>`, compared in constant time."""
-        if not header:
-            raise unauthorized("missing Authorization: Bearer <token> header")
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not presented:
-            raise unauthorized("the Authorization header must be 'Bearer <token>'")
-        if not hmac.compare_digest(presented.strip().encode("utf-8", "replace"), self.token.encode()):
-            raise unauthorized("the bearer token is not valid")
-
     async def decide(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """`POST /decide`: one decision; orderings run as one shared batch."""
         decision = parse_body(Decision, body)
@@ -135,6 +126,7 @@ class Service:
             "calibration": {"workloads": self.calibration.as_dict()},
             "queue": {
                 "in_progress": admission.in_progress if admission else 0,
+                "reading_bodies": admission.reading_bodies if admission else 0,
                 "engine_pending": self.worker.pending,
             },
             "memory": {
@@ -164,14 +156,10 @@ def request_record(workloads: list[str | None], batch: BatchScore) -> dict[str, 
     return record
 
 
-def unauthorized(message: str) -> ServiceError:
-    return ServiceError(401, "unauthorized", message, "Authorization", headers={"WWW-Authenticate": "Bearer"})
-
-
 def error_response(error: ServiceError, request: Request | None = None) -> JSONResponse:
     """The envelope as a response, with the error's headers and the request id."""
     request_id = getattr(request.state, "request_id", None) if request is not None else None
-    return JSONResponse(error.envelope(request_id), status_code=error.status, headers=error.headers)
+    return admission_error_response(error, request_id)
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
@@ -182,8 +170,24 @@ def create_app(service: Service) -> RequestContext:
 
     The returned app exposes `.admission` and `.metrics`.
     """
-    api = FastAPI(title="semif-serve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    admission = Admission(api, service.settings.max_queue, service.settings.max_body_bytes)
+    api = FastAPI(
+        title="semif-serve",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+    settings = service.settings
+    protected = {"/decide", "/decide/shared"} | (set() if settings.metrics_public else {"/metrics"})
+    admission = Admission(
+        api,
+        settings.max_queue,
+        settings.max_body_bytes,
+        settings.body_timeout_seconds,
+        Authenticator(service.token),
+        protected,
+    )
     metrics = Metrics()
     metrics.watch(service, admission)
     outer = RequestContext(admission, metrics)
@@ -215,7 +219,6 @@ def create_app(service: Service) -> RequestContext:
     async def answer(
         request: Request, handler: Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]]
     ) -> JSONResponse:
-        service.check_token(request.headers.get("authorization"))
         body = await request.body()
         record = request.state.log if hasattr(request.state, "log") else {}
         try:
@@ -240,9 +243,7 @@ def create_app(service: Service) -> RequestContext:
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @api.get("/metrics")
-    async def metrics_route(request: Request) -> Response:
-        if not service.settings.metrics_public:
-            service.check_token(request.headers.get("authorization"))
+    async def metrics_route() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return outer

@@ -95,7 +95,13 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
             "demo": settings.demo,
         },
     )
-    run_server(create_app(service), settings.host, settings.port, settings.shutdown_grace_seconds)
+    run_server(
+        create_app(service),
+        settings.host,
+        settings.port,
+        settings.shutdown_grace_seconds,
+        settings.header_timeout_seconds,
+    )
     service.worker.shutdown()
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -16,6 +15,7 @@ from pydantic import (
 )
 
 from .errors import ServiceError, invalid
+from .json_body import INVALID_JSON, BodyError, decode_json_object
 from .prompt import MAX_OPTIONS
 
 Ordering = Literal["rotations", "all"]
@@ -157,11 +157,11 @@ def field_path(loc: tuple[Any, ...]) -> str | None:
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """Decode a JSON body into `model`, or raise the 400/422 that names the field and the rule."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise ServiceError(400, "invalid_json", "the request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise invalid(None, "the request body must be a JSON object")
+        data = decode_json_object(body)
+    except BodyError as exc:
+        if exc.code == INVALID_JSON:
+            raise ServiceError(400, "invalid_json", exc.message, exc.field) from None
+        raise invalid(exc.field, exc.message) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

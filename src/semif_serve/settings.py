@@ -60,6 +60,14 @@ class Settings(BaseSettings):
     )
     calibration: Path | None = Field(None, description="calibration.json: workload temperatures.")
     metrics_public: bool = Field(True, description="Serve /metrics without the token.")
+    body_timeout_seconds: float = Field(
+        10.0, gt=0, description="How long a POST body may take to arrive before 408 frees its slot."
+    )
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="How long request headers may take to arrive before 408 closes the connection.",
+    )
     shutdown_grace_seconds: float = Field(
         30.0, gt=0, description="How long SIGTERM waits for in-flight requests."
     )

@@ -1,0 +1,92 @@
+"""Decoding a request body into a JSON object, refusing at parse time what would fail later.
+
+Domain-free: any JSON route (native or another door) can use it. It refuses bytes that are
+not UTF-8, malformed JSON, nesting deeper than MAX_DEPTH, integers longer than Python can
+convert, and lone UTF-16 surrogates in any string or key, naming the field where it can.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+MAX_DEPTH = 64
+MAX_INT_DIGITS = 4300  # Python's default limit for int <-> str conversion
+INVALID_JSON = "invalid_json"
+INVALID_VALUE = "validation_error"
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # paired escapes arrive already combined
+
+
+class BodyError(ValueError):
+    """A body refused while decoding: `code` (invalid_json / validation_error), message, field path."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class _LongInteger(str):
+    """The digits of an integer too long to convert; reported with its field after parsing."""
+
+
+def _parse_int(digits: str) -> int | _LongInteger:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        return _LongInteger(digits)
+    return int(digits)
+
+
+def _child(path: str | None, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path or ''}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _check(document: Any) -> None:
+    """Walk the document (iteratively) for long integers, lone surrogates and excess depth."""
+    stack: list[tuple[Any, str | None, int]] = [(document, None, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, _LongInteger):
+            raise BodyError(INVALID_VALUE, f"an integer has more than {MAX_INT_DIGITS} digits", path)
+        if isinstance(value, str):
+            if LONE_SURROGATE.search(value):
+                raise BodyError(
+                    INVALID_VALUE, "the string holds a lone UTF-16 surrogate (\\ud800-\\udfff)", path
+                )
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            raise BodyError(INVALID_JSON, f"the JSON nests deeper than {MAX_DEPTH} levels", path)
+        if isinstance(value, dict):
+            for key in value:
+                if LONE_SURROGATE.search(key):
+                    raise BodyError(INVALID_VALUE, "an object key holds a lone UTF-16 surrogate", path)
+            children = [(item, _child(path, key), depth + 1) for key, item in value.items()]
+        else:
+            children = [(item, _child(path, i), depth + 1) for i, item in enumerate(value)]
+        stack.extend(reversed(children))  # report the first offender in document order
+
+
+def decode_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or BodyError naming the rule (and the field where there is one)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError(INVALID_JSON, f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        document = json.loads(text, parse_int=_parse_int)
+    except json.JSONDecodeError as exc:
+        raise BodyError(
+            INVALID_JSON,
+            f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+        ) from None
+    except RecursionError:
+        raise BodyError(INVALID_JSON, f"the JSON nests deeper than {MAX_DEPTH} levels") from None
+    _check(document)
+    if not isinstance(document, dict):
+        raise BodyError(INVALID_VALUE, "the request body must be a JSON object")
+    return document
