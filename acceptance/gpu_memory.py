@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": gpu_environment(None)}
     work = Path(tempfile.mkdtemp(prefix="semif-gpu-memory-"))
     try:
-        from semif_serve.app import Service, create_app
+        from semif_serve.app import create_app
         from semif_serve.demo import QWEN35_4B_SHAPE
         from semif_serve.settings import load_settings
+        from semif_serve.startup import Service
 
         model_dir = write_random_checkpoint(work / "model", QWEN35_4B_SHAPE, device="cuda")
         token = "gpu-" + secrets.token_urlsafe(24)

@@ -13,11 +13,10 @@ import pytest
 from conftest import TOKEN, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
-from semif_serve.app import Service
 from semif_serve.demo import write_checkpoint
-from semif_serve.engine import TorchEngine
-from semif_serve.errors import ServiceError
+from semif_serve.domain import DecisionError
 from semif_serve.settings import ConfigurationError, load_settings
+from semif_serve.startup import Service
 
 
 @pytest.fixture
@@ -82,8 +81,8 @@ def test_a_failing_warm_up_stops_startup(engine, checkpoint):
     memory = SimulatedMemory()
     memory.fail_next = cuda_oom("")
     settings = make_settings(checkpoint)
-    with pytest.raises(ServiceError):
-        Service.start(settings, engine=TorchEngine(engine.model, engine.codec.tokenizer, settings, memory))
+    with pytest.raises(DecisionError):
+        Service.start(settings, engine=engine.with_memory(memory))
 
 
 def test_a_bad_calibration_file_stops_startup_naming_the_entry(engine, checkpoint, tmp_path):
