@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TOKEN, make_settings
+from conftest import TOKEN, decision, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.demo import write_checkpoint
@@ -178,3 +178,10 @@ def test_the_demo_checkpoint_is_written_offline_and_deterministically(tmp_path):
         assert digest[0] == digest[1], name
     marker = json.loads((first / "DEMO.json").read_text())
     assert marker["random_weights"] is True
+
+
+def test_a_demo_checkpoint_is_a_demo_everywhere_whatever_the_setting_says(service, client):
+    assert service.settings.demo is False and (service.settings.model_path / "DEMO.json").exists()
+    assert service.demo is True
+    assert client.get("/health").json()["demo"] is True
+    assert "demo" in client.post("/decide", json=decision()).json()["model"]
