@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from semif_serve.numerics import expected_calibration_error
+from semif_serve.orderings import MAX_ALL_OPTIONS, MODES
 
 from .common import (
     CheckError,
@@ -24,8 +25,6 @@ from .common import (
 from .parity import fixture_argument, load_fixture
 from .stats import accuracy, group_bootstrap_difference, top_option
 
-MODES = ("single", "rotations", "all")
-MAX_ALL_OPTIONS = 4  # the service allows "all" up to 4 options; larger rows fall back to rotations
 COMPARISONS = (("rotations", "single"), ("all", "single"), ("all", "rotations"))
 
 

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from semif_serve.numerics import GIB, MIB
+
 from .common import (
     EXIT_GATE_FAILED,
     EXIT_PASS,
@@ -51,8 +53,6 @@ from .gpu_latency import (
 from .server import LoopbackServer
 from .workloads import filler, fit_words, prefix_tokens_probe
 
-MIB = 1024**2
-GIB = 1024**3
 LARGE_REQUEST = (1960, 24)  # (prefix tokens, rows): a burst well past the release margin
 
 
