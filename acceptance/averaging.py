@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from semif_serve.numerics import expected_calibration_error
+from semif_serve.orderings import MAX_ALL_OPTIONS, MODES
+
 from .common import (
     CheckError,
     Client,
@@ -20,10 +23,8 @@ from .common import (
     print_table,
 )
 from .parity import fixture_argument, load_fixture
-from .stats import accuracy, expected_calibration_error, group_bootstrap_difference, top_option
+from .stats import accuracy, group_bootstrap_difference, top_option
 
-MODES = ("single", "rotations", "all")
-MAX_ALL_OPTIONS = 4  # the service allows "all" up to 4 options; larger rows fall back to rotations
 COMPARISONS = (("rotations", "single"), ("all", "single"), ("all", "rotations"))
 
 

@@ -260,12 +260,12 @@ def disable_splitting(service) -> Callable[[], None]:
     """Turn off the engine's own batch splitting (its memory estimate), so a request that does
     not fit really runs out of memory; returns the undo. In-process, so one run measures both;
     SEMIF_SPLIT_BATCHES=false does the same for a whole service."""
-    engine = service.engine
-    saved = getattr(engine, "headroom_bytes", None)
-    engine.headroom_bytes = None
+    core = service.core
+    saved = core.engine
+    core.engine = saved.with_memory(saved.memory, headroom_bytes=None)
 
     def restore() -> None:
-        engine.headroom_bytes = saved
+        core.engine = saved
 
     return restore
 
@@ -433,9 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": env, "started_at": started_at.isoformat(timespec="seconds")}
     work = Path(tempfile.mkdtemp(prefix="semif-gpu-", dir=args.work_dir))
     try:
-        from semif_serve.app import Service, create_app
+        from semif_serve.app import create_app
         from semif_serve.demo import QWEN35_4B_SHAPE
         from semif_serve.settings import load_settings
+        from semif_serve.startup import Service
 
         t0 = time.monotonic()
         model_dir = write_random_checkpoint(work / "model", QWEN35_4B_SHAPE, device="cuda")

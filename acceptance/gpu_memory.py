@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from semif_serve.numerics import GIB, MIB
+
 from .common import (
     EXIT_GATE_FAILED,
     EXIT_PASS,
@@ -51,8 +53,6 @@ from .gpu_latency import (
 from .server import LoopbackServer
 from .workloads import filler, fit_words, prefix_tokens_probe
 
-MIB = 1024**2
-GIB = 1024**3
 LARGE_REQUEST = (1960, 24)  # (prefix tokens, rows): a burst well past the release margin
 
 
@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": gpu_environment(None)}
     work = Path(tempfile.mkdtemp(prefix="semif-gpu-memory-"))
     try:
-        from semif_serve.app import Service, create_app
+        from semif_serve.app import create_app
         from semif_serve.demo import QWEN35_4B_SHAPE
         from semif_serve.settings import load_settings
+        from semif_serve.startup import Service
 
         model_dir = write_random_checkpoint(work / "model", QWEN35_4B_SHAPE, device="cuda")
         token = "gpu-" + secrets.token_urlsafe(24)

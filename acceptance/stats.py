@@ -8,10 +8,7 @@ import random
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-
-def top_index(probabilities: Sequence[float]) -> int:
-    """The argmax (the first of equal maxima, as torch and SemIf take it)."""
-    return max(range(len(probabilities)), key=lambda i: (probabilities[i], -i))
+from semif_serve.numerics import argmax as top_index  # the first of equal maxima, as torch takes it
 
 
 def top2_margin(probabilities: Sequence[float]) -> float:
@@ -104,28 +101,6 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def accuracy(correct: Sequence[bool]) -> float | None:
     return sum(correct) / len(correct) if correct else None
-
-
-def expected_calibration_error(
-    confidences: Sequence[float], correct: Sequence[bool], bins: int = 10
-) -> float:
-    """Top-label ECE over `bins` equal-width bins of confidence: sum over bins of
-    (rows in bin / rows) * |accuracy in bin - mean confidence in bin|. Bin b holds
-    (b/bins, (b+1)/bins]; confidence 0 falls in the first bin."""
-    if len(confidences) != len(correct):
-        raise ValueError("confidences and correct differ in length")
-    if not confidences:
-        raise ValueError("ECE of no rows")
-    totals = [[0, 0.0, 0] for _ in range(bins)]  # rows, summed confidence, correct
-    for conf, ok in zip(confidences, correct, strict=True):
-        b = min(bins - 1, max(0, math.ceil(conf * bins) - 1))
-        totals[b][0] += 1
-        totals[b][1] += conf
-        totals[b][2] += int(bool(ok))
-    n = len(confidences)
-    return sum(
-        (count / n) * abs(hits / count - conf_sum / count) for count, conf_sum, hits in totals if count
-    )
 
 
 def group_bootstrap_difference(

@@ -52,8 +52,7 @@ from acceptance.workloads import (  # noqa: E402
     input_tokens_probe,
     prefix_tokens_probe,
 )
-
-MIB = 1024**2
+from semif_serve.numerics import MIB  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from semif_serve.app import Service, create_app  # noqa: E402
+from semif_serve.app import create_app  # noqa: E402
 from semif_serve.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
 from semif_serve.engine import TorchEngine  # noqa: E402
 from semif_serve.settings import Settings  # noqa: E402
+from semif_serve.startup import Service  # noqa: E402
 
 TOKEN = "test-token-0123456789"
 

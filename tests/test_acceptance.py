@@ -15,6 +15,7 @@ import pytest
 from conftest import TOKEN
 
 from acceptance import cli, stats
+from semif_serve.numerics import expected_calibration_error
 
 ROOT = Path(__file__).resolve().parents[1]
 from acceptance.common import Client, Gate, Outcome, ServiceCallError, format_table, read_jsonl, write_jsonl  # noqa: E402
@@ -386,9 +387,9 @@ def test_percentiles_ece_and_accuracy():
     assert stats.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
     assert stats.top_index([0.2, 0.4, 0.4]) == 1 and stats.top2_margin([0.1, 0.6, 0.3]) == pytest.approx(0.3)
     # Two bins: (0.9: 1 of 2 right) -> |0.5-0.9|, (0.3: 1 of 1 right) -> |1-0.3|; weights 2/3, 1/3.
-    ece = stats.expected_calibration_error([0.9, 0.9, 0.3], [True, False, True])
+    ece = expected_calibration_error([0.9, 0.9, 0.3], [True, False, True])
     assert ece == pytest.approx(2 / 3 * 0.4 + 1 / 3 * 0.7)
-    assert stats.expected_calibration_error([1.0, 0.0], [True, False]) == pytest.approx(0.0)
+    assert expected_calibration_error([1.0, 0.0], [True, False]) == pytest.approx(0.0)
     assert stats.accuracy([True, False, True, True]) == 0.75 and stats.accuracy([]) is None
 
 
@@ -508,7 +509,8 @@ def test_random_checkpoint_writer_builds_a_loadable_bf16_model(tmp_path):
     from conftest import make_settings
 
     from semif_serve.demo import DEMO_SHAPE
-    from semif_serve.engine import Row, TorchEngine
+    from semif_serve.domain import PromptRow
+    from semif_serve.engine import TorchEngine
 
     directory = write_random_checkpoint(tmp_path / "m", DEMO_SHAPE, device="cpu")
     assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
@@ -516,7 +518,7 @@ def test_random_checkpoint_writer_builds_a_loadable_bf16_model(tmp_path):
     assert marker["random_weights"] is True and marker["parameters"] > 0
     settings = make_settings(directory, model_revision=marker["revision"], dtype="bfloat16")
     engine = TorchEngine.load(settings)
-    scored = engine.score("A state", [Row("Q?", ("Yes.", "No."), "q")], shared=False)
+    scored = engine.score("A state", [PromptRow("Q?", ("Yes.", "No."))], shared=False, max_input_tokens=4096)
     assert sum(scored.rows[0].probabilities) == pytest.approx(1.0)
 
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import TOKEN, decision, make_settings, open_post
 
 from acceptance.server import LoopbackServer
-from semif_serve.app import Service, create_app
+from semif_serve.app import create_app
+from semif_serve.startup import Service
 
 AUTH = (b"authorization", f"Bearer {TOKEN}".encode())
 

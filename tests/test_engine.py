@@ -19,12 +19,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from semif_serve.app import Service
 from semif_serve.demo import write_checkpoint
-from semif_serve.engine import CheckpointError, Row, TorchEngine
-from semif_serve.errors import ServiceError
+from semif_serve.domain import AnswerBoundary, DecisionError, PromptRow, TooManyTokens
+from semif_serve.engine import CheckpointError, TorchEngine
+from semif_serve.native_api import native_error
 from semif_serve.prompt import PromptCodec, TokenizerContractError, answer_slots
 from semif_serve.settings import ConfigurationError
+from semif_serve.startup import Service
 
 # Written out from the brief, not imported: the test renders the prompt on its own.
 SYSTEM = (
@@ -32,6 +33,7 @@ SYSTEM = (
     "Respond with only its uppercase letter, with no explanation or reasoning."
 )
 LETTERS = "ABCDEFGHIJKLMNOP"
+MAX_TOKENS = 4096  # the native door's default per-call limit
 LONG_TEXT = "The service returned errors for ten minutes after the release, then recovered. " * 42
 
 STATES = {
@@ -60,18 +62,17 @@ def descriptions(n: int, tag: str) -> tuple[str, ...]:
     return tuple(f"{words[i % len(words)]} ({tag} {i})" for i in range(n))
 
 
-def question_rows() -> list[Row]:
+def question_rows() -> list[PromptRow]:
     """Questions with 2..16 options and different lengths."""
     return [
-        Row("Did the deployment succeed?", descriptions(2, "a"), "decisions[0]"),
-        Row("Which queue handles this ticket?", descriptions(3, "b"), "decisions[1]"),
-        Row(
+        PromptRow("Did the deployment succeed?", descriptions(2, "a")),
+        PromptRow("Which queue handles this ticket?", descriptions(3, "b")),
+        PromptRow(
             "Is the customer asking for a refund, and how sure is the evidence about it?",
             descriptions(5, "c"),
-            "decisions[2]",
         ),
-        Row("Which option?", descriptions(9, "d"), "decisions[3]"),
-        Row("Pick the best of sixteen listed options.", descriptions(16, "e"), "decisions[4]"),
+        PromptRow("Which option?", descriptions(9, "d")),
+        PromptRow("Pick the best of sixteen listed options.", descriptions(16, "e")),
     ]
 
 
@@ -141,10 +142,10 @@ def test_direct_option_logits_equal_a_plain_full_forward_of_the_prompt_rendered_
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = plain_option_logits(model, tokenizer, ids, n)
 
-    batch = engine.score(state, [Row(question, descs, "state")], shared=False)
+    batch = engine.score(state, [PromptRow(question, descs)], shared=False, max_input_tokens=MAX_TOKENS)
     score = batch.rows[0]
 
-    assert batch.shared is False and batch.timing == {}
+    assert batch.shared is False and batch.timing is None
     assert_close(score.option_logits, expected, 1e-5)
     assert_close(score.probabilities, softmax_by_hand(score.option_logits), 1e-6)
     assert_close(score.probabilities, softmax_by_hand(expected), 1e-5)
@@ -157,7 +158,7 @@ def test_the_prompt_text_is_the_chat_template_of_the_system_and_user_turns(engin
     _, tokenizer = reference
     state, question, descs = {"a": "b"}, "Q?", ("x", "y")
     text = render(tokenizer, state, question, descs)
-    prompt = engine.codec.encode_prompt(state, question, descs, "state")
+    prompt = engine.codec.encode_prompt(state, question, descs, MAX_TOKENS)
     assert prompt.text == text
     assert prompt.ids == tokenizer.encode(text, add_special_tokens=False)
     assert (
@@ -172,8 +173,8 @@ def test_the_prompt_text_is_the_chat_template_of_the_system_and_user_turns(engin
 @pytest.mark.parametrize("state", list(STATES.values()), ids=list(STATES))
 def test_shared_rows_equal_a_direct_read_of_each_row(engine, state) -> None:
     rows = question_rows()
-    shared = engine.score(state, rows, shared=True)
-    direct = [engine.score(state, [row], shared=False).rows[0] for row in rows]
+    shared = engine.score(state, rows, shared=True, max_input_tokens=MAX_TOKENS)
+    direct = [engine.score(state, [row], shared=False, max_input_tokens=MAX_TOKENS).rows[0] for row in rows]
 
     assert shared.shared is True
     for got, want, row in zip(shared.rows, direct, rows, strict=True):
@@ -184,31 +185,32 @@ def test_shared_rows_equal_a_direct_read_of_each_row(engine, state) -> None:
         assert got.prompt_sha256 == want.prompt_sha256
 
     timing = shared.timing
+    assert timing is not None
     prefix = engine.codec.state_prefix(
-        state, engine.codec.encode_prompt(state, rows[0].question, rows[0].descriptions, "x")
+        state, engine.codec.encode_prompt(state, rows[0].question, rows[0].descriptions, MAX_TOKENS)
     )
     # Rows share everything up to their first differing token (at least the state prefix).
-    ids = [engine.codec.encode_prompt(state, r.question, r.descriptions, "x").ids for r in rows]
+    ids = [engine.codec.encode_prompt(state, r.question, r.descriptions, MAX_TOKENS).ids for r in rows]
     common = 0
     while common < min(map(len, ids)) - 1 and len({i[common] for i in ids}) == 1:
         common += 1
     suffixes = [r.input_tokens - common for r in shared.rows]
-    assert timing["prefix_tokens"] == common >= len(prefix) > 0
-    assert timing["batch_size"] == len(rows)
-    assert timing["forward_batches"] == 1
-    assert timing["true_suffix_tokens"] == sum(suffixes)
-    assert timing["padded_suffix_tokens"] == max(suffixes) * len(rows) >= timing["true_suffix_tokens"]
+    assert timing.prefix_tokens == common >= len(prefix) > 0
+    assert timing.batch_size == len(rows)
+    assert timing.forward_batches == 1
+    assert timing.true_suffix_tokens == sum(suffixes)
+    assert timing.padded_suffix_tokens == max(suffixes) * len(rows) >= timing.true_suffix_tokens
     for key in ("prefill_seconds", "replicate_seconds", "suffix_forward_seconds"):
-        assert timing[key] >= 0
-    assert timing["prefill_seconds"] > 0 and timing["suffix_forward_seconds"] > 0
+        assert getattr(timing, key) >= 0
+    assert timing.prefill_seconds > 0 and timing.suffix_forward_seconds > 0
     assert shared.forward_seconds == pytest.approx(
-        timing["prefill_seconds"] + timing["replicate_seconds"] + timing["suffix_forward_seconds"]
+        timing.prefill_seconds + timing.replicate_seconds + timing.suffix_forward_seconds
     )
 
 
 def test_the_long_state_is_about_six_hundred_tokens(engine) -> None:
     rows = question_rows()
-    prompt = engine.codec.encode_prompt(LONG_TEXT, rows[0].question, rows[0].descriptions, "state")
+    prompt = engine.codec.encode_prompt(LONG_TEXT, rows[0].question, rows[0].descriptions, MAX_TOKENS)
     assert 600 <= len(engine.codec.state_prefix(LONG_TEXT, prompt)) <= 800
 
 
@@ -218,14 +220,22 @@ def test_sub_batches_give_the_numbers_of_one_batch_and_are_counted(
     engine, state, per_forward, batches
 ) -> None:
     rows = question_rows()
-    whole = engine.score(state, rows, shared=True)
-    split = engine.score(state, rows, shared=True, rows_per_forward=per_forward)
+    whole = engine.score(state, rows, shared=True, max_input_tokens=MAX_TOKENS)
+    # A memory headroom that holds the prefill and exactly `per_forward` rows splits the batch.
+    n_prefix = whole.timing.prefix_tokens
+    width = max(r.input_tokens for r in whole.rows) - n_prefix
+    headroom = engine.estimate.prefill_bytes(n_prefix) + per_forward * engine.estimate.row_bytes(
+        n_prefix, width
+    )
+    split = engine.with_memory(engine.memory, headroom).score(
+        state, rows, shared=True, max_input_tokens=MAX_TOKENS
+    )
 
-    assert split.timing["forward_batches"] == batches
-    assert split.timing["batch_size"] == len(rows)
-    assert split.timing["prefix_tokens"] == whole.timing["prefix_tokens"]
-    assert split.timing["true_suffix_tokens"] == whole.timing["true_suffix_tokens"]
-    assert split.timing["padded_suffix_tokens"] <= whole.timing["padded_suffix_tokens"]
+    assert split.timing.forward_batches == batches
+    assert split.timing.batch_size == len(rows)
+    assert split.timing.prefix_tokens == whole.timing.prefix_tokens
+    assert split.timing.true_suffix_tokens == whole.timing.true_suffix_tokens
+    assert split.timing.padded_suffix_tokens <= whole.timing.padded_suffix_tokens
     for a, b in zip(split.rows, whole.rows, strict=True):
         assert_close(a.option_logits, b.option_logits, 1e-5)
         assert a.prompt_sha256 == b.prompt_sha256
@@ -233,18 +243,18 @@ def test_sub_batches_give_the_numbers_of_one_batch_and_are_counted(
 
 def test_a_single_row_on_the_shared_path_equals_its_direct_read(engine) -> None:
     state, row = STATES["nested_object"], question_rows()[2]
-    shared = engine.score(state, [row], shared=True)
-    direct = engine.score(state, [row], shared=False)
-    assert shared.shared is True and shared.timing["batch_size"] == 1
+    shared = engine.score(state, [row], shared=True, max_input_tokens=MAX_TOKENS)
+    direct = engine.score(state, [row], shared=False, max_input_tokens=MAX_TOKENS)
+    assert shared.shared is True and shared.timing.batch_size == 1
     assert_close(shared.rows[0].option_logits, direct.rows[0].option_logits, 1e-5)
 
 
 def test_identical_rows_in_one_batch_read_the_same(engine) -> None:
     row = question_rows()[1]
-    batch = engine.score(STATES["list"], [row, row, row], shared=True)
+    batch = engine.score(STATES["list"], [row, row, row], shared=True, max_input_tokens=MAX_TOKENS)
     # Identical rows share all but their last token: the suffix is a one-token decode step.
-    assert batch.timing["prefix_tokens"] == batch.rows[0].input_tokens - 1
-    direct = engine.score(STATES["list"], [row], shared=False).rows[0]
+    assert batch.timing.prefix_tokens == batch.rows[0].input_tokens - 1
+    direct = engine.score(STATES["list"], [row], shared=False, max_input_tokens=MAX_TOKENS).rows[0]
     for other in batch.rows:
         assert_close(other.option_logits, direct.option_logits, 1e-5)
 
@@ -256,7 +266,7 @@ def test_identical_rows_in_one_batch_read_the_same(engine) -> None:
 def test_every_prompt_over_a_state_starts_with_its_state_prefix(engine, reference, state) -> None:
     _, tokenizer = reference
     codec = engine.codec
-    prompts = [codec.encode_prompt(state, r.question, r.descriptions, r.field) for r in question_rows()]
+    prompts = [codec.encode_prompt(state, r.question, r.descriptions, MAX_TOKENS) for r in question_rows()]
     prefix = codec.state_prefix(state, prompts[0])
 
     # The prefix rendered here: the prompt cut just after `{"evidence": <state>, "criterion": "`,
@@ -279,16 +289,16 @@ def test_a_state_prefix_the_prompts_do_not_start_with_is_cut_back_to_what_they_s
     engine, monkeypatch
 ) -> None:
     state, rows = STATES["short_string"], question_rows()[:3]
-    prompts = [engine.codec.encode_prompt(state, r.question, r.descriptions, "state") for r in rows]
+    prompts = [engine.codec.encode_prompt(state, r.question, r.descriptions, MAX_TOKENS) for r in rows]
     real = engine.codec.state_prefix(state, prompts[0])
     # A tokenizer that merged across the cut would hand back a prefix the prompts do not start with.
     wrong_tail = [t for t in range(50) if t != prompts[0].ids[len(real)]][:2]
     monkeypatch.setattr(engine.codec, "state_prefix", lambda s, p: real + wrong_tail)
 
-    shared = engine.score(state, rows, shared=True)
-    assert shared.timing["prefix_tokens"] == len(real)
+    shared = engine.score(state, rows, shared=True, max_input_tokens=MAX_TOKENS)
+    assert shared.timing.prefix_tokens == len(real)
     for got, row in zip(shared.rows, rows, strict=True):
-        want = engine.score(state, [row], shared=False).rows[0]
+        want = engine.score(state, [row], shared=False, max_input_tokens=MAX_TOKENS).rows[0]
         assert_close(got.option_logits, want.option_logits, 1e-5)
 
 
@@ -315,10 +325,9 @@ def test_the_shared_token_prefix_is_the_longest_cut_every_prompt_starts_with() -
 
 
 def test_a_prompt_over_the_token_limit_is_refused_and_never_truncated(engine) -> None:
-    codec = PromptCodec(engine.codec.tokenizer, 200)
-    with pytest.raises(ServiceError) as caught:
-        codec.encode_prompt(LONG_TEXT, "Did it recover?", ("Yes.", "No."), "state")
-    error = caught.value
+    with pytest.raises(TooManyTokens) as caught:
+        engine.codec.encode_prompt(LONG_TEXT, "Did it recover?", ("Yes.", "No."), 200)
+    error = native_error(caught.value, shared=False)
     assert (error.status, error.code, error.field) == (422, "too_many_tokens", "state")
     assert "200" in error.message and "truncated" in error.message
 
@@ -327,30 +336,22 @@ def test_a_prompt_of_exactly_the_limit_is_served_whole(engine) -> None:
     tokenizer = engine.codec.tokenizer
     state, question, descs = STATES["list"], "Which?", ("x", "y", "z")
     n = len(tokenizer.encode(render(tokenizer, state, question, descs), add_special_tokens=False))
-    assert len(PromptCodec(tokenizer, n).encode_prompt(state, question, descs, "state").ids) == n
-    with pytest.raises(ServiceError) as caught:
-        PromptCodec(tokenizer, n - 1).encode_prompt(state, question, descs, "state")
-    assert caught.value.code == "too_many_tokens"
+    assert len(engine.codec.encode_prompt(state, question, descs, n).ids) == n
+    with pytest.raises(TooManyTokens) as caught:
+        engine.codec.encode_prompt(state, question, descs, n - 1)
+    assert native_error(caught.value, shared=False).code == "too_many_tokens"
 
 
-@pytest.fixture(scope="module")
-def small_limit_engine(checkpoint) -> TorchEngine:
-    return TorchEngine.load(make_settings(checkpoint, max_input_tokens=200))
-
-
-def test_the_engine_refuses_an_over_limit_row_on_both_paths_naming_its_field(small_limit_engine) -> None:
-    assert small_limit_engine.codec.max_input_tokens == 200
-    short = Row("Did it recover?", ("Yes.", "No."), "decisions[0]")
-    long = Row("Which? " + "the of and to in " * 60, ("Yes.", "No."), "decisions[1]")
-    small_limit_engine.score("ok", [short], shared=False)  # under the limit: served
+def test_the_engine_refuses_an_over_limit_row_on_both_paths_naming_its_position(engine) -> None:
+    short = PromptRow("Did it recover?", ("Yes.", "No."))
+    long = PromptRow("Which? " + "the of and to in " * 60, ("Yes.", "No."))
+    engine.score("ok", [short], shared=False, max_input_tokens=200)  # under the limit: served
     for rows, shared in (([long], False), ([short, long], True)):
-        with pytest.raises(ServiceError) as caught:
-            small_limit_engine.score("ok", rows, shared=shared)
-        assert (caught.value.status, caught.value.code, caught.value.field) == (
-            422,
-            "too_many_tokens",
-            "decisions[1]",
-        )
+        with pytest.raises(TooManyTokens) as caught:
+            engine.score("ok", rows, shared=shared, max_input_tokens=200)
+        error = native_error(caught.value, shared=True)
+        assert (error.status, error.code, caught.value.row) == (422, "too_many_tokens", len(rows) - 1)
+        assert caught.value.limit == 200
 
 
 # -- the tokenizer contract ---------------------------------------------------------------
@@ -402,7 +403,7 @@ def test_a_tokenizer_whose_answer_slots_are_broken_is_refused(checkpoint, tmp_pa
     with pytest.raises(TokenizerContractError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         answer_slots(tokenizer)
     with pytest.raises(TokenizerContractError):
-        PromptCodec(tokenizer, 4096)
+        PromptCodec(tokenizer)
 
 
 def test_the_demo_tokenizer_keeps_every_letter_one_distinct_token(reference) -> None:
@@ -424,22 +425,24 @@ def boundary_tokenizer(boundary_checkpoint):
 
 def test_a_letter_that_merges_across_the_answer_boundary_refuses_the_prompt(boundary_tokenizer) -> None:
     tokenizer = boundary_tokenizer
-    codec = PromptCodec(tokenizer, 4096)  # every letter alone is still one token
+    codec = PromptCodec(tokenizer)  # every letter alone is still one token
     text = render(tokenizer, "ok", "Did it?", ("Yes.", "No."))
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.encode(text + "A", add_special_tokens=False)[:-1] != ids  # the merge is real
 
-    with pytest.raises(ServiceError) as caught:
-        codec.encode_prompt("ok", "Did it?", ("Yes.", "No."), "decisions[3]")
-    error = caught.value
+    with pytest.raises(AnswerBoundary) as caught:
+        codec.encode_prompt("ok", "Did it?", ("Yes.", "No."), MAX_TOKENS)
+    caught.value.question = 3  # the core places it; the door names the field
+    error = native_error(caught.value, shared=True)
     assert (error.status, error.code, error.field) == (422, "answer_boundary", "decisions[3]")
+    assert (caught.value.option, caught.value.letter) == (0, "A")
     assert "'A'" in error.message
 
 
 def test_a_service_whose_tokenizer_breaks_the_answer_boundary_fails_to_start(boundary_checkpoint) -> None:
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(AnswerBoundary) as caught:
         Service.start(make_settings(boundary_checkpoint))
-    assert caught.value.code == "answer_boundary"
+    assert native_error(caught.value, shared=False).code == "answer_boundary"
 
 
 def test_the_loader_refuses_a_checkpoint_whose_tokenizer_breaks_the_answer_slots(
@@ -558,18 +561,25 @@ def test_a_multimodal_checkpoints_option_logits_equal_its_own_text_only_forward(
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = plain_option_logits(full, tokenizer, ids, len(descs))
 
-    direct = engine.score(state, [Row(question, descs, "state")], shared=False).rows[0]
+    direct = engine.score(
+        state, [PromptRow(question, descs)], shared=False, max_input_tokens=MAX_TOKENS
+    ).rows[0]
     assert_close(direct.option_logits, expected, 1e-5)
     assert direct.prompt_sha256 == hashlib.sha256(text.encode("utf-8")).hexdigest()
-    shared = engine.score(state, [Row(question, descs, "state"), Row("Other?", ("x", "y"), "s")], shared=True)
-    assert shared.timing["prefix_tokens"] > 0
+    shared = engine.score(
+        state,
+        [PromptRow(question, descs), PromptRow("Other?", ("x", "y"))],
+        shared=True,
+        max_input_tokens=MAX_TOKENS,
+    )
+    assert shared.timing.prefix_tokens > 0
     assert_close(shared.rows[0].option_logits, expected, 1e-5)
 
 
 @pytest.mark.parametrize("which", ["good", "broken"])
 def test_the_per_tail_boundary_check_agrees_with_re_encoding_every_prompt(which, request) -> None:
     tokenizer = request.getfixturevalue("tokenizer" if which == "good" else "boundary_tokenizer")
-    codec = PromptCodec(tokenizer, 4096)
+    codec = PromptCodec(tokenizer)
     for state in STATES.values():
         for n in (2, 5, 16):
             descs = descriptions(n, "t")
@@ -580,9 +590,9 @@ def test_the_per_tail_boundary_check_agrees_with_re_encoding_every_prompt(which,
                 for L, s in zip(LETTERS[:n], codec.slots, strict=False)
             ]
             try:
-                codec.encode_prompt(state, "Which one?", descs, "state")
+                codec.encode_prompt(state, "Which one?", descs, MAX_TOKENS)
                 refused = False
-            except ServiceError as error:
-                assert error.code == "answer_boundary"
+            except DecisionError as error:
+                assert isinstance(error, AnswerBoundary)
                 refused = True
             assert refused == (not all(full))

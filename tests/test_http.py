@@ -334,12 +334,13 @@ def test_health_answers_while_the_engine_thread_is_busy(client, service):
 
 
 def test_an_unexpected_failure_outside_a_decision_still_gets_the_500_envelope(service, monkeypatch):
-    from semif_serve.app import create_app
+    import semif_serve.app as app_module
 
-    def broken(admission):
+    def broken(service, snapshot):
         raise RuntimeError(TOKEN)
 
-    monkeypatch.setattr(service, "health", broken)
+    monkeypatch.setattr(app_module, "health_body", broken)
+    create_app = app_module.create_app
 
     async def go():
         transport = httpx.ASGITransport(app=create_app(service), raise_app_exceptions=False)
@@ -349,3 +350,12 @@ def test_an_unexpected_failure_outside_a_decision_still_gets_the_500_envelope(se
     response = asyncio.run(go())
     assert_error(response, 500, "internal_error", None)
     assert TOKEN not in response.text
+
+
+def test_seventeen_options_are_refused_with_the_limit_the_reason_and_where_to_go_instead(client):
+    options = [{"id": str(i), "description": "d"} for i in range(17)]
+    response = client.post("/decide", json=decision(options=options))
+    assert_error(response, 422, "validation_error", "options")
+    message = response.json()["error"]["message"]
+    assert "16" in message and "A..P" in message and "17" in message
+    assert "/v1/systemone" in message and "255" in message

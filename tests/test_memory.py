@@ -12,11 +12,13 @@ import torch
 from conftest import TOKEN, decision, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
-from semif_serve.app import Service, create_app
-from semif_serve.engine import TorchEngine
-from semif_serve.errors import ServiceError, invalid
-from semif_serve.memory import GIB, MIB, CudaMemory, ReleasePolicy
+from semif_serve.app import create_app
+from semif_serve.domain import DecisionError, TooManyRows
+from semif_serve.memory import CudaMemory, ReleasePolicy
+from semif_serve.native_api import native_error
+from semif_serve.numerics import GIB, MIB
 from semif_serve.settings import ConfigurationError
+from semif_serve.startup import Service
 from semif_serve.worker import EngineWorker
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -25,8 +27,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def service_on(engine, checkpoint, memory: SimulatedMemory, **settings) -> Service:
     """The real service and engine (shared weights) on a simulated device."""
     config = make_settings(checkpoint, **settings)
-    simulated = TorchEngine(engine.model, engine.codec.tokenizer, config, memory)
-    return Service.start(config, engine=simulated)
+    return Service.start(config, engine=engine.with_memory(memory))
 
 
 def post(app, url, body):
@@ -93,19 +94,20 @@ def test_every_engine_failure_releases_but_a_refused_request_does_not():
     before = memory.releases
 
     def refused():
-        raise invalid("state", "bad")
+        raise TooManyRows(65, 64)
 
-    with pytest.raises(ServiceError) as refusal:
+    with pytest.raises(TooManyRows) as refusal:
         worker.run_now(refused)
-    assert refusal.value.status == 422
+    assert native_error(refusal.value, shared=False).status == 422
     assert memory.releases == before
 
     def broken():
         raise ValueError("something inside the forward")
 
-    with pytest.raises(ServiceError) as failure:
+    with pytest.raises(DecisionError) as failure:
         worker.run_now(broken)
-    assert (failure.value.status, failure.value.code) == (500, "internal_error")
+    answer = native_error(failure.value, shared=False)
+    assert (answer.status, answer.code) == (500, "internal_error")
     assert failure.value.__cause__ is None and failure.value.__context__ is None
     assert memory.releases == before + 1
 
@@ -127,9 +129,10 @@ def test_every_kind_of_out_of_memory_maps_to_503(exc):
     def job():
         raise exc
 
-    with pytest.raises(ServiceError) as failure:
+    with pytest.raises(DecisionError) as failure:
         worker.run_now(job)
-    assert (failure.value.status, failure.value.code) == (503, "out_of_memory")
+    answer = native_error(failure.value, shared=False)
+    assert (answer.status, answer.code) == (503, "out_of_memory")
     assert worker.out_of_memory_events == 1
 
 
@@ -151,7 +154,7 @@ def test_the_failed_forwards_memory_is_unreachable_before_the_release_runs():
     memory.on_release = lambda: seen.append(handles[0]() is None)
     gc.disable()
     try:
-        with pytest.raises(ServiceError):
+        with pytest.raises(DecisionError):
             worker.run_now(job)
     finally:
         gc.enable()
@@ -170,9 +173,9 @@ def test_a_release_that_itself_fails_does_not_mask_the_original_error():
     def job():
         raise cuda_oom("")
 
-    with pytest.raises(ServiceError) as failure:
+    with pytest.raises(DecisionError) as failure:
         worker.run_now(job)
-    assert failure.value.code == "out_of_memory"
+    assert native_error(failure.value, shared=False).code == "out_of_memory"
 
 
 # -- through the real service -------------------------------------------------------------------
@@ -217,7 +220,7 @@ def test_a_shared_request_over_the_memory_budget_is_split_and_equals_the_unsplit
     assert unsplit["timing"]["forward_batches"] == 1
 
     probe = service.engine.codec.encode_prompt(
-        body["state"], "Question 0: is zone 0 healthy?", ("a", "b"), "x"
+        body["state"], "Question 0: is zone 0 healthy?", ("a", "b"), service.settings.max_input_tokens
     )
     prefix = len(service.engine.codec.state_prefix(body["state"], probe))
     width = len(probe.ids) - prefix + 8
@@ -245,14 +248,14 @@ def test_a_request_whose_single_row_cannot_fit_is_refused_with_the_memory_it_nee
 def test_a_failure_while_building_the_response_is_a_500_envelope_and_the_service_goes_on(
     service, monkeypatch
 ):
-    import semif_serve.app as app_module
+    import semif_serve.native_api as native_module
 
     app = create_app(service)
 
     def broken(*args, **kwargs):
         raise KeyError(TOKEN)
 
-    monkeypatch.setattr(app_module, "build_result", broken)
+    monkeypatch.setattr(native_module, "result_dict", broken)
     secret_state = "the secret state text"
     failed = post(app, "/decide", decision(state=secret_state))
     assert failed.status_code == 500

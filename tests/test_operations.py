@@ -16,9 +16,10 @@ import pytest
 from conftest import TOKEN, decision, make_settings, open_post
 
 from acceptance.server import free_port
-from semif_serve.app import Service, create_app
+from semif_serve.app import create_app
 from semif_serve.demo import DEMO_REVISION
 from semif_serve.logs import JsonFormatter
+from semif_serve.startup import Service
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -15,10 +15,11 @@ import httpx
 import pytest
 from conftest import TOKEN, decision, make_settings
 
-from semif_serve.app import Service, create_app
+from semif_serve.app import create_app
 from semif_serve.demo import write_checkpoint
-from semif_serve.engine import Row
+from semif_serve.domain import PromptRow
 from semif_serve.orderings import combine, option_orders
+from semif_serve.startup import Service
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -109,8 +110,8 @@ MEAN = {"x": 6.5 / 3, "y": 1.6 / 3, "z": 1.5 / 3}
 def test_combined_probabilities_are_the_softmax_of_each_options_mean_logit() -> None:
     out = combine(IDS, ORDERS, LOGITS, "rotations")
     expected = softmax_by_hand([MEAN["x"], MEAN["y"], MEAN["z"]])
-    assert_close([out["probabilities"][i] for i in IDS], expected, 1e-12)
-    assert math.isclose(sum(out["probabilities"].values()), 1.0, abs_tol=1e-12)
+    assert_close([out.probabilities[i] for i in IDS], expected, 1e-12)
+    assert math.isclose(sum(out.probabilities.values()), 1.0, abs_tol=1e-12)
 
 
 def test_combined_probabilities_are_the_renormalised_geometric_mean_of_each_orderings_probabilities() -> None:
@@ -121,26 +122,26 @@ def test_combined_probabilities_are_the_renormalised_geometric_mean_of_each_orde
         geometric[name] = math.prod(probs) ** (1 / len(probs))
     total = sum(geometric.values())
     out = combine(IDS, ORDERS, LOGITS, "rotations")
-    assert_close([out["probabilities"][i] for i in IDS], [geometric[i] / total for i in IDS], 1e-12)
+    assert_close([out.probabilities[i] for i in IDS], [geometric[i] / total for i in IDS], 1e-12)
 
 
 def test_combine_reports_top_agreement_and_spread_of_the_top_option() -> None:
     out = combine(IDS, ORDERS, LOGITS, "rotations")
-    assert out["top"] == "x"
-    assert out["agreement"] == pytest.approx(2 / 3)  # orderings 0 and 1 pick x, ordering 2 picks z
+    assert out.top == "x"
+    assert out.agreement == pytest.approx(2 / 3)  # orderings 0 and 1 pick x, ordering 2 picks z
     # the probability each ordering gave x: slot 0, slot 2 and slot 1 respectively
     p_x = [softmax_by_hand(LOGITS[0])[0], softmax_by_hand(LOGITS[1])[2], softmax_by_hand(LOGITS[2])[1]]
-    assert out["spread"] == pytest.approx(max(p_x) - min(p_x), abs=1e-12)
-    assert out["mode"] == "rotations" and out["orderings"] == 3
+    assert out.spread == pytest.approx(max(p_x) - min(p_x), abs=1e-12)
+    assert out.mode == "rotations" and out.orderings == 3
 
 
 def test_combine_with_unanimous_identical_orderings_has_full_agreement_and_no_spread() -> None:
     orders = [(0, 1), (1, 0)]
     logits = [[1.0, 0.0], [0.0, 1.0]]  # both orderings pick option 0 with the same confidence
     out = combine(["a", "b"], orders, logits, "all")
-    assert out["top"] == "a" and out["agreement"] == 1.0
-    assert out["spread"] == pytest.approx(0.0, abs=1e-12)
-    assert out["probabilities"]["a"] == pytest.approx(math.exp(1) / (math.exp(1) + 1), abs=1e-12)
+    assert out.top == "a" and out.agreement == 1.0
+    assert out.spread == pytest.approx(0.0, abs=1e-12)
+    assert out.probabilities["a"] == pytest.approx(math.exp(1) / (math.exp(1) + 1), abs=1e-12)
 
 
 # -- through the real engine ---------------------------------------------------------------
@@ -163,8 +164,8 @@ def test_rotations_run_in_one_forward_batch_and_each_ordering_equals_a_direct_re
     for k, native in enumerate(result["orderings"]):
         order = [(k + i) % 4 for i in range(4)]
         assert native["option_ids"] == [f"o{i}" for i in order]
-        row = Row(body["question"], tuple(descs[i] for i in order), "state")
-        direct = engine.score(STATE, [row], shared=False).rows[0]
+        row = PromptRow(body["question"], tuple(descs[i] for i in order))
+        direct = engine.score(STATE, [row], shared=False, max_input_tokens=4096).rows[0]
         assert_close(native["option_logits"], direct.option_logits, 1e-5)
         assert native["prompt_sha256"] == direct.prompt_sha256
     # the reply's own fields are the caller's order, i.e. the first ordering

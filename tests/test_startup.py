@@ -10,14 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TOKEN, make_settings
+from conftest import TOKEN, decision, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
-from semif_serve.app import Service
 from semif_serve.demo import DEMO_REVISION, write_checkpoint
-from semif_serve.engine import TorchEngine
-from semif_serve.errors import ServiceError
+from semif_serve.domain import DecisionError
 from semif_serve.settings import ConfigurationError, load_settings
+from semif_serve.startup import Service
 
 
 @pytest.fixture
@@ -82,8 +81,8 @@ def test_a_failing_warm_up_stops_startup(engine, checkpoint):
     memory = SimulatedMemory()
     memory.fail_next = cuda_oom("")
     settings = make_settings(checkpoint)
-    with pytest.raises(ServiceError):
-        Service.start(settings, engine=TorchEngine(engine.model, engine.codec.tokenizer, settings, memory))
+    with pytest.raises(DecisionError):
+        Service.start(settings, engine=engine.with_memory(memory))
 
 
 def test_a_bad_calibration_file_stops_startup_naming_the_entry(engine, checkpoint, tmp_path):
@@ -192,3 +191,10 @@ def test_the_demo_rebuilds_a_cached_checkpoint_of_another_revision(tmp_path, mon
     (tmp_path / "DEMO.json").write_text(json.dumps({"revision": DEMO_REVISION}))
     ensure_demo_checkpoint(tmp_path)
     assert built == [tmp_path]
+
+
+def test_a_demo_checkpoint_is_a_demo_everywhere_whatever_the_setting_says(service, client):
+    assert service.settings.demo is False and (service.settings.model_path / "DEMO.json").exists()
+    assert service.demo is True
+    assert client.get("/health").json()["demo"] is True
+    assert "demo" in client.post("/decide", json=decision()).json()["model"]

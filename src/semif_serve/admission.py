@@ -218,8 +218,9 @@ class Admission:
             if not app_task.done():
                 app_task.cancel()
             await asyncio.gather(app_task, return_exceptions=True)
-            if app_task.done() and not app_task.cancelled() and app_task.exception() is not None:
-                raise app_task.exception()
+            failure = app_task.exception() if app_task.done() and not app_task.cancelled() else None
+            if failure is not None:
+                raise failure
         finally:
             watcher.cancel()
             if not app_task.done():

@@ -1,187 +1,128 @@
-"""The HTTP app: routes, bearer auth and the one error envelope; admission wraps it.
-
-`Service` is everything a running process holds: settings, engine, worker, calibration.
-"""
+"""The ASGI app: request context (ids, logs, metrics) -> admission control -> FastAPI, which
+composes the doors (the native API), the operations routes and the published API pages."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.staticfiles import StaticFiles
 
 from . import SEMIF_COMMIT, __version__
-from .admission import Admission
-from .admission import error_response as admission_error_response
+from .admission import Admission, ASGIApp
 from .auth import Authenticator
-from .calibration import CalibrationTable, load_calibration
-from .decisions import build_result, plan_rows
-from .engine import BatchScore, Row, TorchEngine
-from .errors import ServiceError, internal
-from .memory import MIB, ReleasePolicy
+from .doors import Door
+from .errors import HTTP_ERRORS, ServiceError, internal
+from .native_api import REQUEST_MODELS, NativeDoor
+from .native_schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
 from .observability import Metrics, RequestContext
-from .prompt import MAX_OPTIONS, PROMPT_VERSION
-from .requests import Decision, SharedDecisions, parse_body
-from .settings import Settings
-from .worker import EngineWorker
+from .prompt import PROMPT_VERSION
+from .startup import Service
+from .status import StatusSnapshot, take_snapshot
 
 log = logging.getLogger("semif_serve.app")
 
-WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
-WARM_UP_ROWS = (
-    Row("Is this a warm-up request?", ("Yes.", "No."), "warm-up"),
-    Row("Which option is listed first?", ("The first.", "The second.", "The third."), "warm-up"),
-)
+OPENAPI_PATH = "/openapi.json"
+DOCS_PATH = "/docs"
+DOCS_ASSETS = "/docs/assets"
 
 
-@dataclass
-class Service:
-    """A loaded, warmed-up service: what the routes need."""
-
-    settings: Settings
-    engine: TorchEngine
-    worker: EngineWorker
-    calibration: CalibrationTable
-    token: str
-    ready: bool = False
-    extra_health: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def start(cls, settings: Settings, engine: TorchEngine | None = None) -> Service:
-        """Validate the token and calibration, load the engine, warm it up and mark the baseline.
-
-        Raises ConfigurationError, CalibrationFileError, CheckpointError or ServiceError;
-        the caller exits non-zero on any of them (startup fails closed).
-        """
-        token = settings.token()
-        calibration = load_calibration(settings.calibration)
-        if engine is None:
-            engine = TorchEngine.load(settings)
-        policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB)
-        service = cls(settings, engine, EngineWorker(policy), calibration, token)
-        service.warm_up()
-        return service
-
-    def warm_up(self) -> None:
-        """Score a real decision on both paths, then record the memory baseline."""
-        self.worker.run_now(lambda: self.engine.score(WARM_UP_STATE, WARM_UP_ROWS[:1], shared=False))
-        self.worker.run_now(lambda: self.engine.score(WARM_UP_STATE, WARM_UP_ROWS, shared=True))
-        baseline = self.worker.policy.mark_baseline()
-        cap = self.engine.memory.cap_bytes()
-        if cap is not None and self.settings.split_batches:
-            self.engine.headroom_bytes = cap - baseline
-        self.ready = True
-
-    async def decide(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
-        """`POST /decide`: one decision; orderings run as one shared batch."""
-        decision = parse_body(Decision, body)
-        planned, rows = plan_rows([decision], [""], self.settings.max_rows, self.calibration)
-        batch = await self.worker.run(lambda: self.engine.score(decision.state, rows, shared=len(rows) > 1))
-        record.update(request_record([decision.workload], batch))
-        result = build_result(planned[0], batch, self.engine.model_info, self.calibration)
-        if batch.shared:
-            result["timing"] = batch.timing
-        return result
-
-    async def decide_shared(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
-        """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        request = parse_body(SharedDecisions, body)
-        fields = [f"decisions[{i}]" for i in range(len(request.decisions))]
-        planned, rows = plan_rows(request.decisions, fields, self.settings.max_rows, self.calibration)
-        batch = await self.worker.run(lambda: self.engine.score(request.state, rows, shared=True))
-        record.update(request_record([d.workload for d in request.decisions], batch))
-        results = [build_result(p, batch, self.engine.model_info, self.calibration) for p in planned]
-        return {"results": results, "timing": batch.timing}
-
-    def health(self, admission: Admission | None) -> dict[str, Any]:
-        """The pins, limits, workloads, device and readiness; no secrets."""
-        settings = self.settings
-        policy = self.worker.policy
-        draining = bool(admission and admission.draining)
-        limits = {
-            "max_rows": settings.max_rows,
-            "max_input_tokens": settings.max_input_tokens,
-            "max_options": MAX_OPTIONS,
-            "max_queue": settings.max_queue,
-            "max_body_bytes": settings.max_body_bytes,
-            "release_margin_mib": settings.release_margin_mib,
-        }
-        if settings.device == "cuda":
-            limits["vram_cap_gib"] = settings.vram_cap_gib
-        body = {
-            "status": "draining" if draining else ("ok" if self.ready else "starting"),
-            "ready": self.ready and not draining,
-            "version": __version__,
-            "semif": {"commit": SEMIF_COMMIT, "prompt_version": PROMPT_VERSION},
-            "model": self.engine.model_info,
-            "device": settings.device,
-            "dtype": settings.dtype,
-            "demo": settings.demo or "demo" in self.engine.model_info,
-            "limits": limits,
-            "calibration": {"workloads": self.calibration.as_dict()},
-            "queue": {
-                "in_progress": admission.in_progress if admission else 0,
-                "reading_bodies": admission.reading_bodies if admission else 0,
-                "engine_pending": self.worker.pending,
-            },
-            "memory": {
-                "reserved_bytes": policy.memory.reserved_bytes(),
-                "baseline_bytes": policy.baseline_bytes,
-                "releases": policy.releases,
-            },
-        }
-        body.update(self.extra_health)
-        return body
-
-
-def request_record(workloads: list[str | None], batch: BatchScore) -> dict[str, Any]:
-    """What the request log line and the metrics keep of a scored request (no text, no token)."""
-    record: dict[str, Any] = {
-        "rows": len(batch.rows),
-        "input_tokens": sum(r.input_tokens for r in batch.rows),
-        "forward_seconds": round(batch.forward_seconds, 6),
-        "engine_seconds": round(batch.total_seconds, 6),
+def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
+    """`GET /health`: the pins, limits, workloads, device and readiness; no secrets."""
+    settings = service.settings
+    limits: dict[str, Any] = {
+        "max_rows": settings.max_rows,
+        "max_input_tokens": settings.max_input_tokens,
+        "max_options": MAX_OPTIONS,
+        "max_queue": settings.max_queue,
+        "max_body_bytes": settings.max_body_bytes,
+        "release_margin_mib": settings.release_margin_mib,
     }
-    if batch.timing:
-        record["prefix_tokens"] = batch.timing["prefix_tokens"]
-        record["forward_batches"] = batch.timing["forward_batches"]
-    named = sorted({w for w in workloads if w})
-    if named:
-        record["workloads"] = named
-    return record
+    if settings.device == "cuda":
+        limits["vram_cap_gib"] = settings.vram_cap_gib
+    return {
+        "status": now.status,
+        "ready": now.ready,
+        "version": __version__,
+        "semif": {"commit": SEMIF_COMMIT, "prompt_version": PROMPT_VERSION},
+        "model": service.engine.model_info,
+        "device": settings.device,
+        "dtype": settings.dtype,
+        "demo": service.demo,
+        "limits": limits,
+        "weights": service.weights.health(),
+        "calibration": {"workloads": service.calibration.as_dict()},
+        "queue": {
+            "in_progress": now.in_progress,
+            "reading_bodies": now.reading_bodies,
+            "engine_pending": now.engine_pending,
+        },
+        "memory": {
+            "reserved_bytes": now.reserved_bytes,
+            "baseline_bytes": now.baseline_bytes,
+            "releases": now.releases,
+        },
+    }
 
 
-def error_response(error: ServiceError, request: Request | None = None) -> JSONResponse:
-    """The envelope as a response, with the error's headers and the request id."""
-    request_id = getattr(request.state, "request_id", None) if request is not None else None
-    return admission_error_response(error, request_id)
+def _swagger_assets() -> str:
+    """The directory of the installed Swagger UI bundle (served locally: no CDN)."""
+    from pathlib import Path
+
+    import swagger_ui
+
+    return str(Path(swagger_ui.__file__).parent / "static")
 
 
-HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+def publish_schema(api: FastAPI, models: Sequence[type[BaseModel]]) -> None:
+    """Generate `/openapi.json` once, with the request bodies the routes parse themselves."""
+
+    def openapi() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            schema = get_openapi(
+                title=api.title, version=api.version, description=api.description, routes=api.routes
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            api.openapi_schema = schema
+        return api.openapi_schema
+
+    api.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(service: Service) -> RequestContext:
-    """The ASGI app: request context (ids, logs, metrics) -> admission control -> FastAPI routes.
+def create_app(service: Service, doors: Sequence[Door] | None = None) -> RequestContext:
+    """The ASGI app over `service`, with the native door and any further `doors`.
 
     The returned app exposes `.admission` and `.metrics`.
     """
     api = FastAPI(
         title="semif-serve",
         version=__version__,
+        description="SemIf option-logit decisions over HTTP: one forward pass, no decoding.",
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
         redirect_slashes=False,
     )
+    native = NativeDoor(service)
+    all_doors: list[Door] = [native, *(doors or [])]
     settings = service.settings
-    protected = {"/decide", "/decide/shared"} | (set() if settings.metrics_public else {"/metrics"})
+    protected = {path for door in all_doors for path in door.protected_paths}
+    if not settings.metrics_public:
+        protected.add("/metrics")
     admission = Admission(
-        api,
+        cast(ASGIApp, api),
         settings.max_queue,
         settings.max_body_bytes,
         settings.body_timeout_seconds,
@@ -189,61 +130,79 @@ def create_app(service: Service) -> RequestContext:
         protected,
     )
     metrics = Metrics()
-    metrics.watch(service, admission)
-    outer = RequestContext(admission, metrics)
+    metrics.watch(lambda: take_snapshot(service, admission))
+    for door in all_doors:
+        api.include_router(door.router())
+
+    def door_of(path: str) -> Door:
+        # The longest matching prefix wins, so the native door ("") is the fallback.
+        return max((d for d in all_doors if path.startswith(d.path_prefix)), key=lambda d: len(d.path_prefix))
+
+    def render(error: ServiceError, request: Request) -> Response:
+        return door_of(request.url.path).render(error, request)
 
     @api.exception_handler(ServiceError)
-    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        return error_response(exc, request)
+    async def _service_error(request: Request, exc: ServiceError) -> Response:
+        return render(exc, request)
 
     @api.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = HTTP_CODES.get(exc.status_code, "http_error")
-        message = {
-            404: f"no route {request.url.path}",
-            405: f"{request.method} is not allowed on {request.url.path}",
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        messages = {
+            404: ("not_found", f"no route {request.url.path}"),
+            405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}"),
         }
-        error = ServiceError(
-            exc.status_code,
-            code,
-            message.get(exc.status_code, str(exc.detail)),
-            headers=dict(exc.headers or {}),
-        )
-        return error_response(error, request)
+        code, message = messages.get(exc.status_code, ("http_error", str(exc.detail)))
+        error = ServiceError(exc.status_code, code, message, headers=dict(exc.headers or {}))
+        return render(error, request)
 
     @api.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.error("unexpected failure: %s", type(exc).__name__)
-        return error_response(internal(), request)
+        return render(internal(), request)
 
-    async def answer(
-        request: Request, handler: Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]]
-    ) -> JSONResponse:
-        body = await request.body()
-        record = request.state.log if hasattr(request.state, "log") else {}
-        try:
-            return JSONResponse(await handler(body, record))
-        except ServiceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failure building the reply is a 500 envelope
-            log.error("failed to build the response: %s", type(exc).__name__)
-            raise internal() from None
-
-    @api.post("/decide")
-    async def decide(request: Request) -> JSONResponse:
-        return await answer(request, service.decide)
-
-    @api.post("/decide/shared")
-    async def decide_shared(request: Request) -> JSONResponse:
-        return await answer(request, service.decide_shared)
-
-    @api.get("/health")
+    @api.get(
+        "/health",
+        summary="Pins, limits, workloads, readiness",
+        response_model=None,
+        responses={
+            200: {"model": HealthBody},
+            503: {"model": HealthBody, "description": "starting or draining"},
+        },
+    )
     async def health() -> JSONResponse:
-        body = service.health(admission)
+        body = health_body(service, take_snapshot(service, admission))
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
-    @api.get("/metrics")
+    @api.get(
+        "/metrics",
+        summary="Prometheus text",
+        response_class=Response,
+        responses={
+            200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}},
+            HTTP_ERRORS["unauthorized"]: {
+                "model": ErrorEnvelope,
+                "description": "SEMIF_METRICS_PUBLIC=false",
+            },
+        },
+    )
     async def metrics_route() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return outer
+    publish_schema(api, REQUEST_MODELS)
+
+    @api.get(OPENAPI_PATH, include_in_schema=False)
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(api.openapi())
+
+    @api.get(DOCS_PATH, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=OPENAPI_PATH,
+            title="semif-serve API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
+
+    api.mount(DOCS_ASSETS, StaticFiles(directory=_swagger_assets()), name="docs-assets")
+    return RequestContext(admission, metrics)

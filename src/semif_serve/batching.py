@@ -215,14 +215,15 @@ class Batcher(Generic[R]):
         if job.id in self._ids:
             raise ValueError(f"job id {job.id!r} is already queued or running")
         loop = asyncio.get_running_loop()
-        if self._task is None:
-            self._wakeup = asyncio.Event()
-            self._task = loop.create_task(self._loop())
+        wakeup = self._wakeup
+        if wakeup is None or self._task is None:
+            wakeup = self._wakeup = asyncio.Event()
+            self._task = loop.create_task(self._loop(wakeup))
         future = loop.create_future()
         self._ids.add(job.id)
         future.add_done_callback(lambda _: self._ids.discard(job.id))
         self._queue.append(_Pending(job, future))
-        self._wakeup.set()
+        wakeup.set()
         return await future
 
     async def close(self) -> None:
@@ -240,10 +241,10 @@ class Batcher(Generic[R]):
         if self._own_executor:
             self.executor.shutdown(wait=False)
 
-    async def _loop(self) -> None:
+    async def _loop(self, wakeup: asyncio.Event) -> None:
         while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
+            await wakeup.wait()
+            wakeup.clear()
             taken, self._queue = self._queue, []
             live = {p.job.id: p for p in taken if not self._dropped(p)}
             for group in self._plan(live):
@@ -269,8 +270,8 @@ class Batcher(Generic[R]):
             return True
         return False
 
-    async def _run(self, group: Group, live: dict[Hashable, _Pending]) -> None:
-        group = group.keeping({i for i in group.job_ids if not live[i].future.done()})
+    async def _run(self, planned: Group, live: dict[Hashable, _Pending]) -> None:
+        group = planned.keeping({i for i in planned.job_ids if not live[i].future.done()})
         if group is None:
             return
         try:

@@ -48,13 +48,13 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
 
 def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
     """Validate everything, load and warm up the engine, then bind the port; fail closed."""
-    from .app import Service, create_app
+    from .app import create_app
     from .calibration import CalibrationFileError
-    from .checkpoint_files import verify_checkpoint
+    from .domain import DecisionError
     from .engine import CheckpointError
-    from .errors import ServiceError
     from .logs import configure_logging
     from .settings import ConfigurationError, load_settings
+    from .startup import Service
 
     configure_logging()
     try:
@@ -65,12 +65,11 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
         log.error("invalid configuration: %s", exc)
         return EXIT_CONFIG
     try:
-        verify_checkpoint(settings.model_path, settings.model_manifest)
         service = Service.start(settings)
     except (ConfigurationError, CalibrationFileError) as exc:
         log.error("invalid configuration: %s", exc)
         return EXIT_CONFIG
-    except (CheckpointError, ServiceError) as exc:
+    except (CheckpointError, DecisionError) as exc:
         log.error("startup failed: %s", exc)
         return EXIT_STARTUP
     except Exception as exc:  # noqa: BLE001 - any warm-up failure must stop startup, clearly
@@ -92,7 +91,7 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
             "host": settings.host,
             "port": settings.port,
             "device": settings.device,
-            "demo": settings.demo,
+            "demo": service.demo,
         },
     )
     run_server(
@@ -248,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "calibrate":
-        from .calibration import run_calibrate
+        from .calibration_fit import run_calibrate
 
         return run_calibrate(rest)
     if rest:

@@ -224,7 +224,7 @@ def write_checkpoint(
             temporal_patch_size=2,
         )
         config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
-        model = Qwen3_5ForConditionalGeneration(config)
+        model: Qwen3_5ForConditionalGeneration | Qwen3_5ForCausalLM = Qwen3_5ForConditionalGeneration(config)
         embed = model.model.language_model.embed_tokens
     else:
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))

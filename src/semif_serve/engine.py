@@ -13,13 +13,13 @@ import copy
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ServiceError
-from .memory import GIB, CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
-from .prompt import PromptCodec
+from .domain import BatchTiming, DecisionError, PromptRow, TooLargeForMemory
+from .memory import CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
+from .prompt import NATIVE_ALPHABET_SIZE, EncodedPrompt, PromptCodec
 from .settings import ConfigurationError, Settings
 
 log = logging.getLogger("semif_serve.engine")
@@ -28,6 +28,7 @@ QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 DIRECT_READOUT = "native full-vocabulary last-position logits restricted to declared answer slots"
 SHARED_READOUT = "native selected suffix-position logits"
 SHARED_SERVING_CONFIG = "native-state-prefix-parallel-v1"
+DEMO_NOTE = "random weights: the answers carry no meaning"
 
 
 class CheckpointError(Exception):
@@ -35,16 +36,32 @@ class CheckpointError(Exception):
 
 
 @dataclass(frozen=True)
-class Row:
-    """One question over the request's state with its option descriptions in the order asked."""
+class ModelIdentity:
+    """What results and /health report about the loaded model; `demo` is the one truth for demo."""
 
-    question: str
-    descriptions: tuple[str, ...]
-    field: str  # the request field this row comes from, for errors
+    source: str
+    revision: str
+    dtype: str
+    device: str
+    demo: bool
+
+    def as_dict(self) -> dict[str, str]:
+        """The `model` block of every result, keys in upstream's order."""
+        info = {
+            "source": self.source,
+            "revision": self.revision,
+            "dtype": self.dtype,
+            "device": self.device,
+            "torch_version": _torch_version(),
+            "transformers_version": _transformers_version(),
+        }
+        if self.demo:
+            info["demo"] = DEMO_NOTE
+        return info
 
 
-@dataclass
-class RowScore:
+@dataclass(frozen=True)
+class RowReadout:
     """SemIf's readout of one row."""
 
     option_logits: list[float]
@@ -53,15 +70,15 @@ class RowScore:
     prompt_sha256: str
 
 
-@dataclass
-class BatchScore:
-    """The scores of a batch of rows, in order, and how they were computed."""
+@dataclass(frozen=True)
+class Readout:
+    """The readouts of a batch of rows, in order, and how they were computed."""
 
-    rows: list[RowScore]
+    rows: list[RowReadout]
     shared: bool
     forward_seconds: float
     total_seconds: float
-    timing: dict[str, Any] = field(default_factory=dict)
+    timing: BatchTiming | None  # None on the direct path
 
 
 def checkpoint_tensor_names(directory: Path) -> list[str]:
@@ -76,44 +93,57 @@ def checkpoint_tensor_names(directory: Path) -> list[str]:
 
 
 class TorchEngine:
-    """A loaded model and tokenizer that scores rows; owned by one worker thread."""
+    """A loaded model and tokenizer that reads rows; owned by one worker thread.
 
-    def __init__(self, model, tokenizer, settings: Settings, memory: DeviceMemory) -> None:
+    `headroom_bytes` (bytes between the warm baseline and the cap; None where the device has
+    no cap or splitting is off) decides when a shared batch is split across forwards.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        codec: PromptCodec,
+        identity: ModelIdentity,
+        memory: DeviceMemory,
+        headroom_bytes: int | None = None,
+        skipped_tensors: int = 0,
+    ) -> None:
         import torch
 
         self.torch = torch
         self.model = model
-        self.settings = settings
+        self.codec = codec
+        self.identity = identity
         self.memory = memory
-        self.codec = PromptCodec(tokenizer, settings.max_input_tokens)
-        self.device = torch.device(settings.device)
-        self.slot_ids = torch.tensor(self.codec.slots, device=self.device)
+        self.headroom_bytes = headroom_bytes
+        self.skipped_tensors = skipped_tensors
+        self.device = torch.device(identity.device)
+        self.slot_ids = torch.tensor(codec.slots, device=self.device)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
-        # Bytes between the warm baseline and the cap; None where the device has no cap.
-        self.headroom_bytes: int | None = None
-        self.skipped_tensors = 0
+        tokenizer = codec.tokenizer
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
-        self.model_info = {
-            "source": settings.model_source,
-            "revision": settings.model_revision,
-            "dtype": settings.dtype,
-            "device": settings.device,
-            "torch_version": torch.__version__,
-            "transformers_version": _transformers_version(),
-        }
-        if settings.demo:
-            self.model_info["demo"] = "random weights: the answers carry no meaning"
+        self.model_info = identity.as_dict()
+
+    def with_memory(self, memory: DeviceMemory, headroom_bytes: int | None = None) -> TorchEngine:
+        """The same weights and codec on another memory view and headroom (a new engine)."""
+        return TorchEngine(
+            self.model, self.codec, self.identity, memory, headroom_bytes, self.skipped_tensors
+        )
 
     @classmethod
-    def load(cls, settings: Settings, memory: DeviceMemory | None = None) -> TorchEngine:
+    def load(
+        cls, settings: Settings, memory: DeviceMemory | None = None, alphabet_size: int = NATIVE_ALPHABET_SIZE
+    ) -> TorchEngine:
         """Load a local Qwen3.5 checkpoint; refuse anything that cannot be served faithfully.
 
         Never downloads. Requires a revision string; checks the architecture and the device;
         refuses missing or mismatched weights and loader errors; skips the multimodal
-        checkpoint's unused vision and MTP weights (logged once).
+        checkpoint's unused vision and MTP weights (logged once). A checkpoint with DEMO.json
+        is a demo model whatever SEMIF_DEMO says. `alphabet_size` answer letters (A..P by default)
+        are checked and readable; the first 16 are always A..P, so native prompts never change.
         """
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
@@ -129,6 +159,7 @@ class TorchEngine:
             )
         except Exception as exc:
             raise CheckpointError(f"cannot read {directory}/config.json: {exc}") from None
+        model_cls: Any
         if config.model_type in QWEN35_MODEL_TYPES:
             model_cls, model_config = Qwen3_5ForCausalLM, config.get_text_config()
         elif settings.allow_any_architecture:
@@ -138,7 +169,7 @@ class TorchEngine:
                 f"model_type {config.model_type!r} is not a Qwen3.5 text model; set "
                 "SEMIF_ALLOW_ANY_ARCHITECTURE=true to serve it anyway"
             )
-        dtype = getattr(torch, settings.dtype)
+        dtype = getattr(torch, settings.dtype or "float32")
         try:
             model, info = model_cls.from_pretrained(
                 str(directory),
@@ -166,58 +197,68 @@ class TorchEngine:
         tokenizer = AutoTokenizer.from_pretrained(
             str(directory), local_files_only=True, trust_remote_code=False
         )
-        if (directory / "DEMO.json").exists() and not settings.demo:
-            settings = settings.model_copy(update={"demo": True})
-        engine = cls(model, tokenizer, settings, memory)
-        engine.skipped_tensors = skipped
-        return engine
+        assert settings.dtype is not None  # Settings fills the device's default
+        identity = ModelIdentity(
+            source=settings.model_source,
+            revision=settings.model_revision,
+            dtype=settings.dtype,
+            device=settings.device,
+            demo=settings.demo or (directory / "DEMO.json").exists(),
+        )
+        codec = PromptCodec(tokenizer, alphabet_size)
+        return cls(model, codec, identity, memory, skipped_tensors=skipped)
 
-    # -- scoring -------------------------------------------------------------------------
+    # -- reading ------------------------------------------------------------------------------
 
-    def score(
-        self, state: Any, rows: Sequence[Row], shared: bool, rows_per_forward: int | None = None
-    ) -> BatchScore:
-        """Score rows over one state. `shared=False` with one row runs SemIf's plain forward;
-        otherwise the state prefix is prefilled once and the rows run in padded batches of at
-        most `rows_per_forward` (all in one when None)."""
+    def score(self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int) -> Readout:
+        """Read rows over one state. `shared=False` with one row runs SemIf's plain forward;
+        otherwise the state prefix is prefilled once and the rows run in right-padded batches
+        (split where the memory headroom says one batch would not fit).
+
+        Raises TooManyTokens, AnswerBoundary or TooLargeForMemory with `row` set to the
+        position of the row concerned.
+        """
         started = time.perf_counter()
-        prompts = [self.codec.encode_prompt(state, r.question, r.descriptions, r.field) for r in rows]
+        prompts = [self._encode(state, row, i, max_input_tokens) for i, row in enumerate(rows)]
+        timing: BatchTiming | None = None
         if not shared and len(rows) == 1:
             readout, forward_seconds = self._direct(prompts[0].ids, len(rows[0].descriptions))
-            per_row, timing = [readout], {}
+            per_row = [readout]
         else:
             prefix = shared_token_prefix(self.codec.state_prefix(state, prompts[0]), prompts)
-            if rows_per_forward is None:
-                rows_per_forward = self._rows_that_fit(len(prefix), [p.ids for p in prompts], rows)
+            rows_per_forward = self._rows_that_fit(len(prefix), [p.ids for p in prompts])
             per_row, timing = self._shared(prefix, [p.ids for p in prompts], rows, rows_per_forward)
             forward_seconds = (
-                timing["prefill_seconds"] + timing["replicate_seconds"] + timing["suffix_forward_seconds"]
+                timing.prefill_seconds + timing.replicate_seconds + timing.suffix_forward_seconds
             )
         total = time.perf_counter() - started
-        scores = [
-            RowScore(logits, probs, len(p.ids), p.sha256)
+        readouts = [
+            RowReadout(logits, probs, len(p.ids), p.sha256)
             for (logits, probs), p in zip(per_row, prompts, strict=True)
         ]
-        return BatchScore(scores, shared or len(rows) > 1, forward_seconds, total, timing)
+        return Readout(readouts, timing is not None, forward_seconds, total, timing)
 
-    def _rows_that_fit(self, n_prefix: int, prompts: list[list[int]], rows: Sequence[Row]) -> int | None:
-        """Split a batch that would not fit under the cap; refuse one whose single row cannot."""
+    def _encode(self, state: Any, row: PromptRow, index: int, max_input_tokens: int) -> EncodedPrompt:
+        try:
+            return self.codec.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
+        except DecisionError as exc:
+            exc.row = index
+            raise
+
+    def _rows_that_fit(self, n_prefix: int, prompts: list[list[int]]) -> int | None:
+        """Split a batch that would not fit under the headroom; refuse one whose single row cannot."""
         if self.headroom_bytes is None:
             return None
         width = max(len(ids) for ids in prompts) - n_prefix
         fit = self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width)
         if fit == 0:
             need = self.estimate.prefill_bytes(n_prefix) + self.estimate.row_bytes(n_prefix, width)
-            raise ServiceError(
-                413,
-                "too_large_for_memory",
-                f"one row of this request needs an estimated {need / GIB:.2f} GiB, more than the "
-                f"{self.headroom_bytes / GIB:.2f} GiB the memory cap leaves; shorten the state",
-                rows[0].field,
-            )
+            refusal = TooLargeForMemory(need, self.headroom_bytes)
+            refusal.row = 0
+            raise refusal
         return fit if fit < len(prompts) else None
 
-    def _readout(self, last_logits, n_options: int) -> tuple[list[float], list[float]]:
+    def _readout(self, last_logits: Any, n_options: int) -> tuple[list[float], list[float]]:
         """Full-vocabulary float32 logits of one position -> (slot logits, their softmax)."""
         option = last_logits.float()[self.slot_ids[:n_options]]
         return option.tolist(), self.torch.softmax(option, dim=-1).tolist()
@@ -234,20 +275,17 @@ class TorchEngine:
         return readout, time.perf_counter() - t0
 
     def _shared(
-        self, prefix: list[int], prompts: list[list[int]], rows: Sequence[Row], rows_per_forward: int | None
-    ) -> tuple[list[tuple[list[float], list[float]]], dict[str, Any]]:
+        self,
+        prefix: list[int],
+        prompts: list[list[int]],
+        rows: Sequence[PromptRow],
+        rows_per_forward: int | None,
+    ) -> tuple[list[tuple[list[float], list[float]]], BatchTiming]:
         torch = self.torch
         n_prefix = len(prefix)
-        timing = {
-            "prefix_tokens": n_prefix,
-            "prefill_seconds": 0.0,
-            "replicate_seconds": 0.0,
-            "suffix_forward_seconds": 0.0,
-            "batch_size": len(prompts),
-            "true_suffix_tokens": 0,
-            "padded_suffix_tokens": 0,
-            "forward_batches": 0,
-        }
+        prefill_seconds = replicate_seconds = suffix_seconds = 0.0
+        tokens = _SuffixTokens()
+        batches = 0
         with torch.inference_mode():
             cache = None
             if n_prefix:
@@ -256,7 +294,7 @@ class TorchEngine:
                     input_ids=torch.tensor([prefix], device=self.device), use_cache=True
                 ).past_key_values
                 self.memory.synchronize()
-                timing["prefill_seconds"] = time.perf_counter() - t0
+                prefill_seconds = time.perf_counter() - t0
             step = rows_per_forward or len(prompts)
             results: list[tuple[list[float], list[float]]] = []
             for start in range(0, len(prompts), step):
@@ -271,18 +309,33 @@ class TorchEngine:
                 self.memory.synchronize()
                 t2 = time.perf_counter()
                 results.extend(
-                    self._suffix_forward(batch_cache, n_prefix, chunk, rows[start : start + step], timing)
+                    self._suffix_forward(batch_cache, n_prefix, chunk, rows[start : start + step], tokens)
                 )
                 del batch_cache
                 self.memory.synchronize()
-                timing["replicate_seconds"] += t2 - t1
-                timing["suffix_forward_seconds"] += time.perf_counter() - t2
-                timing["forward_batches"] += 1
+                replicate_seconds += t2 - t1
+                suffix_seconds += time.perf_counter() - t2
+                batches += 1
             del cache
+        timing = BatchTiming(
+            prefix_tokens=n_prefix,
+            prefill_seconds=prefill_seconds,
+            replicate_seconds=replicate_seconds,
+            suffix_forward_seconds=suffix_seconds,
+            batch_size=len(prompts),
+            true_suffix_tokens=tokens.true,
+            padded_suffix_tokens=tokens.padded,
+            forward_batches=batches,
+        )
         return results, timing
 
     def _suffix_forward(
-        self, cache, n_prefix: int, chunk: list[list[int]], rows: Sequence[Row], timing: dict
+        self,
+        cache: Any,
+        n_prefix: int,
+        chunk: list[list[int]],
+        rows: Sequence[PromptRow],
+        tokens: _SuffixTokens,
     ) -> list[tuple[list[float], list[float]]]:
         torch = self.torch
         suffixes = [ids[n_prefix:] for ids in chunk]
@@ -307,12 +360,20 @@ class TorchEngine:
         logits = self.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
         del hidden
         readout = [self._readout(logits[i], len(row.descriptions)) for i, row in enumerate(rows)]
-        timing["true_suffix_tokens"] += sum(lengths)
-        timing["padded_suffix_tokens"] += width * len(chunk)
+        tokens.true += sum(lengths)
+        tokens.padded += width * len(chunk)
         return readout
 
 
-def shared_token_prefix(state_prefix: list[int], prompts: Sequence) -> list[int]:
+@dataclass
+class _SuffixTokens:
+    """Real and padded suffix tokens counted across a batch's forwards."""
+
+    true: int = 0
+    padded: int = 0
+
+
+def shared_token_prefix(state_prefix: list[int], prompts: Sequence[EncodedPrompt]) -> list[int]:
     """The tokens to prefill once: the state prefix, cut back to what every prompt starts with,
     then, for several rows, extended over whatever they all still share (the question, for
     the orderings of one decision). Any common token prefix is exact: the model is causal.
@@ -334,7 +395,7 @@ def shared_token_prefix(state_prefix: list[int], prompts: Sequence) -> list[int]
     return first[:length]
 
 
-def _device_memory(settings: Settings, torch) -> DeviceMemory:
+def _device_memory(settings: Settings, torch: Any) -> DeviceMemory:
     if settings.device == "cpu":
         return HostMemory()
     if not torch.cuda.is_available():
@@ -351,3 +412,9 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)

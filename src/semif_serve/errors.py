@@ -1,4 +1,4 @@
-"""The service's own failures and the one error envelope every non-2xx response carries."""
+"""HTTP errors: a status, a stable code, a message and a field, and the native error envelope."""
 
 from __future__ import annotations
 
@@ -40,23 +40,26 @@ class ServiceError(Exception):
         return {"error": body}
 
 
-def invalid(field: str | None, message: str, code: str = "validation_error") -> ServiceError:
+# The errors a door answers on its own (not from a domain error): code -> status.
+HTTP_ERRORS = {
+    "invalid_json": 400,
+    "invalid_content_length": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "body_too_large": 413,
+    "validation_error": 422,
+    "busy": 429,
+    "internal_error": 500,
+    "draining": 503,
+}
+
+
+def invalid(field: str | None, message: str) -> ServiceError:
     """A request that breaks a rule of the contract (422)."""
-    return ServiceError(422, code, message, field)
-
-
-def out_of_memory(detail: str = "") -> ServiceError:
-    """The device ran out of memory serving this request (503); memory is released."""
-    suffix = f" {detail}" if detail else ""
-    return ServiceError(
-        503,
-        "out_of_memory",
-        "The request did not fit in the service's memory cap; memory was released. "
-        "Split the decisions across smaller requests." + suffix,
-        headers={"Retry-After": "1"},
-    )
+    return ServiceError(HTTP_ERRORS["validation_error"], "validation_error", message, field)
 
 
 def internal(message: str = "The service failed while answering this request.") -> ServiceError:
     """An unexpected failure (500); the service stays up."""
-    return ServiceError(500, "internal_error", message)
+    return ServiceError(HTTP_ERRORS["internal_error"], "internal_error", message)

@@ -12,12 +12,10 @@ import logging
 import os
 from typing import Protocol
 
+from .numerics import GIB
 from .settings import ConfigurationError
 
 log = logging.getLogger("semif_serve.memory")
-
-GIB = 1024**3
-MIB = 1024**2
 
 
 class DeviceMemory(Protocol):

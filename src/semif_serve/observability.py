@@ -12,65 +12,55 @@ import logging
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from .admission import Receive, Scope, Send
-
-if TYPE_CHECKING:
-    from .admission import Admission
-    from .app import Service
+from .admission import Admission, Receive, Scope, Send
+from .status import StatusSnapshot
 
 log = logging.getLogger("semif_serve.request")
 
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-ROUTES = {"/decide", "/decide/shared", "/health", "/metrics"}
+ROUTES = {"/decide", "/decide/shared", "/health", "/metrics", "/openapi.json", "/docs"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-class ServiceCollector:
-    """Reads the live state (queue, memory, releases, refusals) at scrape time: one source of truth."""
+class StatusCollector(Collector):
+    """Reads one status snapshot at scrape time: the same numbers /health reports."""
 
-    def __init__(self, service: Service, admission: Admission) -> None:
-        self.service = service
-        self.admission = admission
+    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        self.snapshot = snapshot
 
-    def collect(self):
-        policy = self.service.worker.policy
+    def collect(self) -> Iterator[Metric]:
+        now = self.snapshot()
         yield GaugeMetricFamily(
-            "semif_requests_in_progress",
-            "POST requests admitted and not finished",
-            value=self.admission.in_progress,
+            "semif_requests_in_progress", "POST requests admitted and not finished", value=now.in_progress
         )
         yield GaugeMetricFamily(
-            "semif_queue_depth", "engine jobs waiting or running", value=self.service.worker.pending
+            "semif_queue_depth", "engine jobs waiting or running", value=now.engine_pending
         )
         yield GaugeMetricFamily(
-            "semif_ready",
-            "1 when the engine is warm and not draining",
-            value=float(self.service.ready and not self.admission.draining),
+            "semif_ready", "1 when the engine is warm and not draining", value=float(now.ready)
         )
         yield CounterMetricFamily(
-            "semif_busy_rejections", "POSTs refused with 429 busy", value=self.admission.refused
+            "semif_busy_rejections", "POSTs refused with 429 busy", value=now.busy_rejections
         )
         yield CounterMetricFamily(
-            "semif_out_of_memory",
-            "requests that ran out of device memory",
-            value=self.service.worker.out_of_memory_events,
+            "semif_out_of_memory", "requests that ran out of device memory", value=now.out_of_memory_events
         )
         yield CounterMetricFamily(
-            "semif_memory_releases", "times cached device memory was released", value=policy.releases
+            "semif_memory_releases", "times cached device memory was released", value=now.releases
         )
         yield GaugeMetricFamily(
-            "semif_memory_reserved_bytes",
-            "memory reserved by the allocator",
-            value=policy.memory.reserved_bytes(),
+            "semif_memory_reserved_bytes", "memory reserved by the allocator", value=now.reserved_bytes
         )
         yield GaugeMetricFamily(
-            "semif_memory_baseline_bytes", "reserved memory after warm-up", value=policy.baseline_bytes or 0
+            "semif_memory_baseline_bytes", "reserved memory after warm-up", value=now.baseline_bytes or 0
         )
 
 
@@ -105,10 +95,12 @@ class Metrics:
             registry=self.registry,
         )
 
-    def watch(self, service: Service, admission: Admission) -> None:
-        self.registry.register(ServiceCollector(service, admission))
+    def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        """Report the live status, read through `snapshot` at every scrape."""
+        self.registry.register(StatusCollector(snapshot))
 
     def observe(self, route: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
+        """Count one answered request and what its route recorded."""
         self.requests.labels(route, str(status)).inc()
         self.seconds.labels(route).observe(seconds)
         if "rows" in fields:

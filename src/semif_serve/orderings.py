@@ -1,13 +1,17 @@
-"""Order averaging: which option orders a decision is asked in, and the combined answer."""
+"""Order averaging: which option orders a question is asked in, and the combined answer."""
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
-from typing import Any
+
+from .domain import Combined
+from .numerics import argmax, softmax
 
 COMBINE_METHOD = "log-mean"
+# Calibration modes: one per orderings value, "single" for a question asked once.
+MODES = ("single", "rotations", "all")
+MAX_ALL_OPTIONS = 4  # every permutation of 5 options would be 120 rows
 
 
 def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
@@ -20,14 +24,6 @@ def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
     if mode == "all":
         return list(itertools.permutations(identity))
     raise ValueError(f"unknown orderings mode {mode!r}")
-
-
-def softmax(values: Sequence[float]) -> list[float]:
-    """A numerically stable softmax in float64."""
-    peak = max(values)
-    exps = [math.exp(v - peak) for v in values]
-    total = sum(exps)
-    return [e / total for e in exps]
 
 
 def mean_option_logits(
@@ -46,7 +42,7 @@ def combine(
     orders: Sequence[Sequence[int]],
     logits_per_order: Sequence[Sequence[float]],
     mode: str,
-) -> dict[str, Any]:
+) -> Combined:
     """The combined answer over orderings.
 
     probabilities: softmax of each option's mean logit (= the renormalised log-mean of its
@@ -55,20 +51,19 @@ def combine(
     """
     n = len(option_ids)
     probs = softmax(mean_option_logits(n, orders, logits_per_order))
-    top = max(range(n), key=lambda i: probs[i])
+    top = argmax(probs)
     agree = 0
     top_probs = []
     for order, logits in zip(orders, logits_per_order, strict=True):
         p = softmax(logits)
-        if order[max(range(n), key=lambda s: p[s])] == top:
+        if order[argmax(p)] == top:
             agree += 1
-        top_probs.append(p[order.index(top)])
-    return {
-        "method": COMBINE_METHOD,
-        "mode": mode,
-        "orderings": len(orders),
-        "probabilities": {option_ids[i]: probs[i] for i in range(n)},
-        "top": option_ids[top],
-        "agreement": agree / len(orders),
-        "spread": max(top_probs) - min(top_probs),
-    }
+        top_probs.append(p[list(order).index(top)])
+    return Combined(
+        mode=mode,
+        orderings=len(orders),
+        probabilities={option_ids[i]: probs[i] for i in range(n)},
+        top=option_ids[top],
+        agreement=agree / len(orders),
+        spread=max(top_probs) - min(top_probs),
+    )

@@ -12,15 +12,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ServiceError, invalid
+from .domain import AnswerBoundary, TooManyTokens
 
 PROMPT_VERSION = "direct-options-v1"
 SYSTEM_PROMPT = (
     "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
     "Respond with only its uppercase letter, with no explanation or reasoning."
 )
-LETTERS = "ABCDEFGHIJKLMNOP"
-MAX_OPTIONS = len(LETTERS)
+NATIVE_ALPHABET_SIZE = 16  # A..P: SemIf's letters, and the native door's option limit
+MAX_ALPHABET_SIZE = 26 + 26 * 26  # A..Z, then AA..ZZ
+
+
+def answer_letters(count: int) -> tuple[str, ...]:
+    """The first `count` answer letters: A..Z, then AA, AB, .. ZZ."""
+    if not 1 <= count <= MAX_ALPHABET_SIZE:
+        raise ValueError(f"an answer alphabet has 1..{MAX_ALPHABET_SIZE} letters, not {count}")
+    singles = [chr(ord("A") + i) for i in range(26)]
+    doubles = [a + b for a in singles for b in singles]
+    return tuple((singles + doubles)[:count])
+
+
+LETTERS = answer_letters(NATIVE_ALPHABET_SIZE)
 
 
 class TokenizerContractError(Exception):
@@ -37,9 +49,11 @@ class EncodedPrompt:
     user_offset: int  # where the user turn's JSON starts in `text`
 
 
-def user_message(state: Any, question: str, descriptions: Sequence[str]) -> str:
+def user_message(
+    state: Any, question: str, descriptions: Sequence[str], letters: Sequence[str] = LETTERS
+) -> str:
     """The user turn: evidence, criterion and lettered options; option ids are never shown."""
-    options = [{"letter": LETTERS[i], "description": d} for i, d in enumerate(descriptions)]
+    options = [{"letter": letters[i], "description": d} for i, d in enumerate(descriptions)]
     return json.dumps({"evidence": state, "criterion": question, "options": options}, ensure_ascii=False)
 
 
@@ -49,10 +63,10 @@ def question_independent_opening(state: Any) -> str:
     return json.dumps({"evidence": state, "criterion": ""}, ensure_ascii=False)[:-2]
 
 
-def answer_slots(tokenizer) -> list[int]:
-    """The token id of each letter A..P; each must be one token that decodes to itself, all distinct."""
+def answer_slots(tokenizer: Any, letters: Sequence[str] = LETTERS) -> list[int]:
+    """The token id of each answer letter; each must be one token that decodes to itself, all distinct."""
     slots: list[int] = []
-    for letter in LETTERS:
+    for letter in letters:
         ids = tokenizer.encode(letter, add_special_tokens=False)
         if len(ids) != 1:
             raise TokenizerContractError(
@@ -64,19 +78,20 @@ def answer_slots(tokenizer) -> list[int]:
             )
         if ids[0] in slots:
             raise TokenizerContractError(
-                f"answer letter {letter!r} collides with {LETTERS[slots.index(ids[0])]!r}"
+                f"answer letter {letter!r} collides with {letters[slots.index(ids[0])]!r}"
             )
         slots.append(ids[0])
     return slots
 
 
 class PromptCodec:
-    """Renders and tokenises SemIf prompts for one tokenizer, with every readout check."""
+    """Renders and tokenises SemIf prompts for one tokenizer over an answer alphabet of
+    `alphabet_size` letters (the most options a prompt can hold), with every readout check."""
 
-    def __init__(self, tokenizer, max_input_tokens: int) -> None:
+    def __init__(self, tokenizer: Any, alphabet_size: int = NATIVE_ALPHABET_SIZE) -> None:
         self.tokenizer = tokenizer
-        self.max_input_tokens = max_input_tokens
-        self.slots = answer_slots(tokenizer)
+        self.letters = answer_letters(alphabet_size)
+        self.slots = answer_slots(tokenizer, self.letters)
         self._tail_checks: dict[str, int | None] = {}
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._boundary_tokens = [t.content for t in added.values() if not getattr(t, "rstrip", False)]
@@ -85,7 +100,7 @@ class PromptCodec:
         """The chat-template rendering of the system and user turns, ready for the answer letter."""
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": user_message(state, question, descriptions)},
+            {"role": "user", "content": user_message(state, question, descriptions, self.letters)},
         ]
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
@@ -96,28 +111,18 @@ class PromptCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_prompt(
-        self, state: Any, question: str, descriptions: Sequence[str], field: str
+        self, state: Any, question: str, descriptions: Sequence[str], max_input_tokens: int
     ) -> EncodedPrompt:
-        """Render, tokenise and check one prompt; refuse it (422) past the token limit or boundary."""
+        """Render, tokenise and check one prompt; raise TooManyTokens past `max_input_tokens`
+        and AnswerBoundary (option = the slot asked) where a letter's logit is unreadable."""
         text = self.render_prompt(state, question, descriptions)
-        user_offset = text.index(user_message(state, question, descriptions))
+        user_offset = text.index(user_message(state, question, descriptions, self.letters))
         ids = self.encode(text)
-        if len(ids) > self.max_input_tokens:
-            raise invalid(
-                field,
-                f"the prompt is {len(ids)} tokens, over the limit of {self.max_input_tokens}; "
-                "it is never truncated",
-                code="too_many_tokens",
-            )
+        if len(ids) > max_input_tokens:
+            raise TooManyTokens(len(ids), max_input_tokens)
         broken = self._first_broken_letter(text, ids, len(descriptions))
         if broken is not None:
-            raise ServiceError(
-                422,
-                "answer_boundary",
-                f"appending the answer letter {LETTERS[broken]!r} changes this prompt's tokenisation, "
-                "so its logit cannot be read faithfully",
-                field,
-            )
+            raise AnswerBoundary(self.letters[broken], broken)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         return EncodedPrompt(text, ids, digest, user_offset)
 
@@ -132,13 +137,13 @@ class PromptCodec:
         if tail is None:
             return self._first_mismatch(text, ids, n_letters)
         if tail not in self._tail_checks:
-            self._tail_checks[tail] = self._first_mismatch(tail, self.encode(tail), len(LETTERS))
+            self._tail_checks[tail] = self._first_mismatch(tail, self.encode(tail), len(self.letters))
         broken = self._tail_checks[tail]
         return broken if broken is not None and broken < n_letters else None
 
     def _first_mismatch(self, text: str, ids: list[int], n_letters: int) -> int | None:
         return next(
-            (i for i in range(n_letters) if self.encode(text + LETTERS[i]) != ids + [self.slots[i]]),
+            (i for i in range(n_letters) if self.encode(text + self.letters[i]) != ids + [self.slots[i]]),
             None,
         )
 

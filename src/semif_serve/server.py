@@ -163,8 +163,8 @@ class DrainingServer(uvicorn.Server):
             left = self.drain_deadline - time.monotonic()
             if self.admission.in_progress == 0 or left <= 0:
                 log.info("drained", extra={"left_in_progress": self.admission.in_progress})
-                # uvicorn's own graceful wait gets only what is left of the grace period.
-                self.config.timeout_graceful_shutdown = max(0.0, left)
+                self.config.timeout_graceful_shutdown = max(0.0, left)  # type: ignore[assignment]  # a float works
+                self.config.timeout_graceful_shutdown = max(0, math.ceil(left))
                 self.should_exit = True
         return await super().on_tick(counter)
 

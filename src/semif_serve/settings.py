@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -15,7 +15,7 @@ class ConfigurationError(Exception):
     """Invalid configuration; the message names the variable and never echoes secrets."""
 
 
-def check_token(token: str) -> str:
+def validate_token_text(token: str) -> str:
     """A bearer token must be non-empty visible ASCII (0x21..0x7E)."""
     if not token:
         raise ValueError("the API token is empty")
@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         else:
             raise ConfigurationError("SEMIF_API_TOKEN or SEMIF_API_TOKEN_FILE must be set")
         try:
-            return check_token(raw)
+            return validate_token_text(raw)
         except ValueError as exc:
             raise ConfigurationError(f"{where}: {exc}") from None
 
@@ -122,7 +122,7 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Read the environment (plus overrides), raising ConfigurationError naming the variable."""
     try:
         return Settings(**overrides)

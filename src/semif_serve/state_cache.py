@@ -78,7 +78,7 @@ def fork_cache(cache: Any, rows: int = 1) -> Any:
             if isinstance(value, dict):
                 setattr(twin, name, dict(value))
         if type(layer) is DynamicLayer:
-            if layer.is_initialized and layer.keys.numel():
+            if layer.is_initialized and layer.keys is not None and layer.keys.numel():
                 twin.keys = _expand_rows(layer.keys, rows)
                 twin.values = _expand_rows(layer.values, rows)
         else:

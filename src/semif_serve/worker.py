@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from .errors import ServiceError, internal, out_of_memory
+from .domain import DecisionError, EngineFailure, OutOfMemory, Refusal
 from .memory import ReleasePolicy
 
 log = logging.getLogger("semif_serve.worker")
@@ -30,13 +30,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-def classify_failure(exc: BaseException) -> ServiceError:
-    """The service's own error for an engine failure; carries no traceback and no request text."""
-    if isinstance(exc, ServiceError):
-        return ServiceError(exc.status, exc.code, exc.message, exc.field, exc.headers)
+def classify_failure(exc: BaseException) -> DecisionError:
+    """The domain error for an engine failure; carries no traceback and no request text."""
     if is_out_of_memory(exc):
-        return out_of_memory()
-    return internal()
+        return OutOfMemory()
+    return EngineFailure()
 
 
 class EngineWorker:
@@ -47,7 +45,6 @@ class EngineWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-engine")
         self.pending = 0
         self.out_of_memory_events = 0
-        self.on_release: Callable[[], None] | None = None
 
     async def run(self, job: Callable[[], T]) -> T:
         """Run `job` on the engine thread; a cancelled caller's job is skipped if not yet started."""
@@ -63,26 +60,21 @@ class EngineWorker:
         return self._guarded(job)
 
     def _guarded(self, job: Callable[[], T]) -> T:
-        failure: ServiceError | None = None
+        failure: DecisionError | None = None
         try:
             result = job()
-        except ServiceError as exc:
-            if exc.is_client_error:
-                raise
-            failure = classify_failure(exc)
-        except Exception as exc:  # noqa: BLE001 - every engine failure becomes the service's own
+        except Refusal:
+            raise  # the request was refused before anything ran that needs releasing
+        except Exception as exc:  # noqa: BLE001 - every engine failure becomes a domain error
             failure = classify_failure(exc)
             log.error("engine failure: %s", type(exc).__name__)
         if failure is None:
-            if self.policy.after_success() and self.on_release:
-                self.on_release()
+            self.policy.after_success()
             return result
         # The original exception and its frames (which hold activations) are gone by now.
-        if failure.code == "out_of_memory":
+        if isinstance(failure, OutOfMemory):
             self.out_of_memory_events += 1
         self.policy.after_failure()
-        if self.on_release:
-            self.on_release()
         raise failure from None
 
     def shutdown(self) -> None:

@@ -1,9 +1,10 @@
-"""Request bodies of `/decide` and `/decide/shared`, and how a body becomes one (or a 4xx)."""
+"""The native door's wire shapes: request bodies of `/decide` and `/decide/shared` (validated
+here), and the response and error bodies the published OpenAPI schema declares."""
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -14,12 +15,18 @@ from pydantic import (
     field_validator,
 )
 
+from .domain import Ordering
 from .errors import ServiceError, invalid
 from .json_body import INVALID_JSON, BodyError, decode_json_object
-from .prompt import MAX_OPTIONS
+from .orderings import MAX_ALL_OPTIONS
+from .prompt import LETTERS, NATIVE_ALPHABET_SIZE
 
-Ordering = Literal["rotations", "all"]
-MAX_ALL_OPTIONS = 4  # every permutation of 5 options would be 120 rows
+MAX_OPTIONS = NATIVE_ALPHABET_SIZE
+SYSTEM_ONE_PATH = "/v1/systemone"
+SYSTEM_ONE_MAX_OPTIONS = 255
+
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def _has_text(value: str, what: str) -> str:
@@ -54,7 +61,7 @@ def _check_finite(value: Any, path: str) -> None:
             _check_finite(item, f"{path}[{i}]")
 
 
-class Option(BaseModel):
+class OptionBody(BaseModel):
     """One answer option: its caller-side id and the description the model reads."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -67,13 +74,13 @@ class Option(BaseModel):
         return _has_text(value, "option id")
 
 
-class Question(BaseModel):
+class QuestionBody(BaseModel):
     """A question over a state: id, question, options, and optional orderings and workload."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     id: str
     question: str
-    options: Annotated[list[Option], Field(min_length=2, max_length=MAX_OPTIONS)]
+    options: Annotated[list[OptionBody], Field(min_length=2, json_schema_extra={"maxItems": MAX_OPTIONS})]
     orderings: Ordering | None = None
     workload: str | None = None
 
@@ -89,7 +96,13 @@ class Question(BaseModel):
 
     @field_validator("options")
     @classmethod
-    def _unique_options(cls, options: list[Option]) -> list[Option]:
+    def _options(cls, options: list[OptionBody]) -> list[OptionBody]:
+        if len(options) > MAX_OPTIONS:
+            raise ValueError(
+                f"a decision has at most {MAX_OPTIONS} options, one per answer letter "
+                f"{LETTERS[0]}..{LETTERS[-1]} (this one has {len(options)}); for up to "
+                f"{SYSTEM_ONE_MAX_OPTIONS} options use System One at {SYSTEM_ONE_PATH}"
+            )
         _require_unique([o.id for o in options], "option ids")
         return options
 
@@ -105,7 +118,7 @@ class Question(BaseModel):
         return value
 
 
-class Decision(Question):
+class DecisionBody(QuestionBody):
     """`POST /decide`: one decision in SemIf's row shape (extra fields are ignored)."""
 
     state: Any
@@ -116,12 +129,12 @@ class Decision(Question):
         return _check_state(value)
 
 
-class SharedDecisions(BaseModel):
+class SharedDecisionsBody(BaseModel):
     """`POST /decide/shared`: many questions over one exact state."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     state: Any
-    decisions: Annotated[list[Question], Field(min_length=1)]
+    decisions: Annotated[list[QuestionBody], Field(min_length=1)]
 
     @field_validator("state", mode="before")
     @classmethod
@@ -130,7 +143,7 @@ class SharedDecisions(BaseModel):
 
     @field_validator("decisions")
     @classmethod
-    def _unique_ids(cls, decisions: list[Question]) -> list[Question]:
+    def _unique_ids(cls, decisions: list[QuestionBody]) -> list[QuestionBody]:
         _require_unique([d.id for d in decisions], "decision ids")
         return decisions
 
@@ -154,7 +167,7 @@ def field_path(loc: tuple[Any, ...]) -> str | None:
     return path or None
 
 
-def parse_body(model: type[BaseModel], body: bytes) -> Any:
+def parse_body(model: type[Body], body: bytes) -> Body:
     """Decode a JSON body into `model`, or raise the 400/422 that names the field and the rule."""
     try:
         data = decode_json_object(body)
@@ -169,3 +182,121 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         first = errors[0]
         message = first["msg"].removeprefix("Value error, ")
         raise invalid(field_path(first["loc"]), message) from None
+
+
+# -- responses (declared for the published schema; the routes build them as SemIf dicts) -------
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: a stable code, the rule, the offending field (or null), the request id."""
+
+    code: str
+    message: str
+    field: str | None
+    request_id: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    """The one body every non-2xx native response carries."""
+
+    error: ErrorDetail
+
+
+class ModelInfo(BaseModel):
+    """The model a result was read from."""
+
+    model_config = ConfigDict(extra="allow")
+    source: str
+    revision: str
+    dtype: str
+    device: str
+    torch_version: str
+    transformers_version: str
+    serving_config: str | None = None
+    demo: str | None = None
+
+
+class NativeResult(BaseModel):
+    """SemIf's result dict for one ordering, keys in upstream's order."""
+
+    id: str
+    option_ids: list[str]
+    probabilities: list[float]
+    option_logits: list[float]
+    input_tokens: int
+    forward_seconds: float
+    total_seconds: float
+    prompt_sha256: str
+    prompt_version: str
+    model: ModelInfo
+    readout: str
+    probability_status: str
+
+
+class CalibratedBody(BaseModel):
+    """Probabilities at a workload's temperature: a list (single read) or by option id (combined)."""
+
+    workload: str
+    temperature: float
+    temperature_mode: str
+    probabilities: list[float] | dict[str, float]
+
+
+class CombinedBody(BaseModel):
+    """The answer combined over orderings; read `top` and `probabilities` for anything real."""
+
+    method: str
+    mode: str
+    orderings: int
+    probabilities: dict[str, float]
+    top: str
+    agreement: float
+    spread: float
+    calibrated: CalibratedBody | None = None
+
+
+class TimingBody(BaseModel):
+    """How a shared-path batch ran."""
+
+    prefix_tokens: int
+    prefill_seconds: float
+    replicate_seconds: float
+    suffix_forward_seconds: float
+    batch_size: int
+    true_suffix_tokens: int
+    padded_suffix_tokens: int
+    forward_batches: int
+
+
+class DecisionResult(NativeResult):
+    """One decision's reply: the caller's order, plus orderings/combined/calibrated/timing when asked."""
+
+    orderings: list[NativeResult] | None = None
+    combined: CombinedBody | None = None
+    calibrated: CalibratedBody | None = None
+    timing: TimingBody | None = None
+
+
+class SharedResponse(BaseModel):
+    """`POST /decide/shared`: one result per decision in request order, and the batch's timing."""
+
+    results: list[DecisionResult]
+    timing: TimingBody
+
+
+class HealthBody(BaseModel):
+    """`GET /health`: pins, limits, workloads, queue, memory and readiness; no secrets."""
+
+    status: str
+    ready: bool
+    version: str
+    semif: dict[str, str]
+    model: ModelInfo
+    device: str
+    dtype: str
+    demo: bool
+    limits: dict[str, float]
+    calibration: dict[str, dict[str, dict[str, float]]]
+    queue: dict[str, int]
+    memory: dict[str, int | None]
+    weights: dict[str, Any]

@@ -1,0 +1,80 @@
+"""Startup in one place: settings -> calibration -> weights manifest -> engine -> warm-up
+-> baseline -> a `Service`.
+
+Startup fails closed: any error here stops the process before the port is bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .calibration import CalibrationTable, load_calibration
+from .checkpoint_files import Verification, verify_checkpoint
+from .core import DecisionCore
+from .domain import PromptRow
+from .engine import TorchEngine
+from .memory import ReleasePolicy
+from .numerics import MIB
+from .settings import Settings
+from .worker import EngineWorker
+
+WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
+WARM_UP_ROWS = (
+    PromptRow("Is this a warm-up request?", ("Yes.", "No.")),
+    PromptRow("Which option is listed first?", ("The first.", "The second.", "The third.")),
+)
+
+
+@dataclass
+class Service:
+    """A loaded, warmed-up process: its settings, the engine and its worker, and the core."""
+
+    settings: Settings
+    engine: TorchEngine
+    worker: EngineWorker
+    core: DecisionCore
+    token: str
+    weights: Verification
+    ready: bool = False
+
+    @property
+    def calibration(self) -> CalibrationTable:
+        """The workload temperatures the core applies."""
+        return self.core.calibration
+
+    @property
+    def demo(self) -> bool:
+        """Whether the loaded model is the random-weight demo (the one truth for demo)."""
+        return self.engine.identity.demo
+
+    @classmethod
+    def start(cls, settings: Settings, engine: TorchEngine | None = None) -> Service:
+        """Validate the token and calibration, load the engine, warm it up and mark the baseline.
+
+        Raises ConfigurationError, CalibrationFileError, CheckpointError or DecisionError;
+        the caller exits non-zero on any of them (startup fails closed).
+        """
+        token = settings.token()
+        calibration = load_calibration(settings.calibration)
+        weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
+        if engine is None:
+            engine = TorchEngine.load(settings)
+        policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB)
+        worker = EngineWorker(policy)
+        warm_up(engine, worker, settings.max_input_tokens)
+        baseline = policy.mark_baseline()
+        cap = engine.memory.cap_bytes()
+        if cap is not None and settings.split_batches:
+            engine = engine.with_memory(engine.memory, headroom_bytes=cap - baseline)
+        core = DecisionCore(engine, worker, calibration)
+        return cls(settings, engine, worker, core, token, weights, ready=True)
+
+
+def warm_up(engine: TorchEngine, worker: EngineWorker, max_input_tokens: int) -> None:
+    """Read a real decision on both paths through the worker's guard."""
+    worker.run_now(
+        lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS[:1], shared=False, max_input_tokens=max_input_tokens)
+    )
+    worker.run_now(
+        lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS, shared=True, max_input_tokens=max_input_tokens)
+    )
