@@ -164,7 +164,6 @@ class DrainingServer(uvicorn.Server):
             if self.admission.in_progress == 0 or left <= 0:
                 log.info("drained", extra={"left_in_progress": self.admission.in_progress})
                 self.config.timeout_graceful_shutdown = max(0.0, left)  # type: ignore[assignment]  # a float works
-                self.config.timeout_graceful_shutdown = max(0, math.ceil(left))
                 self.should_exit = True
         return await super().on_tick(counter)
 
