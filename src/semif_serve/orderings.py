@@ -10,7 +10,8 @@ from .numerics import argmax, softmax
 
 COMBINE_METHOD = "log-mean"
 # Calibration modes: one per orderings value, "single" for a question asked once.
-MODES = ("single", "rotations", "all", "shifts", "reversal")
+NATIVE_MODES = ("single", "rotations", "all")  # what the native door can ask
+MODES = (*NATIVE_MODES, "shifts", "reversal")  # System One adds the bounded modes
 MAX_ALL_OPTIONS = 4  # every permutation of 5 options would be 120 rows
 MAX_SHIFTS = 4  # "shifts": at most this many evenly spaced cyclic shifts, whatever the option count
 

@@ -41,6 +41,7 @@ from .numerics import argmax
 from .prompt import PROMPT_VERSION
 from .startup import Service
 from .systemone_schemas import (
+    CORE_ORDERINGS,
     MAX_OPTIONS,
     MODELS_PATH,
     NO_ORDERINGS,
@@ -210,7 +211,7 @@ def to_question(
         id=question_id,
         text=text,
         options=options,
-        orderings=None if mode == NO_ORDERINGS else mode,  # type: ignore[arg-type]
+        orderings=CORE_ORDERINGS[mode],
         workload=body.x_workload or policy.workloads.get(kind),
     )
 

@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from .domain import Ordering
 from .errors import ServiceError
 from .json_body import INVALID_JSON, BodyError, decode_json_object
 from .orderings import MAX_ALL_OPTIONS
@@ -35,6 +36,14 @@ ALLOWED_ORDERINGS: dict[str, tuple[str, ...]] = {
     "score": (NO_ORDERINGS, "reversal"),
 }
 OrderingName = Literal["none", "rotations", "shifts", "reversal", "all"]
+# The core's orderings for each name (`none`: asked once, in the caller's order).
+CORE_ORDERINGS: dict[str, Ordering | None] = {
+    NO_ORDERINGS: None,
+    "rotations": "rotations",
+    "shifts": "shifts",
+    "reversal": "reversal",
+    "all": "all",
+}
 
 # Text is a string, or structured data (rendered as JSON text, insertion order kept).
 Text = str | dict[str, Any] | list[Any]
