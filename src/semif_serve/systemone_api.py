@@ -128,8 +128,10 @@ HTTP_ERROR_TYPES = {
     "draining": "overloaded_error",
     "internal_error": "internal_error",
 }
-# Raised on System One's routes with a TypeSafe type as their code.
-DOOR_ERROR_TYPES = {"unknown_model": 400}
+# The door's own refusal, outside the core.
+UNKNOWN_MODEL = SystemOneErrorRule(
+    400, "api_usage_error", when="`model` is neither the loaded model nor an alias"
+)
 
 
 def systemone_error(exc: DecisionError, question_ids: list[str]) -> ServiceError:
@@ -165,7 +167,11 @@ def render_systemone_error(
     if request_id is not None:
         headers["X-Request-ID"] = request_id
     response = JSONResponse(body, status_code=status, headers=headers)
-    return status, {k.decode("latin-1"): v.decode("latin-1") for k, v in response.raw_headers}, bytes(response.body)
+    return (
+        status,
+        {k.decode("latin-1"): v.decode("latin-1") for k, v in response.raw_headers},
+        bytes(response.body),
+    )
 
 
 # -- mapping questions onto the core --------------------------------------------------------------
@@ -379,8 +385,8 @@ class SystemOneDoor:
         request = parse_request(body, self.max_options)
         if not self.accepts(request.model):
             raise ServiceError(
-                DOOR_ERROR_TYPES["unknown_model"],
-                "api_usage_error",
+                UNKNOWN_MODEL.status,
+                UNKNOWN_MODEL.error_type,
                 f"unknown model {request.model!r}; this server serves {self.model_name!r}"
                 + (
                     f" (aliases: {', '.join(ALIASES)})"
