@@ -19,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from . import SEMIF_COMMIT, __version__
 from .admission import Admission, ASGIApp
 from .auth import Authenticator
-from .doors import Door
+from .doors import Door, door_of
 from .errors import HTTP_ERRORS, ServiceError, internal
 from .native_api import REQUEST_MODELS, NativeDoor
 from .native_schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
@@ -128,6 +128,11 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
     protected = {path for door in all_doors for path in door.protected_paths}
     if not settings.metrics_public:
         protected.add("/metrics")
+
+    def render(error: ServiceError, request: Request) -> Response:
+        # The one renderer of every error, whether admission or FastAPI refuses the request.
+        return door_of(all_doors, request.url.path).render(error, request)
+
     admission = Admission(
         cast(ASGIApp, api),
         settings.max_queue,
@@ -135,18 +140,12 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
         settings.body_timeout_seconds,
         Authenticator(service.token),
         protected,
+        render,
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))
     for door in all_doors:
         api.include_router(door.router())
-
-    def door_of(path: str) -> Door:
-        # The longest matching prefix wins, so the native door ("") is the fallback.
-        return max((d for d in all_doors if path.startswith(d.path_prefix)), key=lambda d: len(d.path_prefix))
-
-    def render(error: ServiceError, request: Request) -> Response:
-        return door_of(request.url.path).render(error, request)
 
     @api.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:

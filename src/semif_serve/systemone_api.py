@@ -120,6 +120,8 @@ HTTP_ERROR_TYPES = {
     "not_found": "not_found",
     "method_not_allowed": "method_not_allowed",
     "invalid_content_length": "api_usage_error",
+    "invalid_compressed_body": "api_usage_error",
+    "unsupported_content_encoding": "api_usage_error",
     "body_too_large": "request_too_large",
     "body_timeout": "timeout_error",
     "header_timeout": "timeout_error",
@@ -160,6 +162,9 @@ def render_systemone_error(
     TypeSafe's shapes; admission calls it for the errors it raises before the app runs."""
     status, body = systemone_body(error)
     headers = dict(error.headers)
+    if "Retry-After" in headers:
+        # TypeSafe's clients read the finer `retry-after-ms` first.
+        headers["retry-after-ms"] = str(round(float(headers["Retry-After"]) * 1000))
     if request_id is not None:
         headers["X-Request-ID"] = request_id
     response = JSONResponse(body, status_code=status, headers=headers)
