@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from semif_serve.numerics import expected_calibration_error
-from semif_serve.orderings import MAX_ALL_OPTIONS, MODES
+from semif_serve.orderings import MAX_ALL_OPTIONS, NATIVE_MODES
 
 from .common import (
     CheckError,
@@ -101,7 +101,7 @@ def averaging_summary(reads: list[dict[str, Any]], resamples: int, seed: int, bi
     """Accuracy, ECE and agreement splits per mode, and the bootstrap CI of each difference."""
     groups = [r["group_id"] for r in reads]
     modes: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in NATIVE_MODES:
         correct = [r[mode]["correct"] for r in reads]
         entry = {
             "rows": len(reads),
@@ -142,7 +142,7 @@ def _pts(value: float) -> str:
 
 def print_averaging(summary: dict[str, Any]) -> None:
     rows = []
-    for mode in MODES:
+    for mode in NATIVE_MODES:
         m = summary["modes"][mode]
         unanimous, split = m.get("unanimous"), m.get("split")
         rows.append(

@@ -8,6 +8,7 @@ from pathlib import Path
 from semif_serve.errors import HTTP_ERRORS
 from semif_serve.native_api import NATIVE_ERRORS
 from semif_serve.settings import Settings
+from semif_serve.systemone_api import HTTP_ERROR_TYPES, SYSTEMONE_ERRORS, UNKNOWN_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = (ROOT / "contract.md").read_text()
@@ -55,6 +56,26 @@ def test_every_error_code_the_service_can_answer_is_in_the_contract_and_back():
     assert service_errors() == contract_errors()
 
 
+def test_every_domain_error_has_a_system_one_answer() -> None:
+    import semif_serve.domain as domain
+
+    errors = {
+        kind
+        for kind in vars(domain).values()
+        if isinstance(kind, type) and issubclass(kind, domain.DecisionError) and not kind.__subclasses__()
+    }
+    assert errors <= set(SYSTEMONE_ERRORS)
+
+
+def test_every_system_one_error_type_is_in_the_contract_and_back():
+    answered = {(rule.status, rule.error_type) for rule in [*SYSTEMONE_ERRORS.values(), UNKNOWN_MODEL]}
+    answered |= {(HTTP_ERRORS[code], error_type) for code, error_type in HTTP_ERROR_TYPES.items()}
+    documented = {
+        (int(status), error_type.strip("`")) for status, error_type, _ in table_rows("### System One errors")
+    }
+    assert answered == documented
+
+
 def test_every_contract_route_answers_its_method_and_no_other_route_exists(client):
     routes = {(method, path.strip("`")) for method, path, _auth, _purpose in table_rows("## Routes")}
     for method, path in routes:
@@ -67,7 +88,8 @@ def test_every_contract_route_answers_its_method_and_no_other_route_exists(clien
 
 def test_the_contracts_limit_defaults_are_the_settings_defaults():
     fields = Settings.model_fields
-    for _limit, setting, default, _answer in table_rows("### Limits"):
+    limits = table_rows("### Limits") + table_rows("### System One limits")
+    for _limit, setting, default, _answer in limits:
         name = setting.strip("`")
         if not name.startswith("SEMIF_"):
             continue

@@ -19,11 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
+from semif_serve.alphabet import answer_codes
 from semif_serve.demo import write_checkpoint
 from semif_serve.domain import AnswerBoundary, DecisionError, PromptRow, TooManyTokens
 from semif_serve.engine import CheckpointError, TorchEngine
 from semif_serve.native_api import native_error
-from semif_serve.prompt import PromptCodec, TokenizerContractError, answer_slots
+from semif_serve.prompt import PromptCodec, TokenizerContractError
 from semif_serve.settings import ConfigurationError
 from semif_serve.startup import Service
 
@@ -392,23 +393,34 @@ def newlines_merge_with_a(spec: dict) -> None:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lowercase, "answer letter 'A' does not decode back to itself (got 'a')"),
-        (b_reads_as_a, "answer letter 'B' does not decode back to itself (got 'A')"),
-        (p_is_two_tokens, "answer letter 'P' encodes to 2 tokens, not exactly one"),
+        (
+            lowercase,
+            "answer letter 'A' is not one token that decodes back to itself "
+            "(encodes to 1 token(s), decodes to 'a')",
+        ),
+        (
+            b_reads_as_a,
+            "answer letter 'B' is not one token that decodes back to itself "
+            "(encodes to 1 token(s), decodes to 'A')",
+        ),
+        (
+            p_is_two_tokens,
+            "answer letter 'P' is not one token that decodes back to itself (encodes to 2 token(s)",
+        ),
     ],
     ids=["lowercase", "two_letters_one_token", "letter_two_tokens"],
 )
 def test_a_tokenizer_whose_answer_slots_are_broken_is_refused(checkpoint, tmp_path, edit, message) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(edited_copy(checkpoint, tmp_path / "tok", edit)))
     with pytest.raises(TokenizerContractError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        answer_slots(tokenizer)
+        answer_codes(tokenizer)
     with pytest.raises(TokenizerContractError):
         PromptCodec(tokenizer)
 
 
 def test_the_demo_tokenizer_keeps_every_letter_one_distinct_token(reference) -> None:
     _, tokenizer = reference
-    slots = answer_slots(tokenizer)
+    slots = list(answer_codes(tokenizer).first(16).token_ids)
     assert slots == [tokenizer.convert_tokens_to_ids(letter) for letter in LETTERS]
     assert len(set(slots)) == 16
 
@@ -449,7 +461,7 @@ def test_the_loader_refuses_a_checkpoint_whose_tokenizer_breaks_the_answer_slots
     checkpoint, tmp_path
 ) -> None:
     broken = edited_copy(checkpoint, tmp_path / "ckpt", lowercase)
-    with pytest.raises(TokenizerContractError, match="answer letter 'A' does not decode back to itself"):
+    with pytest.raises(TokenizerContractError, match="answer letter 'A' is not one token"):
         TorchEngine.load(make_settings(broken))
 
 

@@ -1,6 +1,7 @@
-"""Fuzzing both POST routes through the real app: never a 5xx, and every 4xx in the error envelope.
+"""Fuzzing every POST route through the real app: never a 5xx, and every 4xx in its door's shape.
 
-To cover another POST route, add it to ROUTES with a valid body to mutate.
+To cover another POST route, add it to ROUTES with a valid body to mutate (and its error shape
+to SHAPES when it is not the native envelope).
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ from semif_serve.json_body import MAX_DEPTH, MAX_INT_DIGITS
 ROUTES = {
     "/decide": decision(),
     "/decide/shared": {"state": {"log": ["ok"]}, "decisions": [decision(), decision(id="q2")]},
+    "/v1/systemone": {
+        "model": "jev-latest",
+        "state": {"log": ["ok"]},
+        "questions": {
+            "n": {"type": "noul", "instructions": "Ok?", "criteria": {"true": "Yes.", "false": None}},
+            "c": {
+                "type": "choice",
+                "criteria": {"a": "First.", "b": None, "c": {"k": [1]}},
+                "x_orderings": "shifts",
+            },
+            "s": {"type": "score", "instructions": {"q": "How much?"}, "criteria": ["low", "high"]},
+        },
+    },
 }
 FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -59,15 +73,38 @@ def post(app, route: str, body: bytes) -> httpx.Response:
     return asyncio.run(go())
 
 
+def assert_native_error(response: httpx.Response) -> None:
+    error = response.json()["error"]
+    assert set(error) == {"code", "message", "field", "request_id"}
+    assert isinstance(error["code"], str) and isinstance(error["message"], str)
+    assert error["field"] is None or isinstance(error["field"], str)
+    assert error["request_id"] == response.headers["x-request-id"]
+
+
+def assert_typesafe_error(response: httpx.Response) -> None:
+    detail = response.json()["detail"]
+    if response.status_code == 422:
+        assert isinstance(detail, list) and detail
+        for item in detail:
+            assert set(item) == {"loc", "msg", "type"} and item["loc"][0] == "body"
+            assert isinstance(item["msg"], str) and isinstance(item["type"], str)
+    else:
+        assert set(detail) == {"error_type", "message"}
+        assert isinstance(detail["error_type"], str) and isinstance(detail["message"], str)
+    assert response.headers["x-request-id"]
+
+
+SHAPES = {"/v1/systemone": assert_typesafe_error}
+
+
 def assert_answered_in_contract(app, route: str, body: bytes) -> None:
     response = post(app, route, body)
     assert response.status_code < 500, (response.status_code, response.text, body[:200])
     if response.status_code >= 400:
-        error = response.json()["error"]
-        assert set(error) == {"code", "message", "field", "request_id"}
-        assert isinstance(error["code"], str) and isinstance(error["message"], str)
-        assert error["field"] is None or isinstance(error["field"], str)
-        assert error["request_id"] == response.headers["x-request-id"]
+        SHAPES.get(route, assert_native_error)(response)
+    else:
+        answer = json.loads(response.text, parse_constant=lambda c: pytest.fail(f"{c} in a 200 body"))
+        assert response.status_code == 200 and isinstance(answer, dict)
     assert app.admission.in_progress == 0
 
 

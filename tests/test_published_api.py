@@ -49,7 +49,14 @@ def test_generated_requests_never_get_a_5xx_and_every_response_matches_the_schem
 
 def test_the_schema_declares_every_route_its_bodies_and_the_bearer_scheme(client):
     published = client.get("/openapi.json", auth=False).json()
-    assert set(published["paths"]) == {"/decide", "/decide/shared", "/health", "/metrics"}
+    assert set(published["paths"]) == {
+        "/decide",
+        "/decide/shared",
+        "/health",
+        "/metrics",
+        "/v1/systemone",
+        "/v1/models",
+    }
     for path in ("/decide", "/decide/shared"):
         operation = published["paths"][path]["post"]
         assert operation["security"] == [{"HTTPBearer": []}]
@@ -59,6 +66,13 @@ def test_the_schema_declares_every_route_its_bodies_and_the_bearer_scheme(client
     assert published["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     for name in ("DecisionBody", "SharedDecisionsBody", "ErrorEnvelope", "DecisionResult", "HealthBody"):
         assert name in published["components"]["schemas"]
+    system_one = published["paths"]["/v1/systemone"]["post"]
+    assert system_one["security"] == [{"HTTPBearer": []}]
+    assert system_one["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/SystemOneRequest"
+    )
+    for status in ("200", "400", "401", "413", "422", "429", "503"):
+        assert status in system_one["responses"], status
 
 
 def test_the_docs_page_loads_its_assets_from_the_service_itself(client):

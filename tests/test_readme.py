@@ -59,6 +59,10 @@ RUNS = {
     "SEMIF_API_TOKEN=demo-token uv run python examples/native_client.py": (
         "test_the_python_client_example_answers_against_the_demo"
     ),
+    "export TYPESAFE_BASE_URL=": "test_the_typesafe_sdk_example_answers_against_the_demo",
+    'curl -s -H "Authorization: Bearer demo-token" http://127.0.0.1:8032/v1/systemone': (
+        "test_the_systemone_curl_example_answers_against_the_demo"
+    ),
     "CUDA_ONLY=": "test_the_cpu_only_sync_leaves_torch_and_the_cuda_libraries_out",
     "uv run semif-serve check-model ": "test_check_model_on_the_demo_checkpoint_says_complete",
     "uv run semif-serve manifest ": "test_the_manifest_block_pins_and_verifies_the_demo_checkpoint",
@@ -298,6 +302,58 @@ def test_the_python_client_example_exits_1_with_the_services_error(demo):
     )
     assert result.returncode == 1
     assert "401 unauthorized" in result.stderr
+
+
+def test_the_typesafe_sdk_example_answers_against_the_demo(demo):
+    url, _ = demo
+    script = here(block("export TYPESAFE_BASE_URL=")).replace("http://127.0.0.1:8032", url)
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    answers = dict(line.split(": ", 1) for line in lines[:3])
+    assert set(answers) == {"wants-refund", "team", "upset"}
+    assert 0 <= float(re.fullmatch(r"P\(true\)=([0-9.]+)", answers["wants-refund"])[1]) <= 1
+    assert answers["team"].split()[0] in ("billing", "engineering", "sales")
+    assert re.fullmatch(r"[0-9.]+ on 0\.\.2 \(confidence [0-9.]+\)", answers["upset"])
+    assert re.fullmatch(r"model Qwen/Qwen3\.5-4B@\S+: \d+ input tokens, 0 output", lines[3])
+
+
+def test_the_typesafe_sdk_example_exits_1_with_the_services_error(demo):
+    url, _ = demo
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "systemone_client.py")],
+        env=clean_env(TYPESAFE_BASE_URL=url, TYPESAFE_API_KEY="wrong-token"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "401" in result.stderr and "the bearer token is not valid" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_the_systemone_curl_example_answers_against_the_demo(demo):
+    url, _ = demo
+    script = block('curl -s -H "Authorization: Bearer demo-token" http://127.0.0.1:8032/v1/systemone')
+    script = script.replace("http://127.0.0.1:8032", url)
+    out = subprocess.run(
+        ["bash", "-c", 'curl() { command curl "$@"; echo; }\n' + script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    answered, models = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert answered["usage"]["output_tokens"] == 0
+    assert {k: a["type"] for k, a in answered["answers"].items()} == {
+        "wants-refund": "noul",
+        "team": "choice",
+        "upset": "score",
+    }
+    assert set(answered["answers"]["team"]["probabilities"]) == {"billing", "engineering"}
+    assert answered["model"] == models["models"][0]["name"]
 
 
 # ----------------------------------------------------------------------- installing and the real model

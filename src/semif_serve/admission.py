@@ -1,11 +1,13 @@
 """Admission control in front of the app (pure ASGI): literal paths, authentication, the queue cap,
-the body limit and the body deadline.
+body decoding, the body limit and the body deadline.
 
 A request on a protected path is authenticated from its headers before it may take a slot,
 so an unauthenticated client never holds one. A POST counts from then until its response is
 sent or its client disconnects. Past the cap it gets 429 before a byte of its body is read; a
 body is read only up to the limit (the chunk that would pass it is never kept) and only until
-the body deadline, after which it gets 408 and its slot back.
+the body deadline, after which it gets 408 and its slot back. A gzip or zstd body is inflated
+as it arrives and the limit applies to what it inflates to, counted before it is kept.
+Every refusal is rendered by the door that owns the path, in that door's error shape.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import re
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from .auth import Authenticator
+from .body_encoding import SUPPORTED, BodyDecoder, CorruptBody, requested_coding
 from .errors import ServiceError
 
 Scope = dict[str, Any]
@@ -26,6 +30,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+#: Renders an error for the request it answers, in the shape of the door that owns the path.
+ErrorRenderer = Callable[[ServiceError, Request], Response]
 
 log = logging.getLogger("semif_serve.admission")
 
@@ -41,11 +47,9 @@ def error_response(error: ServiceError, request_id: str | None = None) -> JSONRe
     return JSONResponse(error.envelope(request_id), status_code=error.status, headers=headers)
 
 
-async def send_error(send: Send, error: ServiceError, request_id: str | None = None) -> None:
-    """Send the error envelope as a complete response."""
-    response = error_response(error, request_id)
-    await send({"type": "http.response.start", "status": error.status, "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})
+def native_render(error: ServiceError, request: Request) -> JSONResponse:
+    """The native envelope, with the error's headers and the request id."""
+    return error_response(error, getattr(request.state, "request_id", None))
 
 
 def busy(max_queue: int) -> ServiceError:
@@ -57,8 +61,24 @@ def busy(max_queue: int) -> ServiceError:
     )
 
 
-def body_too_large(limit: int) -> ServiceError:
-    return ServiceError(413, "body_too_large", f"the request body is over the limit of {limit} bytes")
+def body_too_large(limit: int, inflated: bool = False) -> ServiceError:
+    what = "the request body, decompressed," if inflated else "the request body"
+    return ServiceError(413, "body_too_large", f"{what} is over the limit of {limit} bytes")
+
+
+def unsupported_encoding(sent: str) -> ServiceError:
+    shown = sent if len(sent) <= 64 else sent[:64] + "..."
+    return ServiceError(
+        415,
+        "unsupported_content_encoding",
+        f"Content-Encoding {shown!r} is not supported: send the body as is, or in exactly one of {SUPPORTED}",
+        "Content-Encoding",
+        headers={"Accept-Encoding": SUPPORTED},
+    )
+
+
+def corrupt_body(exc: CorruptBody) -> ServiceError:
+    return ServiceError(400, "invalid_compressed_body", str(exc), "Content-Encoding")
 
 
 def body_timeout(seconds: float) -> ServiceError:
@@ -91,8 +111,10 @@ class Admission:
         body_timeout_seconds: float,
         authenticator: Authenticator,
         protected_paths: Collection[str],
+        render: ErrorRenderer = native_render,
     ) -> None:
         self.app = app
+        self.render = render
         self.max_queue = max_queue
         self.max_body_bytes = max_body_bytes
         self.body_timeout_seconds = body_timeout_seconds
@@ -107,7 +129,6 @@ class Admission:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = scope.get("state", {}).get("request_id")
         started = False
 
         async def tracked(message: Message) -> None:
@@ -116,47 +137,60 @@ class Admission:
             await send(message)
 
         try:
-            await self._screened(scope, receive, tracked, request_id)
+            await self._screened(scope, receive, tracked)
         except asyncio.CancelledError:
+            request_id = scope.get("state", {}).get("request_id")
             log.warning("request cancelled", extra={"request_id": request_id, "route": scope["path"]})
             if not self.draining:
                 raise
             # Cancelled by the server at shutdown: answered and logged as such, not as an ASGI exception.
             if not started:
-                await send_error(send, draining(), request_id)
+                await self.refuse(scope, send, draining())
 
-    async def _screened(self, scope: Scope, receive: Receive, send: Send, request_id: str | None) -> None:
+    async def refuse(self, scope: Scope, send: Send, error: ServiceError) -> None:
+        """Answer `error` as a complete response, in the shape of the door that owns the path."""
+        response = self.render(error, Request(scope))
+        await send({"type": "http.response.start", "status": error.status, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+    async def _screened(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_path = (scope.get("raw_path") or b"").partition(b"?")[0].decode("latin-1")
         if raw_path and raw_path != scope["path"]:
-            await send_error(send, encoded_path(raw_path), request_id)
+            await self.refuse(scope, send, encoded_path(raw_path))
             return
         if scope["path"] in self.protected_paths:
             try:
                 self.authenticator.check(scope["headers"])
             except ServiceError as error:
-                await send_error(send, error, request_id)
+                await self.refuse(scope, send, error)
                 return
         if scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         if self.draining:
-            await send_error(send, draining(), request_id)
+            await self.refuse(scope, send, draining())
+            return
+        try:
+            coding = requested_coding(scope["headers"])
+        except ValueError as exc:
+            await self.refuse(scope, send, unsupported_encoding(str(exc)))
             return
         if self.in_progress >= self.max_queue:
             self.refused += 1
-            await send_error(send, busy(self.max_queue), request_id)
+            await self.refuse(scope, send, busy(self.max_queue))
             return
         self.in_progress += 1
         try:
-            await self._admitted(scope, receive, send, request_id)
+            await self._admitted(scope, receive, send, coding)
         finally:
             self.in_progress -= 1
 
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send, request_id: str | None) -> None:
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send, coding: str | None) -> None:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if not ASCII_DIGITS.fullmatch(declared):
-                await send_error(
+                await self.refuse(
+                    scope,
                     send,
                     ServiceError(
                         400,
@@ -164,16 +198,16 @@ class Admission:
                         "Content-Length must be plain ASCII digits",
                         "Content-Length",
                     ),
-                    request_id,
                 )
                 return
             if int(declared) > self.max_body_bytes:
-                await send_error(send, body_too_large(self.max_body_bytes), request_id)
+                await self.refuse(scope, send, body_too_large(self.max_body_bytes))
                 return
+        decoder = BodyDecoder(coding) if coding is not None else None
         self.reading_bodies += 1
         try:
             async with asyncio.timeout(self.body_timeout_seconds):
-                body = await self._read_body(receive)
+                body = await self._read_body(receive, decoder)
         except TimeoutError:
             body = body_timeout(self.body_timeout_seconds)
         finally:
@@ -181,24 +215,41 @@ class Admission:
         if body is None:
             return  # the client went away; nothing to answer
         if isinstance(body, ServiceError):
-            await send_error(send, body, request_id)
+            await self.refuse(scope, send, body)
             return
+        if decoder is not None:
+            scope = decoded_scope(scope, len(body))
         await self._run_until_disconnect(scope, body, receive, send)
 
-    async def _read_body(self, receive: Receive) -> bytes | ServiceError | None:
-        chunks: list[bytes] = []
+    async def _read_body(self, receive: Receive, decoder: BodyDecoder | None) -> bytes | ServiceError | None:
+        """The body (inflated when `decoder` is given), its refusal, or None if the client left.
+
+        The limit holds for the bytes received and for what they inflate to: each piece is
+        counted before it is kept, and inflating stops at the first piece past the limit.
+        """
+        kept: list[bytes] = []
+        received = 0
         total = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
-            if total + len(chunk) > self.max_body_bytes:
+            if received + len(chunk) > self.max_body_bytes:
                 return body_too_large(self.max_body_bytes)
-            total += len(chunk)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+            received += len(chunk)
+            try:
+                for piece in [chunk] if decoder is None else decoder.decode(chunk):
+                    if total + len(piece) > self.max_body_bytes:
+                        return body_too_large(self.max_body_bytes, inflated=True)
+                    total += len(piece)
+                    kept.append(piece)
+                if not message.get("more_body", False):
+                    if decoder is not None:
+                        decoder.finish()
+                    return b"".join(kept)
+            except CorruptBody as exc:
+                return corrupt_body(exc)
 
     async def _run_until_disconnect(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """Run the app on the buffered body; a client disconnect cancels it and frees the slot."""
@@ -225,6 +276,14 @@ class Admission:
             watcher.cancel()
             if not app_task.done():
                 app_task.cancel()
+
+
+def decoded_scope(scope: Scope, length: int) -> Scope:
+    """The scope the app sees for an inflated body: no Content-Encoding, the inflated Content-Length."""
+    headers = [
+        (k, v) for k, v in scope["headers"] if k.lower() not in (b"content-encoding", b"content-length")
+    ]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode("ascii"))]}
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
-from .prompt import TokenizerContractError
-
 SINGLE_LETTERS = string.ascii_uppercase
+NATIVE_CODES = tuple(SINGLE_LETTERS[:16])  # A..P: SemIf's own letters
+
+
+class TokenizerContractError(Exception):
+    """The tokenizer cannot give a faithful readout (slots or boundary); never served silently."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The ASGI app: request context (ids, logs, metrics) -> admission control -> FastAPI, which
-composes the doors (the native API), the operations routes and the published API pages."""
+composes the doors (the native API, System One), the operations routes and the published API pages."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from . import SEMIF_COMMIT, __version__
 from .admission import Admission, ASGIApp
 from .auth import Authenticator
-from .doors import Door
+from .doors import Door, door_of
 from .errors import HTTP_ERRORS, ServiceError, internal
 from .native_api import REQUEST_MODELS, NativeDoor
 from .native_schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
@@ -27,6 +27,9 @@ from .observability import Metrics, RequestContext
 from .prompt import PROMPT_VERSION
 from .startup import Service
 from .status import StatusSnapshot, take_snapshot
+from .systemone_api import REQUEST_MODELS as SYSTEMONE_REQUEST_MODELS
+from .systemone_api import SystemOneDoor
+from .systemone_schemas import MAX_OPTIONS as SYSTEMONE_MAX_OPTIONS
 
 log = logging.getLogger("semif_serve.app")
 
@@ -45,6 +48,10 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
         "max_queue": settings.max_queue,
         "max_body_bytes": settings.max_body_bytes,
         "release_margin_mib": settings.release_margin_mib,
+        "answer_codes": service.engine.codec.capacity,
+        "systemone_max_options": min(SYSTEMONE_MAX_OPTIONS, service.engine.codec.capacity),
+        "systemone_max_input_tokens": settings.systemone_max_input_tokens,
+        "systemone_max_rows": settings.systemone_max_rows,
     }
     if settings.device == "cuda":
         limits["vram_cap_gib"] = settings.vram_cap_gib
@@ -102,7 +109,7 @@ def publish_schema(api: FastAPI, models: Sequence[type[BaseModel]]) -> None:
 
 
 def create_app(service: Service, doors: Sequence[Door] | None = None) -> RequestContext:
-    """The ASGI app over `service`, with the native door and any further `doors`.
+    """The ASGI app over `service`, with the native and System One doors and any further `doors`.
 
     The returned app exposes `.admission` and `.metrics`.
     """
@@ -116,11 +123,16 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
         redirect_slashes=False,
     )
     native = NativeDoor(service)
-    all_doors: list[Door] = [native, *(doors or [])]
+    all_doors: list[Door] = [native, SystemOneDoor(service), *(doors or [])]
     settings = service.settings
     protected = {path for door in all_doors for path in door.protected_paths}
     if not settings.metrics_public:
         protected.add("/metrics")
+
+    def render(error: ServiceError, request: Request) -> Response:
+        # The one renderer of every error, whether admission or FastAPI refuses the request.
+        return door_of(all_doors, request.url.path).render(error, request)
+
     admission = Admission(
         cast(ASGIApp, api),
         settings.max_queue,
@@ -128,18 +140,12 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
         settings.body_timeout_seconds,
         Authenticator(service.token),
         protected,
+        render,
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))
     for door in all_doors:
         api.include_router(door.router())
-
-    def door_of(path: str) -> Door:
-        # The longest matching prefix wins, so the native door ("") is the fallback.
-        return max((d for d in all_doors if path.startswith(d.path_prefix)), key=lambda d: len(d.path_prefix))
-
-    def render(error: ServiceError, request: Request) -> Response:
-        return door_of(request.url.path).render(error, request)
 
     @api.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
@@ -188,7 +194,7 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
     async def metrics_route() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    publish_schema(api, REQUEST_MODELS)
+    publish_schema(api, [*REQUEST_MODELS, *SYSTEMONE_REQUEST_MODELS])
 
     @api.get(OPENAPI_PATH, include_in_schema=False)
     async def openapi_json() -> JSONResponse:

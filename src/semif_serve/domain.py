@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Ordering = Literal["rotations", "all"]
+Ordering = Literal["rotations", "all", "shifts", "reversal"]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ paths in its own shape.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from fastapi import APIRouter, Request
@@ -30,3 +31,8 @@ class Door(Protocol):
     def render(self, error: ServiceError, request: Request) -> Response:
         """An error on one of the door's paths, in the door's own body shape."""
         ...
+
+
+def door_of(doors: Sequence[Door], path: str) -> Door:
+    """The door that owns `path`: the longest matching prefix wins; the native door ("") is the fallback."""
+    return max((d for d in doors if path.startswith(d.path_prefix)), key=lambda d: len(d.path_prefix))

@@ -19,7 +19,7 @@ from typing import Any
 
 from .domain import BatchTiming, DecisionError, PromptRow, TooLargeForMemory
 from .memory import CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
-from .prompt import NATIVE_ALPHABET_SIZE, EncodedPrompt, PromptCodec
+from .prompt import EncodedPrompt, PromptCodec
 from .settings import ConfigurationError, Settings
 
 log = logging.getLogger("semif_serve.engine")
@@ -134,16 +134,14 @@ class TorchEngine:
         )
 
     @classmethod
-    def load(
-        cls, settings: Settings, memory: DeviceMemory | None = None, alphabet_size: int = NATIVE_ALPHABET_SIZE
-    ) -> TorchEngine:
+    def load(cls, settings: Settings, memory: DeviceMemory | None = None) -> TorchEngine:
         """Load a local Qwen3.5 checkpoint; refuse anything that cannot be served faithfully.
 
         Never downloads. Requires a revision string; checks the architecture and the device;
         refuses missing or mismatched weights and loader errors; skips the multimodal
         checkpoint's unused vision and MTP weights (logged once). A checkpoint with DEMO.json
-        is a demo model whatever SEMIF_DEMO says. `alphabet_size` answer letters (A..P by default)
-        are checked and readable; the first 16 are always A..P, so native prompts never change.
+        is a demo model whatever SEMIF_DEMO says. The tokenizer's answer codes (alphabet.py) are
+        computed here; the first 16 are always A..P, so native prompts never change.
         """
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
@@ -205,7 +203,7 @@ class TorchEngine:
             device=settings.device,
             demo=settings.demo or (directory / "DEMO.json").exists(),
         )
-        codec = PromptCodec(tokenizer, alphabet_size)
+        codec = PromptCodec(tokenizer)
         return cls(model, codec, identity, memory, skipped_tensors=skipped)
 
     # -- reading ------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class ServiceError(Exception):
 HTTP_ERRORS = {
     "invalid_json": 400,
     "invalid_content_length": 400,
+    "invalid_compressed_body": 400,
     "invalid_http_request": 400,
     "unauthorized": 401,
     "not_found": 404,
@@ -51,6 +52,7 @@ HTTP_ERRORS = {
     "body_timeout": 408,
     "header_timeout": 408,
     "body_too_large": 413,
+    "unsupported_content_encoding": 415,
     "validation_error": 422,
     "busy": 429,
     "internal_error": 500,

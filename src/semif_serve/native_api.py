@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request, Security
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPBearer
 
-from .admission import error_response
+from .admission import native_render
 from .core import outcome_record
 from .domain import (
     AnswerBoundary,
@@ -228,7 +228,7 @@ class NativeDoor:
 
     def render(self, error: ServiceError, request: Request) -> JSONResponse:
         """The native envelope, with the error's headers and the request id."""
-        return error_response(error, getattr(request.state, "request_id", None))
+        return native_render(error, request)
 
     async def decide(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """`POST /decide`: one decision; orderings run as one shared batch."""

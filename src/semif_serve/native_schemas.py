@@ -4,7 +4,7 @@ here), and the response and error bodies the published OpenAPI schema declares."
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -15,7 +15,6 @@ from pydantic import (
     field_validator,
 )
 
-from .domain import Ordering
 from .errors import ServiceError, invalid
 from .json_body import INVALID_JSON, BodyError, decode_json_object
 from .orderings import MAX_ALL_OPTIONS
@@ -27,6 +26,7 @@ SYSTEM_ONE_MAX_OPTIONS = 255
 
 
 Body = TypeVar("Body", bound=BaseModel)
+NativeOrdering = Literal["rotations", "all"]  # the native door's orderings (System One adds more)
 
 
 def _has_text(value: str, what: str) -> str:
@@ -81,7 +81,7 @@ class QuestionBody(BaseModel):
     id: str
     question: str
     options: Annotated[list[OptionBody], Field(min_length=2, json_schema_extra={"maxItems": MAX_OPTIONS})]
-    orderings: Ordering | None = None
+    orderings: NativeOrdering | None = None
     workload: str | None = None
 
     @field_validator("id")
@@ -108,7 +108,7 @@ class QuestionBody(BaseModel):
 
     @field_validator("orderings")
     @classmethod
-    def _orderings(cls, value: Ordering | None, info: ValidationInfo) -> Ordering | None:
+    def _orderings(cls, value: NativeOrdering | None, info: ValidationInfo) -> NativeOrdering | None:
         options = info.data.get("options") or []
         if value == "all" and len(options) > MAX_ALL_OPTIONS:
             raise ValueError(

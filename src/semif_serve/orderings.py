@@ -10,12 +10,19 @@ from .numerics import argmax, softmax
 
 COMBINE_METHOD = "log-mean"
 # Calibration modes: one per orderings value, "single" for a question asked once.
-MODES = ("single", "rotations", "all")
+NATIVE_MODES = ("single", "rotations", "all")  # what the native door can ask
+MODES = (*NATIVE_MODES, "shifts", "reversal")  # System One adds the bounded modes
 MAX_ALL_OPTIONS = 4  # every permutation of 5 options would be 120 rows
+MAX_SHIFTS = 4  # "shifts": at most this many evenly spaced cyclic shifts, whatever the option count
 
 
 def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
-    """The orders (indices into the caller's options) to ask; the caller's own order comes first."""
+    """The orders (indices into the caller's options) to ask; the caller's own order comes first.
+
+    rotations: every cyclic shift (n rows); shifts: min(n, MAX_SHIFTS) cyclic shifts evenly spaced
+    (start k*n//count); reversal: the caller's order and its reverse (keeps ordinal adjacency);
+    all: every permutation, lexicographic.
+    """
     identity = tuple(range(n))
     if mode is None:
         return [identity]
@@ -23,6 +30,12 @@ def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
         return [tuple((start + i) % n for i in range(n)) for start in range(n)]
     if mode == "all":
         return list(itertools.permutations(identity))
+    if mode == "shifts":
+        count = min(n, MAX_SHIFTS)
+        starts = [(k * n) // count for k in range(count)]
+        return [tuple((start + i) % n for i in range(n)) for start in starts]
+    if mode == "reversal":
+        return [identity, identity[::-1]]
     raise ValueError(f"unknown orderings mode {mode!r}")
 
 

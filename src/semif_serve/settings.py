@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .systemone_schemas import orderings_policy, parse_type_map
+
 ENV_PREFIX = "SEMIF_"
+# Averaging every type over a few orders (see contract.md, System One, for the measured cost).
+DEFAULT_SYSTEMONE_ORDERINGS = "noul=rotations,choice=shifts,score=reversal"
 
 
 class ConfigurationError(Exception):
@@ -72,6 +77,38 @@ class Settings(BaseSettings):
         30.0, gt=0, description="How long SIGTERM waits for in-flight requests."
     )
     demo: bool = Field(False, description="Mark results as coming from random demo weights.")
+    model_release_date: date | None = Field(
+        None,
+        description="Release date /v1/models reports (YYYY-MM-DD); default: the day config.json was written.",
+    )
+    systemone_max_input_tokens: int = Field(
+        32768, ge=1, description="System One: prompt tokens per row (state + the longest question)."
+    )
+    systemone_max_rows: int = Field(
+        256, ge=1, description="System One: rows (questions x orderings) per request."
+    )
+    systemone_orderings: str = Field(
+        DEFAULT_SYSTEMONE_ORDERINGS,
+        description="System One: orderings per answer type (`none`, or e.g. noul=rotations,choice=shifts).",
+    )
+    systemone_workloads: str = Field(
+        "", description="System One: calibration workload per answer type (e.g. choice=authored144)."
+    )
+    systemone_allow_aliases: bool = Field(
+        True, description="System One: serve the model names Jev clients send (jev-latest, jev-preview)."
+    )
+
+    @field_validator("systemone_orderings")
+    @classmethod
+    def _orderings_policy(cls, value: str) -> str:
+        orderings_policy(value)
+        return value
+
+    @field_validator("systemone_workloads")
+    @classmethod
+    def _workload_map(cls, value: str) -> str:
+        parse_type_map(value)
+        return value
 
     @field_validator("model_revision")
     @classmethod

@@ -15,7 +15,8 @@ from .domain import PromptRow
 from .engine import TorchEngine
 from .memory import ReleasePolicy
 from .numerics import MIB
-from .settings import Settings
+from .settings import ConfigurationError, Settings
+from .systemone_schemas import parse_type_map
 from .worker import EngineWorker
 
 WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
@@ -56,6 +57,13 @@ class Service:
         """
         token = settings.token()
         calibration = load_calibration(settings.calibration)
+        unknown = sorted(
+            set(parse_type_map(settings.systemone_workloads).values()) - set(calibration.names())
+        )
+        if unknown:
+            raise ConfigurationError(
+                f"SEMIF_SYSTEMONE_WORKLOADS: {', '.join(unknown)} not in the calibration file"
+            )
         weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
         if engine is None:
             engine = TorchEngine.load(settings)

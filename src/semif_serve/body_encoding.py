@@ -1,0 +1,155 @@
+"""Request bodies sent with `Content-Encoding: gzip` or `zstd`, inflated step by step.
+
+Domain-free: admission feeds each received chunk to a `BodyDecoder` and takes the output in
+pieces of at most `STEP_BYTES`, counting each piece against the body limit before keeping
+it, so a decompression bomb is refused after inflating at most one step past the limit.
+A stream may hold several gzip members or zstd frames, one after another (RFC 9112 8.4.1.3,
+RFC 8878 3).
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+if sys.version_info >= (3, 14):
+    from compression.zstd import ZstdDecompressor, ZstdError
+else:
+    from backports.zstd import ZstdDecompressor, ZstdError
+
+STEP_BYTES = 64 * 1024
+GZIP_WINDOW = 16 + zlib.MAX_WBITS  # a gzip header and trailer around a deflate stream
+
+
+class CorruptBody(ValueError):
+    """The compressed body is not valid data of its encoding, or ends before its stream does."""
+
+
+class _Member(Protocol):
+    """One gzip member or zstd frame being inflated."""
+
+    @property
+    def eof(self) -> bool:
+        """Whether the member or frame has ended."""
+        ...
+
+    @property
+    def unused_data(self) -> bytes:
+        """Input past the end of the member or frame."""
+        ...
+
+    def step(self, data: bytes) -> bytes:
+        """Feed `data` (b"" to go on) and return at most STEP_BYTES of output."""
+        ...
+
+    @property
+    def has_more(self) -> bool:
+        """Whether output may remain without more input."""
+        ...
+
+
+class _GzipMember:
+    def __init__(self) -> None:
+        self._inflater = zlib.decompressobj(GZIP_WINDOW)
+        self._last = 0
+
+    @property
+    def eof(self) -> bool:
+        return self._inflater.eof
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._inflater.unused_data
+
+    def step(self, data: bytes) -> bytes:
+        out = self._inflater.decompress(data or self._inflater.unconsumed_tail, STEP_BYTES)
+        self._last = len(out)
+        return out
+
+    @property
+    def has_more(self) -> bool:
+        # A full step may have left output inside zlib even when all input was consumed.
+        return bool(self._inflater.unconsumed_tail) or self._last == STEP_BYTES
+
+
+class _ZstdMember:
+    def __init__(self) -> None:
+        self._inflater = ZstdDecompressor()
+
+    @property
+    def eof(self) -> bool:
+        return self._inflater.eof
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._inflater.unused_data
+
+    def step(self, data: bytes) -> bytes:
+        return self._inflater.decompress(data, STEP_BYTES)
+
+    @property
+    def has_more(self) -> bool:
+        return not self._inflater.needs_input
+
+
+# The codings we inflate (RFC 9110 8.4.1: `x-gzip` is gzip), by their lower-case token.
+DECODERS: dict[str, Callable[[], _Member]] = {"gzip": _GzipMember, "x-gzip": _GzipMember, "zstd": _ZstdMember}
+SUPPORTED = ", ".join(name for name in DECODERS if not name.startswith("x-"))
+
+
+class BodyDecoder:
+    """Inflates one request body of one coding, chunk by chunk, a step at a time."""
+
+    def __init__(self, coding: str) -> None:
+        self.coding = coding
+        self._new_member = DECODERS[coding]
+        self._member: _Member | None = None
+        self._members_ended = 0
+
+    def decode(self, data: bytes) -> Iterator[bytes]:
+        """The output of `data`, in pieces of at most STEP_BYTES; each is inflated only when asked for."""
+        try:
+            while True:
+                if self._member is None:
+                    if not data:
+                        return
+                    self._member = self._new_member()
+                piece = self._member.step(data)
+                data = b""
+                if piece:
+                    yield piece
+                if self._member.eof:
+                    data = self._member.unused_data  # the next member or frame starts here
+                    self._member = None
+                    self._members_ended += 1
+                elif not self._member.has_more:
+                    return
+        except (zlib.error, ZstdError, EOFError) as exc:
+            raise CorruptBody(f"the body is not valid {self.coding} data ({exc})") from None
+
+    def finish(self) -> None:
+        """Raise CorruptBody unless the body ended exactly at the end of a member or frame."""
+        if self._member is not None or self._members_ended == 0:
+            raise CorruptBody(f"the {self.coding} body ends before its compressed stream does")
+
+
+def requested_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The one coding the body is sent in (None for none or `identity`), lower case.
+
+    Raises ValueError naming what was sent when it is a coding we do not inflate or a stack
+    of several codings.
+    """
+    codings = [
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == b"content-encoding"
+        for token in value.decode("latin-1").split(",")
+    ]
+    codings = [coding for coding in codings if coding and coding != "identity"]
+    if not codings:
+        return None
+    if len(codings) > 1 or codings[0] not in DECODERS:
+        raise ValueError(", ".join(codings))
+    return codings[0]
