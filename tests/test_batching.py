@@ -299,3 +299,14 @@ def test_an_engine_returning_too_few_results_fails_that_job_not_the_loop():
         await batcher.close()
 
     run(main())
+
+
+def test_a_batcher_keeps_serving_when_its_caller_moves_to_a_new_event_loop():
+    engine = GatedEngine(hold_first=False)
+    batcher = Batcher(engine, Bounds())
+
+    first = run(batcher.submit(job("a", payload="A")))
+    second = run(batcher.submit(job("b", payload="B")))
+
+    assert (first, second) == (["A#0"], ["B#0"])
+    assert batcher.stats().forwards == 2

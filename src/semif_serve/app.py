@@ -77,6 +77,21 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
             "baseline_bytes": now.baseline_bytes,
             "releases": now.releases,
         },
+        "batching": {
+            "max_batch_rows": now.bounds.max_batch_rows,
+            "max_batch_tokens": now.bounds.max_batch_tokens,
+            "prefill_chunk_tokens": now.prefill_chunk_tokens or 0,
+            "forwards": now.batches.forwards,
+            "merged_forwards": now.batches.merged_forwards,
+        },
+        "state_cache": {
+            "budget_bytes": now.cache.budget_bytes,
+            "bytes": now.cache.bytes,
+            "entries": now.cache.entries,
+            "hits": now.cache.hits,
+            "misses": now.cache.misses,
+            "evictions": now.cache.evictions,
+        },
     }
 
 

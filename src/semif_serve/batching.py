@@ -216,7 +216,9 @@ class Batcher(Generic[R]):
             raise ValueError(f"job id {job.id!r} is already queued or running")
         loop = asyncio.get_running_loop()
         wakeup = self._wakeup
-        if wakeup is None or self._task is None:
+        # A loop that ended (asyncio.run returned) took its task along: start one on this loop.
+        if wakeup is None or self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._queue = [p for p in self._queue if p.future.get_loop() is loop]
             wakeup = self._wakeup = asyncio.Event()
             self._task = loop.create_task(self._loop(wakeup))
         future = loop.create_future()

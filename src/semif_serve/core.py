@@ -127,7 +127,8 @@ class DecisionCore:
         max_options: int,
         max_rows: int,
     ) -> DecisionOutcome:
-        """Ask every question (in every ordering) over `state` in one engine batch.
+        """Ask every question (in every ordering) over `state` in one engine batch (merged with
+        other requests queued at the same time; the numbers are those of the call alone).
 
         `shared=True` runs the shared-prefix path even for one row; otherwise a single row runs
         SemIf's plain forward and several rows the shared path. Raises a `DecisionError` that
@@ -137,8 +138,8 @@ class DecisionCore:
             questions, max_rows=max_rows, max_options=max_options, calibration=self.calibration
         )
         try:
-            readout = await self.worker.run(
-                lambda: self.engine.score(state, rows, shared=shared, max_input_tokens=max_input_tokens)
+            readout = await self.worker.score(
+                self.engine, state, rows, shared=shared, max_input_tokens=max_input_tokens
             )
         except DecisionError as exc:
             _locate(exc, planned)
@@ -176,6 +177,8 @@ def outcome_record(outcome: DecisionOutcome) -> dict[str, Any]:
     if outcome.timing is not None:
         record["prefix_tokens"] = outcome.timing.prefix_tokens
         record["forward_batches"] = outcome.timing.forward_batches
+        record["merged_requests"] = outcome.timing.merged_requests
+        record["prefill"] = outcome.timing.prefill
     named = sorted({q.question.workload for q in outcome.questions if q.question.workload})
     if named:
         record["workloads"] = named

@@ -98,6 +98,9 @@ class BatchTiming:
     true_suffix_tokens: int
     padded_suffix_tokens: int
     forward_batches: int
+    merged_requests: int = 1  # requests whose rows ran in the same forward(s), this one included
+    prefill: str = "fresh"  # where the state came from: fresh, extended, cached or none
+    prefill_shared: bool = False  # the state's prefill (or cache hit) served other requests too
 
     def as_dict(self) -> dict[str, Any]:
         """The timing block, keys in the documented order."""

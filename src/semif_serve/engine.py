@@ -2,25 +2,32 @@
 
 A row's score is SemIf's readout: the full-vocabulary logits at the last prompt position,
 in float32, restricted to the answer slots. Rows that share a state run through one path:
-prefill the state prefix once, replicate its cache over the rows, run every suffix in one
-right-padded forward and read each row at its last real position, whose
-hidden state alone goes through the vocabulary projection.
+the state prefix's cache comes from the state cache or is prefilled once (in chunks), is
+forked over the rows, every suffix runs in one right-padded forward and each row is read at
+its last real position, whose hidden state alone goes through the vocabulary projection.
+
+Scoring is split so that the worker can merge requests: `prepare` (encode and check one
+request, off the engine thread), `run_group` (one planned group of requests' rows, on the
+engine thread) and `readout` (one request's `Readout` from its scored rows). `score` runs
+the three for one request alone.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .batching import Group, Job, Part
 from .domain import BatchTiming, DecisionError, PromptRow, TooLargeForMemory
 from .memory import CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
+from .numerics import MIB
 from .prompt import EncodedPrompt, PromptCodec
 from .settings import ConfigurationError, Settings
+from .state_cache import StateCache, StoredState, logits_over, prefill, prefix_digest
 
 log = logging.getLogger("semif_serve.engine")
 
@@ -81,6 +88,59 @@ class Readout:
     timing: BatchTiming | None  # None on the direct path
 
 
+@dataclass(frozen=True)
+class PreparedRows:
+    """One request's rows, encoded and checked, ready to join a group of requests.
+
+    `prefix` is what its rows share (prefilled once, or found in the state cache; empty on
+    the direct path); its first `state_tokens` are the question-independent state prefix.
+    """
+
+    engine: TorchEngine
+    prompts: list[EncodedPrompt]
+    n_options: list[int]
+    prefix: list[int]
+    state_tokens: int
+    direct: bool
+    encode_seconds: float
+
+    def job(self, job_id: Hashable) -> Job:
+        """The batching job for these rows (rows sized after the prefix)."""
+        n = len(self.prefix)
+        return Job(
+            id=job_id,
+            prefix_key=prefix_digest(self.prefix) if n else None,
+            prefix_tokens=n,
+            row_tokens=tuple(len(p.ids) - n for p in self.prompts),
+            payload=self,
+        )
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """How one group ran: its state, its forwards and who shared them."""
+
+    prefix_tokens: int
+    prefill: str  # "fresh", "extended", "cached" or "none"
+    prefill_seconds: float
+    replicate_seconds: float
+    suffix_forward_seconds: float
+    requests: int
+    rows: int
+    forwards: int
+    width: int  # the widest suffix of the group (rows are padded to it)
+    direct: bool  # SemIf's plain forward of one lone row
+
+
+@dataclass(frozen=True)
+class ScoredRow:
+    """One row's slot logits and probabilities, and the group run that computed it."""
+
+    option_logits: list[float]
+    probabilities: list[float]
+    run: GroupRun
+
+
 def checkpoint_tensor_names(directory: Path) -> list[str]:
     """Every tensor name stored in the directory's safetensors files."""
     from safetensors import safe_open
@@ -97,6 +157,8 @@ class TorchEngine:
 
     `headroom_bytes` (bytes between the warm baseline and the cap; None where the device has
     no cap or splitting is off) decides when a shared batch is split across forwards.
+    `cache` keeps prefilled states for reuse; `prefill_chunk_tokens` bounds one prefill
+    forward (None: the whole prefix at once).
     """
 
     def __init__(
@@ -107,6 +169,8 @@ class TorchEngine:
         memory: DeviceMemory,
         headroom_bytes: int | None = None,
         skipped_tensors: int = 0,
+        cache: StateCache | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         import torch
 
@@ -117,6 +181,8 @@ class TorchEngine:
         self.memory = memory
         self.headroom_bytes = headroom_bytes
         self.skipped_tensors = skipped_tensors
+        self.cache = cache if cache is not None else StateCache(0)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.device = torch.device(identity.device)
         self.slot_ids = torch.tensor(codec.slots, device=self.device)
         self.decoder = model.get_decoder()
@@ -128,9 +194,29 @@ class TorchEngine:
         self.model_info = identity.as_dict()
 
     def with_memory(self, memory: DeviceMemory, headroom_bytes: int | None = None) -> TorchEngine:
-        """The same weights and codec on another memory view and headroom (a new engine)."""
+        """The same weights, codec and state cache on another memory view and headroom (a new engine)."""
         return TorchEngine(
-            self.model, self.codec, self.identity, memory, headroom_bytes, self.skipped_tensors
+            self.model,
+            self.codec,
+            self.identity,
+            memory,
+            headroom_bytes,
+            self.skipped_tensors,
+            self.cache,
+            self.prefill_chunk_tokens,
+        )
+
+    def with_state_cache(self, cache: StateCache, prefill_chunk_tokens: int | None) -> TorchEngine:
+        """The same weights, memory view and headroom over another state cache (a new engine)."""
+        return TorchEngine(
+            self.model,
+            self.codec,
+            self.identity,
+            self.memory,
+            self.headroom_bytes,
+            self.skipped_tensors,
+            cache,
+            prefill_chunk_tokens,
         )
 
     @classmethod
@@ -204,37 +290,170 @@ class TorchEngine:
             demo=settings.demo or (directory / "DEMO.json").exists(),
         )
         codec = PromptCodec(tokenizer)
-        return cls(model, codec, identity, memory, skipped_tensors=skipped)
+        return cls(
+            model,
+            codec,
+            identity,
+            memory,
+            skipped_tensors=skipped,
+            cache=StateCache(settings.state_cache_mib * MIB),
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        )
 
     # -- reading ------------------------------------------------------------------------------
 
     def score(self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int) -> Readout:
-        """Read rows over one state. `shared=False` with one row runs SemIf's plain forward;
-        otherwise the state prefix is prefilled once and the rows run in right-padded batches
-        (split where the memory headroom says one batch would not fit).
+        """Read rows over one state, alone. `shared=False` with one row runs SemIf's plain
+        forward; otherwise the state prefix is prefilled once (or found in the state cache)
+        and the rows run in right-padded batches (split where the memory headroom says one
+        batch would not fit).
 
         Raises TooManyTokens, AnswerBoundary or TooLargeForMemory with `row` set to the
         position of the row concerned.
         """
+        prepared = self.prepare(state, rows, shared=shared, max_input_tokens=max_input_tokens)
+        job = prepared.job(0)
+        scored = self.run_group(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
+        return self.readout(prepared, scored[0])
+
+    def prepare(
+        self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int
+    ) -> PreparedRows:
+        """Encode and check one request's rows and find what they share; refuses (TooManyTokens,
+        AnswerBoundary, TooLargeForMemory, with `row` set) before anything runs."""
         started = time.perf_counter()
         prompts = [self._encode(state, row, i, max_input_tokens) for i, row in enumerate(rows)]
-        timing: BatchTiming | None = None
-        if not shared and len(rows) == 1:
-            readout, forward_seconds = self._direct(prompts[0].ids, len(rows[0].descriptions))
-            per_row = [readout]
-        else:
-            prefix = shared_token_prefix(self.codec.state_prefix(state, prompts[0]), prompts)
-            rows_per_forward = self._rows_that_fit(len(prefix), [p.ids for p in prompts])
-            per_row, timing = self._shared(prefix, [p.ids for p in prompts], rows, rows_per_forward)
-            forward_seconds = (
-                timing.prefill_seconds + timing.replicate_seconds + timing.suffix_forward_seconds
-            )
-        total = time.perf_counter() - started
-        readouts = [
-            RowReadout(logits, probs, len(p.ids), p.sha256)
-            for (logits, probs), p in zip(per_row, prompts, strict=True)
+        direct = not shared and len(rows) == 1
+        prefix: list[int] = []
+        state_tokens = 0
+        if not direct:
+            state_prefix = self.codec.state_prefix(state, prompts[0])
+            prefix = shared_token_prefix(state_prefix, prompts)
+            state_tokens = min(len(state_prefix), len(prefix))
+            width = max(len(p.ids) for p in prompts) - len(prefix)
+            self._rows_that_fit(len(prefix), width)
+        return PreparedRows(
+            engine=self,
+            prompts=prompts,
+            n_options=[len(row.descriptions) for row in rows],
+            prefix=prefix,
+            state_tokens=state_tokens,
+            direct=direct,
+            encode_seconds=time.perf_counter() - started,
+        )
+
+    def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
+        """Score one planned group on this thread: one state (cached or prefilled once) for
+        every part, the rows in right-padded forwards split by the memory headroom; the
+        results of each job's rows in the group, in order. A lone direct row runs SemIf's
+        plain forward; direct rows merged with others run right-padded with no state."""
+        parts = group.parts
+        if len(parts) == 1 and parts[0].job.payload.direct:
+            prepared = parts[0].job.payload
+            (logits, probs), seconds = self._direct(prepared.prompts[0].ids, prepared.n_options[0])
+            run = GroupRun(0, "none", 0.0, 0.0, seconds, 1, 1, 1, len(prepared.prompts[0].ids), True)
+            return {parts[0].job.id: [ScoredRow(logits, probs, run)]}
+        first: PreparedRows = parts[0].job.payload
+        prefix = first.prefix if group.prefix_key is not None else []
+        stored, how, prefill_seconds = self._state(prefix, first.state_tokens)
+        rows = [
+            (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i])
+            for p in parts
+            for i in range(p.start, p.stop)
         ]
-        return Readout(readouts, timing is not None, forward_seconds, total, timing)
+        width = max(len(suffix) for suffix, _ in rows)
+        step = self._rows_per_forward(len(prefix), width) or len(rows)
+        readouts: list[tuple[list[float], list[float]]] = []
+        replicate_seconds = suffix_seconds = 0.0
+        forwards = 0
+        torch = self.torch
+        with torch.inference_mode():
+            for start in range(0, len(rows), step):
+                chunk = rows[start : start + step]
+                t0 = time.perf_counter()
+                cache = stored.fork(len(chunk)) if stored is not None else None
+                self.memory.synchronize()
+                t1 = time.perf_counter()
+                logits = logits_over(self.model, cache, len(prefix), [s for s, _ in chunk], self.pad_id)
+                del cache
+                readouts.extend(self._readout(logits[i], n) for i, (_, n) in enumerate(chunk))
+                del logits
+                self.memory.synchronize()
+                replicate_seconds += t1 - t0
+                suffix_seconds += time.perf_counter() - t1
+                forwards += 1
+        run = GroupRun(
+            prefix_tokens=len(prefix),
+            prefill=how,
+            prefill_seconds=prefill_seconds,
+            replicate_seconds=replicate_seconds,
+            suffix_forward_seconds=suffix_seconds,
+            requests=len({p.job.id for p in parts}),
+            rows=len(rows),
+            forwards=forwards,
+            width=width,
+            direct=False,
+        )
+        results: dict[Hashable, list[ScoredRow]] = {}
+        at = 0
+        for p in parts:
+            count = p.stop - p.start
+            results[p.job.id] = [ScoredRow(lg, pr, run) for lg, pr in readouts[at : at + count]]
+            at += count
+        return results
+
+    def readout(self, prepared: PreparedRows, scored: Sequence[ScoredRow]) -> Readout:
+        """One request's readouts and timing from its scored rows (which may span several groups)."""
+        runs = list({id(r.run): r.run for r in scored}.values())
+        readouts = [
+            RowReadout(row.option_logits, row.probabilities, len(p.ids), p.sha256)
+            for row, p in zip(scored, prepared.prompts, strict=True)
+        ]
+        forward_seconds = sum(
+            r.prefill_seconds + r.replicate_seconds + r.suffix_forward_seconds for r in runs
+        )
+        total = prepared.encode_seconds + forward_seconds
+        if prepared.direct:
+            return Readout(readouts, False, forward_seconds, total, None)
+        n_prefix = len(prepared.prefix)
+        prefills = [r.prefill for r in runs]
+        timing = BatchTiming(
+            prefix_tokens=n_prefix,
+            prefill_seconds=sum(r.prefill_seconds for r in runs),
+            replicate_seconds=sum(r.replicate_seconds for r in runs),
+            suffix_forward_seconds=sum(r.suffix_forward_seconds for r in runs),
+            batch_size=len(prepared.prompts),
+            true_suffix_tokens=sum(len(p.ids) - n_prefix for p in prepared.prompts),
+            padded_suffix_tokens=sum(r.width * sum(1 for row in scored if row.run is r) for r in runs),
+            forward_batches=sum(r.forwards for r in runs),
+            merged_requests=max(r.requests for r in runs),
+            prefill=next((k for k in PREFILL_KINDS if k in prefills), "none"),
+            prefill_shared=any(r.requests > 1 for r in runs) and n_prefix > 0,
+        )
+        return Readout(readouts, True, forward_seconds, total, timing)
+
+    def _state(self, prefix: list[int], state_tokens: int) -> tuple[StoredState | None, str, float]:
+        """The stored state over exactly `prefix`: from the cache, extended from a cached
+        shorter one, or prefilled (in chunks); a fresh state prefix is stored on its own too,
+        so that the next question over the same state extends it."""
+        if not prefix:
+            return None, "none", 0.0
+        stored = self.cache.get(prefix)
+        if stored is not None:
+            return stored, "cached", 0.0
+        t0 = time.perf_counter()
+        start = self.cache.longest_prefix(prefix)
+        how = "extended" if start is not None else "fresh"
+        if start is None and 0 < state_tokens < len(prefix):
+            start = self._prefill(prefix[:state_tokens], None)
+        stored = self._prefill(prefix, start)
+        self.memory.synchronize()
+        return stored, how, time.perf_counter() - t0
+
+    def _prefill(self, ids: list[int], start: StoredState | None) -> StoredState:
+        return self.cache.put(
+            ids, prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens)
+        )
 
     def _encode(self, state: Any, row: PromptRow, index: int, max_input_tokens: int) -> EncodedPrompt:
         try:
@@ -243,18 +462,24 @@ class TorchEngine:
             exc.row = index
             raise
 
-    def _rows_that_fit(self, n_prefix: int, prompts: list[list[int]]) -> int | None:
-        """Split a batch that would not fit under the headroom; refuse one whose single row cannot."""
+    def _rows_per_forward(self, n_prefix: int, width: int) -> int | None:
+        """Rows per suffix forward under the headroom (None: no limit); at least one."""
         if self.headroom_bytes is None:
             return None
-        width = max(len(ids) for ids in prompts) - n_prefix
-        fit = self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width)
-        if fit == 0:
-            need = self.estimate.prefill_bytes(n_prefix) + self.estimate.row_bytes(n_prefix, width)
+        return max(
+            1, self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, self.prefill_chunk_tokens)
+        )
+
+    def _rows_that_fit(self, n_prefix: int, width: int) -> None:
+        """Refuse a request whose single row cannot fit under the headroom."""
+        if self.headroom_bytes is None:
+            return
+        chunk = self.prefill_chunk_tokens
+        if self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, chunk) == 0:
+            need = self.estimate.prefill_bytes(n_prefix, chunk) + self.estimate.row_bytes(n_prefix, width)
             refusal = TooLargeForMemory(need, self.headroom_bytes)
             refusal.row = 0
             raise refusal
-        return fit if fit < len(prompts) else None
 
     def _readout(self, last_logits: Any, n_options: int) -> tuple[list[float], list[float]]:
         """Full-vocabulary float32 logits of one position -> (slot logits, their softmax)."""
@@ -272,103 +497,12 @@ class TorchEngine:
         self.memory.synchronize()
         return readout, time.perf_counter() - t0
 
-    def _shared(
-        self,
-        prefix: list[int],
-        prompts: list[list[int]],
-        rows: Sequence[PromptRow],
-        rows_per_forward: int | None,
-    ) -> tuple[list[tuple[list[float], list[float]]], BatchTiming]:
-        torch = self.torch
-        n_prefix = len(prefix)
-        prefill_seconds = replicate_seconds = suffix_seconds = 0.0
-        tokens = _SuffixTokens()
-        batches = 0
-        with torch.inference_mode():
-            cache = None
-            if n_prefix:
-                t0 = time.perf_counter()
-                cache = self.decoder(
-                    input_ids=torch.tensor([prefix], device=self.device), use_cache=True
-                ).past_key_values
-                self.memory.synchronize()
-                prefill_seconds = time.perf_counter() - t0
-            step = rows_per_forward or len(prompts)
-            results: list[tuple[list[float], list[float]]] = []
-            for start in range(0, len(prompts), step):
-                chunk = prompts[start : start + step]
-                last = start + step >= len(prompts)
-                t1 = time.perf_counter()
-                batch_cache = None
-                if cache is not None:
-                    # The last chunk may consume the prefilled cache; earlier ones replicate a copy.
-                    batch_cache = cache if last else copy.deepcopy(cache)
-                    batch_cache.reorder_cache(torch.zeros(len(chunk), dtype=torch.long, device=self.device))
-                self.memory.synchronize()
-                t2 = time.perf_counter()
-                results.extend(
-                    self._suffix_forward(batch_cache, n_prefix, chunk, rows[start : start + step], tokens)
-                )
-                del batch_cache
-                self.memory.synchronize()
-                replicate_seconds += t2 - t1
-                suffix_seconds += time.perf_counter() - t2
-                batches += 1
-            del cache
-        timing = BatchTiming(
-            prefix_tokens=n_prefix,
-            prefill_seconds=prefill_seconds,
-            replicate_seconds=replicate_seconds,
-            suffix_forward_seconds=suffix_seconds,
-            batch_size=len(prompts),
-            true_suffix_tokens=tokens.true,
-            padded_suffix_tokens=tokens.padded,
-            forward_batches=batches,
-        )
-        return results, timing
 
-    def _suffix_forward(
-        self,
-        cache: Any,
-        n_prefix: int,
-        chunk: list[list[int]],
-        rows: Sequence[PromptRow],
-        tokens: _SuffixTokens,
-    ) -> list[tuple[list[float], list[float]]]:
-        torch = self.torch
-        suffixes = [ids[n_prefix:] for ids in chunk]
-        lengths = [len(s) for s in suffixes]
-        width = max(lengths)
-        input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), n_prefix + width), dtype=torch.long)
-        mask[:, :n_prefix] = 1
-        for i, suffix in enumerate(suffixes):
-            input_ids[i, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
-            mask[i, n_prefix : n_prefix + len(suffix)] = 1
-        positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(chunk), width)
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        hidden = self.decoder(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=cache,
-            use_cache=cache is not None,
-        ).last_hidden_state
-        # Only each row's last real position goes through the vocabulary projection.
-        logits = self.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
-        del hidden
-        readout = [self._readout(logits[i], len(row.descriptions)) for i, row in enumerate(rows)]
-        tokens.true += sum(lengths)
-        tokens.padded += width * len(chunk)
-        return readout
+PREFILL_KINDS = ("fresh", "extended", "cached")  # a request's `prefill`: the costliest of its groups'
 
 
-@dataclass
-class _SuffixTokens:
-    """Real and padded suffix tokens counted across a batch's forwards."""
-
-    true: int = 0
-    padded: int = 0
+def _whole(job: Job) -> Part:
+    return Part(job, 0, len(job.row_tokens))
 
 
 def shared_token_prefix(state_prefix: list[int], prompts: Sequence[EncodedPrompt]) -> list[int]:

@@ -96,20 +96,38 @@ class HostMemory:
         return None
 
 
+class StateStore(Protocol):
+    """What the release policy needs of the state cache: its budget, and dropping states."""
+
+    budget_bytes: int
+
+    def clear(self) -> int:
+        """Drop every state; the bytes freed."""
+
+
 class ReleasePolicy:
     """Gives a burst's memory back: after a request that left reserved memory past baseline +
-    margin, and after every failure that is not a refusal of the request."""
+    margin, and after every failure that is not a refusal of the request.
 
-    def __init__(self, memory: DeviceMemory, margin_bytes: int) -> None:
+    The state cache's budget is part of the baseline (what the cache may hold is not a burst),
+    and the cache is the first thing released after a failure: its states are dropped before
+    the allocator's cached memory is returned.
+    """
+
+    def __init__(self, memory: DeviceMemory, margin_bytes: int, cache: StateStore | None = None) -> None:
         self.memory = memory
         self.margin_bytes = margin_bytes
+        self.cache = cache
         self.baseline_bytes: int | None = None
         self.releases = 0
+        self.cache_clears = 0
 
     def mark_baseline(self) -> int:
-        """Record reserved memory after warm-up (released first, so it is the floor)."""
+        """Record reserved memory after warm-up (released first, so it is the floor) plus the
+        state cache's budget."""
         self._release()
-        self.baseline_bytes = self.memory.reserved_bytes()
+        budget = self.cache.budget_bytes if self.cache is not None else 0
+        self.baseline_bytes = self.memory.reserved_bytes() + budget
         return self.baseline_bytes
 
     def after_success(self) -> bool:
@@ -122,7 +140,10 @@ class ReleasePolicy:
         return False
 
     def after_failure(self) -> None:
-        """Break the failed forward's reference cycles, then release; never raises."""
+        """Drop the cached states, break the failed forward's reference cycles, then release;
+        never raises."""
+        if self.cache is not None and self.cache.clear():
+            self.cache_clears += 1
         gc.collect()
         self._release()
 
@@ -139,7 +160,7 @@ class MemoryEstimate:
 
     per row  = cache_per_token * (prefix + width) + state_per_row + act_per_token * width
                + logits_per_row
-    prefill  = 2 * (cache_per_token * prefix + state_per_row) + act_per_token * prefix
+    prefill  = 2 * (cache_per_token * prefix + state_per_row) + act_per_token * min(prefix, chunk)
     Each is multiplied by SAFETY, because the allocator rounds and fragments. Attention
     scores are not counted: the cap exists only on CUDA, where SDPA does not materialise them.
     """
@@ -177,16 +198,17 @@ class MemoryEstimate:
         )
         return int(raw * self.SAFETY)
 
-    def prefill_bytes(self, prefix_tokens: int) -> int:
-        """Estimated bytes of prefilling the state prefix once (plus the one-row copy kept for chunks)."""
-        raw = (
-            2 * (self.cache_per_token * prefix_tokens + self.state_per_row)
-            + self.act_per_token * prefix_tokens
-        )
+    def prefill_bytes(self, prefix_tokens: int, chunk_tokens: int | None = None) -> int:
+        """Estimated bytes of prefilling the state prefix once, `chunk_tokens` per forward (None:
+        all at once): the state, the copy a growing cache makes, one chunk's activations."""
+        step = min(prefix_tokens, chunk_tokens) if chunk_tokens else prefix_tokens
+        raw = 2 * (self.cache_per_token * prefix_tokens + self.state_per_row) + self.act_per_token * step
         return int(raw * self.SAFETY)
 
-    def rows_per_forward(self, headroom: int, prefix_tokens: int, width: int) -> int:
+    def rows_per_forward(
+        self, headroom: int, prefix_tokens: int, width: int, chunk_tokens: int | None = None
+    ) -> int:
         """How many rows fit in one suffix forward under `headroom` bytes (0: not even one)."""
-        available = headroom - self.prefill_bytes(prefix_tokens)
+        available = headroom - self.prefill_bytes(prefix_tokens, chunk_tokens)
         per_row = self.row_bytes(prefix_tokens, width)
         return max(0, available // per_row)

@@ -266,6 +266,9 @@ class TimingBody(BaseModel):
     true_suffix_tokens: int
     padded_suffix_tokens: int
     forward_batches: int
+    merged_requests: int
+    prefill: str
+    prefill_shared: bool
 
 
 class DecisionResult(NativeResult):
@@ -299,4 +302,6 @@ class HealthBody(BaseModel):
     calibration: dict[str, dict[str, dict[str, float]]]
     queue: dict[str, int]
     memory: dict[str, int | None]
+    batching: dict[str, int]
+    state_cache: dict[str, int]
     weights: dict[str, Any]

@@ -60,8 +60,68 @@ class StatusCollector(Collector):
             "semif_memory_reserved_bytes", "memory reserved by the allocator", value=now.reserved_bytes
         )
         yield GaugeMetricFamily(
-            "semif_memory_baseline_bytes", "reserved memory after warm-up", value=now.baseline_bytes or 0
+            "semif_memory_baseline_bytes",
+            "reserved memory after warm-up plus the state cache budget",
+            value=now.baseline_bytes or 0,
         )
+        yield from _batch_metrics(now)
+        yield from _cache_metrics(now)
+
+
+def _batch_metrics(now: StatusSnapshot) -> Iterator[Metric]:
+    b = now.batches
+    yield CounterMetricFamily("semif_forwards", "engine forwards run by the batcher", value=b.forwards)
+    yield CounterMetricFamily(
+        "semif_merged_forwards", "forwards that carried more than one request", value=b.merged_forwards
+    )
+    yield CounterMetricFamily("semif_forward_rows", "rows run in the batcher's forwards", value=b.rows)
+    yield CounterMetricFamily(
+        "semif_forward_true_tokens", "real suffix tokens in the batcher's forwards", value=b.true_tokens
+    )
+    yield CounterMetricFamily(
+        "semif_forward_padded_tokens",
+        "suffix tokens incl. padding (rows x widest row) in the batcher's forwards",
+        value=b.padded_tokens,
+    )
+    yield GaugeMetricFamily(
+        "semif_rows_per_forward",
+        "mean rows per forward so far",
+        value=b.rows / b.forwards if b.forwards else 0,
+    )
+    yield GaugeMetricFamily(
+        "semif_padded_token_share",
+        "share of padding in the forwards' suffix tokens so far",
+        value=1 - b.true_tokens / b.padded_tokens if b.padded_tokens else 0,
+    )
+    yield CounterMetricFamily(
+        "semif_isolated_retries",
+        "requests rerun alone after their merged forward failed",
+        value=b.isolated_retries,
+    )
+    yield CounterMetricFamily(
+        "semif_cancelled_dropped",
+        "requests dropped before their forward (caller gone)",
+        value=b.cancelled_dropped,
+    )
+
+
+def _cache_metrics(now: StatusSnapshot) -> Iterator[Metric]:
+    c = now.cache
+    yield CounterMetricFamily("semif_state_cache_hits", "state prefixes found in the cache", value=c.hits)
+    yield CounterMetricFamily(
+        "semif_state_cache_misses", "state prefixes not in the cache (each one prefilled)", value=c.misses
+    )
+    yield CounterMetricFamily(
+        "semif_state_cache_evictions", "states evicted least-recently-used", value=c.evictions
+    )
+    yield CounterMetricFamily(
+        "semif_state_cache_refused", "states larger than the whole budget, never stored", value=c.refused
+    )
+    yield GaugeMetricFamily("semif_state_cache_bytes", "bytes of stored states", value=c.bytes)
+    yield GaugeMetricFamily(
+        "semif_state_cache_budget_bytes", "the state cache's byte budget", value=c.budget_bytes
+    )
+    yield GaugeMetricFamily("semif_state_cache_entries", "stored states", value=c.entries)
 
 
 class Metrics:

@@ -63,6 +63,18 @@ class Settings(BaseSettings):
     split_batches: bool = Field(
         True, description="Split shared batches that the memory estimate says would not fit the cap."
     )
+    state_cache_mib: int = Field(
+        1024,
+        ge=0,
+        description="Prefilled states kept for reuse, in MiB (0: off); part of the cap and the baseline.",
+    )
+    prefill_chunk_tokens: int = Field(
+        2048, ge=1, description="State prefix tokens per prefill forward (bounds activation memory)."
+    )
+    max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
+    max_batch_tokens: int = Field(
+        16_384, ge=1, description="Padded tokens (rows x widest row + prefix) of merged requests per forward."
+    )
     calibration: Path | None = Field(None, description="calibration.json: workload temperatures.")
     metrics_public: bool = Field(True, description="Serve /metrics without the token.")
     body_timeout_seconds: float = Field(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .batching import Bounds
 from .calibration import CalibrationTable, load_calibration
 from .checkpoint_files import Verification, verify_checkpoint
 from .core import DecisionCore
@@ -16,6 +17,7 @@ from .engine import TorchEngine
 from .memory import ReleasePolicy
 from .numerics import MIB
 from .settings import ConfigurationError, Settings
+from .state_cache import StateCache
 from .systemone_schemas import parse_type_map
 from .worker import EngineWorker
 
@@ -52,6 +54,8 @@ class Service:
     def start(cls, settings: Settings, engine: TorchEngine | None = None) -> Service:
         """Validate the token and calibration, load the engine, warm it up and mark the baseline.
 
+        The state cache is created here (empty, its budget from the settings) and counted in
+        the baseline, so the headroom left for forwards is cap - warm floor - cache budget.
         Raises ConfigurationError, CalibrationFileError, CheckpointError or DecisionError;
         the caller exits non-zero on any of them (startup fails closed).
         """
@@ -67,8 +71,11 @@ class Service:
         weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
         if engine is None:
             engine = TorchEngine.load(settings)
-        policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB)
-        worker = EngineWorker(policy)
+        engine = engine.with_state_cache(
+            StateCache(settings.state_cache_mib * MIB), settings.prefill_chunk_tokens
+        )
+        policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
+        worker = EngineWorker(policy, Bounds(settings.max_batch_rows, settings.max_batch_tokens))
         warm_up(engine, worker, settings.max_input_tokens)
         baseline = policy.mark_baseline()
         cap = engine.memory.cap_bytes()

@@ -264,13 +264,22 @@ def prefill(
 
 def suffix_logits(model: Any, state: StoredState | None, suffixes: Sequence[Sequence[int]], pad_id: int):
     """Float32 full-vocabulary logits `[rows, vocab]` at each row's last real position, running
-    every suffix over `state` (None: no prefix) in one right-padded forward: attention mask over
-    prefix + suffix, explicit positions, only the read positions through the vocabulary head."""
+    every suffix over `state` (None: no prefix) in one right-padded forward."""
+    import torch
+
+    with torch.inference_mode():
+        cache = state.fork(len(suffixes)) if state is not None else None
+        return logits_over(model, cache, len(state) if state is not None else 0, suffixes, pad_id)
+
+
+def logits_over(model: Any, cache: Any, n_prefix: int, suffixes: Sequence[Sequence[int]], pad_id: int):
+    """`suffix_logits` over an already forked cache of `n_prefix` tokens (None: no prefix), which
+    the forward consumes: attention mask over prefix + suffix, explicit positions, only the read
+    positions through the vocabulary head."""
     import torch
 
     decoder = model.get_decoder()
     device = next(decoder.parameters()).device
-    n_prefix = len(state) if state is not None else 0
     lengths = [len(s) for s in suffixes]
     if not suffixes or min(lengths) < 1:
         raise ValueError("every row needs at least one suffix token")
@@ -283,7 +292,6 @@ def suffix_logits(model: Any, state: StoredState | None, suffixes: Sequence[Sequ
         mask[i, n_prefix : n_prefix + len(suffix)] = 1
     positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(suffixes), width)
     with torch.inference_mode():
-        cache = state.fork(len(suffixes)) if state is not None else None
         hidden = decoder(
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),

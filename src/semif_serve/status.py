@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .admission import Admission
+from .batching import BatchStats, Bounds
 from .startup import Service
+from .state_cache import CacheStats
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class StatusSnapshot:
     reserved_bytes: int
     baseline_bytes: int | None
     releases: int
+    bounds: Bounds
+    prefill_chunk_tokens: int | None
+    batches: BatchStats
+    cache: CacheStats
 
     @property
     def status(self) -> str:
@@ -46,4 +52,8 @@ def take_snapshot(service: Service, admission: Admission | None) -> StatusSnapsh
         reserved_bytes=policy.memory.reserved_bytes(),
         baseline_bytes=policy.baseline_bytes,
         releases=policy.releases,
+        bounds=service.worker.batcher.bounds,
+        prefill_chunk_tokens=service.engine.prefill_chunk_tokens,
+        batches=service.worker.batcher.stats(),
+        cache=service.engine.cache.stats(),
     )

@@ -1,16 +1,23 @@
-"""The one worker that owns the engine: jobs arrive through a queue, one forward at a time,
-off the event loop; every failure is mapped, released and re-raised unchained."""
+"""The one worker that owns the engine: requests are encoded off the event loop, queued, and
+merged into as few forwards as fit whenever the engine thread is free (`batching.Batcher`);
+every failure is mapped, released and re-raised unchained, and a failed merged forward is
+retried request by request so that only the failing request fails."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .domain import DecisionError, EngineFailure, OutOfMemory, Refusal
+from .batching import Batcher, Bounds, Group
+from .domain import DecisionError, EngineFailure, OutOfMemory, PromptRow, Refusal
 from .memory import ReleasePolicy
+
+if TYPE_CHECKING:
+    from .engine import Readout, ScoredRow, TorchEngine
 
 log = logging.getLogger("semif_serve.worker")
 T = TypeVar("T")
@@ -38,13 +45,45 @@ def classify_failure(exc: BaseException) -> DecisionError:
 
 
 class EngineWorker:
-    """Runs engine jobs one at a time on a dedicated thread."""
+    """Runs engine jobs one at a time on a dedicated thread; merges queued requests' rows."""
 
-    def __init__(self, policy: ReleasePolicy) -> None:
+    def __init__(self, policy: ReleasePolicy, bounds: Bounds | None = None) -> None:
         self.policy = policy
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-engine")
+        # One tokenizer thread: requests are encoded (and refused) before they join a group.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-encode")
+        self.batcher: Batcher[ScoredRow] = Batcher(self._run_group, bounds or Bounds(), self._executor)
+        self._job_ids = itertools.count()
         self.pending = 0
         self.out_of_memory_events = 0
+
+    async def score(
+        self,
+        engine: TorchEngine,
+        state: Any,
+        rows: Sequence[PromptRow],
+        *,
+        shared: bool,
+        max_input_tokens: int,
+    ) -> Readout:
+        """`engine.score` for one request, merged with whatever else is queued when the engine
+        is free; the numbers are those of the request alone. A cancelled caller's rows are
+        dropped before their forward."""
+        loop = asyncio.get_running_loop()
+        self.pending += 1
+        try:
+            prepared = await loop.run_in_executor(
+                self._encoder,
+                lambda: engine.prepare(state, rows, shared=shared, max_input_tokens=max_input_tokens),
+            )
+            scored = await self.batcher.submit(prepared.job(next(self._job_ids)))
+            return engine.readout(prepared, scored)
+        finally:
+            self.pending -= 1
+
+    def _run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
+        engine: TorchEngine = group.parts[0].job.payload.engine
+        return self._guarded(lambda: engine.run_group(group))
 
     async def run(self, job: Callable[[], T]) -> T:
         """Run `job` on the engine thread; a cancelled caller's job is skipped if not yet started."""
@@ -78,5 +117,6 @@ class EngineWorker:
         raise failure from None
 
     def shutdown(self) -> None:
-        """Stop the thread after the running job."""
+        """Stop the threads after the running job."""
+        self._encoder.shutdown(wait=True, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
