@@ -44,9 +44,12 @@ class ServiceError(Exception):
 HTTP_ERRORS = {
     "invalid_json": 400,
     "invalid_content_length": 400,
+    "invalid_http_request": 400,
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,
+    "body_timeout": 408,
+    "header_timeout": 408,
     "body_too_large": 413,
     "validation_error": 422,
     "busy": 429,
