@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import re
 import sys
 import time
@@ -286,9 +287,16 @@ class Outcome:
         return all(g.passed for g in self.gates)
 
 
+def results_directory() -> Path:
+    """Where results go without --out: the user's state directory, never the current checkout."""
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "semif-serve" / "acceptance-results"
+
+
 def default_out(command: str) -> Path:
+    """`<results_directory>/<command>-<UTC time>.json`."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    return Path("acceptance-results") / f"{command}-{stamp}.json"
+    return results_directory() / f"{command}-{stamp}.json"
 
 
 def finish(outcome: Outcome, args: argparse.Namespace, service: dict[str, Any] | None) -> int:
@@ -347,7 +355,8 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=None,
-        help="JSON result file (default: acceptance-results/<command>-<time>.json)",
+        help="JSON result file (default: semif-serve/acceptance-results/<command>-<time>.json "
+        "under $XDG_STATE_HOME, else ~/.local/state; never the checkout)",
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
     parser.add_argument(

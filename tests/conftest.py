@@ -10,6 +10,9 @@ import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The service processes the tests start share compiled bytecode: with PYTHONDONTWRITEBYTECODE set
+# (and no `uv sync --compile-bytecode`), each would compile torch and transformers from source again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 from semif_serve.app import create_app  # noqa: E402
 from semif_serve.demo import DEMO_REVISION, write_checkpoint  # noqa: E402

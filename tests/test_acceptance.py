@@ -618,3 +618,19 @@ def test_scored_service_output_feeds_the_calibrate_command(live, capsys, mode):
     entry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     value = entry["w"] if mode == "single" else entry["w"][mode]
     assert 0.05 <= value <= 20
+
+
+def test_a_result_without_out_goes_to_the_user_state_directory_never_the_checkout(
+    live, tmp_path, monkeypatch, capsys
+):
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    monkeypatch.chdir(checkout)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    connection = ["--url", live["url"], "--token-file", str(live["token"])]
+    fixture = ["--fixture", str(live["fixture"]), "--limit", "2"]
+    assert cli.main(["score", *connection, *fixture, "--predictions-out", str(tmp_path / "p.jsonl")]) == 0
+    assert list(checkout.iterdir()) == []
+    (written,) = (tmp_path / "state" / "semif-serve" / "acceptance-results").glob("score-*.json")
+    assert json.loads(written.read_text())["summary"] == {"rows": 2, "scored": 2}
+    assert str(written) in capsys.readouterr().out

@@ -315,7 +315,10 @@ def test_calibrate_in_rotations_mode_reads_combined_probabilities(
     for row in rows:
         # Sharpen the averaged output to T=0.5 of the raw logits; the junk logits must be ignored.
         probs = softmax_by_hand(row["option_logits"], 0.5)
-        row["combined"] = {"probabilities": dict(zip(row["option_ids"], probs, strict=True))}
+        row["combined"] = {
+            "mode": "rotations",
+            "probabilities": dict(zip(row["option_ids"], probs, strict=True)),
+        }
         row["option_logits"] = [0.0] * len(probs)
     preds.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     argv = ["--gold", str(gold), "--predictions", str(preds), "--mode", "rotations"]
@@ -360,3 +363,224 @@ def test_no_joined_rows_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_bad_arguments_exit_2_without_raising(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_calibrate(["--gold", "x.jsonl"]) == 2
     assert "semif-serve calibrate" in capsys.readouterr().err
+
+
+def with_combined(preds: Path, mode: str | None) -> list[dict]:
+    """The predictions with a `combined` block of `mode` (its probabilities: softmax of the logits)."""
+    rows = [json.loads(line) for line in preds.read_text().splitlines()]
+    for row in rows:
+        if mode is not None:
+            probs = softmax_by_hand(row["option_logits"], 1.0)
+            row["combined"] = {
+                "mode": mode,
+                "probabilities": dict(zip(row["option_ids"], probs, strict=True)),
+            }
+    preds.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["rotations", "all"])
+def test_a_rotations_or_all_fit_on_single_read_predictions_is_refused_naming_combined(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    gold, preds, _ = write_fixtures(tmp_path, n=200, t_true=2.0, seed=9)
+    out = tmp_path / "report.json"
+    argv = ["--gold", str(gold), "--predictions", str(preds), "--mode", mode, "--json", str(out)]
+    assert run_calibrate(argv) == 2
+    captured = capsys.readouterr()
+    assert "preds.jsonl line 1" in captured.err
+    assert "`combined`" in captured.err and "combined.probabilities" in captured.err
+    assert f"--orderings {mode}" in captured.err
+    assert captured.out == "" and not out.exists()  # no entry to paste, no report
+
+
+def test_predictions_averaged_over_other_orderings_are_refused_naming_combined_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gold, preds, _ = write_fixtures(tmp_path, n=200, t_true=2.0, seed=9)
+    with_combined(preds, "rotations")
+    assert run_calibrate(["--gold", str(gold), "--predictions", str(preds), "--mode", "all"]) == 2
+    err = capsys.readouterr().err
+    assert 'combined.mode is "rotations", not "all"' in err
+
+
+def test_a_single_fit_reads_option_logits_even_when_combined_is_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gold, preds, _ = write_fixtures(tmp_path, n=300, t_true=2.0, seed=9)
+    argv = ["--gold", str(gold), "--predictions", str(preds), "--workload", "w"]
+    assert run_calibrate(argv) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = with_combined(preds, "rotations")
+    for row in rows:  # a combined answer unlike the single read: a single fit must not see it
+        row["combined"]["probabilities"] = {i: 1 / len(rows[0]["option_ids"]) for i in row["option_ids"]}
+    preds.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert run_calibrate(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == plain
+
+
+def relabel_to_the_least_likely_option(gold: Path, preds: Path) -> None:
+    """Every gold label becomes the option with the lowest logit: a model that is always wrong."""
+    logits = {}
+    for line in preds.read_text().splitlines():
+        row = json.loads(line)
+        logits[row["id"]] = dict(zip(row["option_ids"], row["option_logits"], strict=True))
+    rows = [json.loads(line) for line in gold.read_text().splitlines()]
+    for row in rows:
+        by_id = logits[row["id"]]
+        scores = [by_id[o["id"]] for o in row["options"]]
+        row["label"] = scores.index(min(scores))
+    gold.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def top_label_ece_by_hand(gold: Path, preds: Path, temperature: float) -> float:
+    """ECE (10 equal-width bins, top label), written out from the files, not from the command."""
+    labels = {}
+    for line in gold.read_text().splitlines():
+        row = json.loads(line)
+        labels[row["id"]] = row["options"][row["label"]]["id"]
+    bins: dict[int, list[tuple[float, bool]]] = {}
+    for line in preds.read_text().splitlines():
+        row = json.loads(line)
+        probs = softmax_by_hand(row["option_logits"], temperature)
+        top = probs.index(max(probs))
+        bins.setdefault(min(int(probs[top] * 10), 9), []).append(
+            (probs[top], row["option_ids"][top] == labels[row["id"]])
+        )
+    total = sum(len(b) for b in bins.values())
+    return sum(abs(sum(ok for _, ok in b) - sum(c for c, _ in b)) for b in bins.values()) / total
+
+
+def test_24_rows_that_fit_the_bound_warn_and_print_ece_before_and_after(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gold, preds, _ = write_fixtures(tmp_path, n=24, t_true=1.0, seed=6)
+    relabel_to_the_least_likely_option(gold, preds)
+    out = tmp_path / "report.json"
+    assert run_calibrate(["--gold", str(gold), "--predictions", str(preds), "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1]) == {"authored": 20.0}
+    warnings = [line for line in captured.err.splitlines() if "warning:" in line]
+    assert any("only 24 rows" in w and "150" in w for w in warnings), captured.err
+    assert any("T = 20 is the upper bound of [0.05, 20]" in w for w in warnings), captured.err
+    report = json.loads(out.read_text())
+    assert len(report["warnings"]) == len(warnings)
+    ece_before = top_label_ece_by_hand(gold, preds, 1.0)
+    ece_after = top_label_ece_by_hand(gold, preds, 20.0)
+    in_sample = next(line for line in captured.out.splitlines() if "(in-sample)" in line)
+    assert f"T=1 {ece_before:.4f}" in in_sample and f"fitted {ece_after:.4f}" in in_sample
+    out_of_fold = next(line for line in captured.out.splitlines() if "(out-of-fold" in line)
+    assert f"T=1 {ece_before:.4f}" in out_of_fold
+    assert f"fitted {report['ece_out_of_fold']:.4f}" in out_of_fold
+
+
+def test_a_lower_bound_fit_warns_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gold, preds, _ = write_fixtures(tmp_path, n=200, t_true=1.0, seed=6)
+    rows = [json.loads(line) for line in preds.read_text().splitlines()]
+    labels = {json.loads(line)["id"]: json.loads(line) for line in gold.read_text().splitlines()}
+    for row in rows:  # the gold option gets the largest logit by a wide margin: always right
+        gold_id = labels[row["id"]]["options"][labels[row["id"]]["label"]]["id"]
+        row["option_logits"] = [3.0 if i == gold_id else 0.0 for i in row["option_ids"]]
+    preds.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert run_calibrate(["--gold", str(gold), "--predictions", str(preds)]) == 0
+    err = capsys.readouterr().err
+    assert "T = 0.05 is the lower bound" in err and "only" not in err
+
+
+def test_a_well_fitted_workload_prints_no_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gold, preds, _ = write_fixtures(tmp_path, n=900, t_true=2.0, seed=21)
+    assert run_calibrate(["--gold", str(gold), "--predictions", str(preds)]) == 0
+    captured = capsys.readouterr()
+    assert "warning" not in captured.err
+    assert "(in-sample)" in captured.out and "(out-of-fold" in captured.out
+
+
+# --- the reliability diagram --------------------------------------------------------------
+
+
+def decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]], dict[str, str]]:
+    """A minimal PNG reader written from the specification: 8-bit RGB, no interlace, filter 0.
+
+    Returns width, height, rows of pixels and the tEXt chunks; checks every chunk's CRC.
+    """
+    import struct
+    import zlib
+
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, texts, header = 8, b"", {}, None
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        elif kind == b"tEXt":
+            key, value = body.split(b"\x00", 1)
+            texts[key.decode("latin-1")] = value.decode("latin-1")
+        pos += 12 + length
+        if kind == b"IEND":
+            break
+    assert header is not None
+    width, height, depth, color_type, _, _, interlace = header
+    assert (depth, color_type, interlace) == (8, 2, 0)
+    raw = zlib.decompress(idat)
+    stride = 1 + 3 * width
+    assert len(raw) == stride * height
+    rows = []
+    for y in range(height):
+        line = raw[y * stride : (y + 1) * stride]
+        assert line[0] == 0, "this reader handles filter type 0 only"
+        rows.append([tuple(line[1 + 3 * x : 4 + 3 * x]) for x in range(width)])
+    return width, height, rows, texts
+
+
+def bin_accuracies_by_hand(gold: Path, preds: Path, temperature: float) -> dict[int, float]:
+    labels = {}
+    for line in gold.read_text().splitlines():
+        row = json.loads(line)
+        labels[row["id"]] = row["options"][row["label"]]["id"]
+    hits: dict[int, list[bool]] = {}
+    for line in preds.read_text().splitlines():
+        row = json.loads(line)
+        probs = softmax_by_hand(row["option_logits"], temperature)
+        top = probs.index(max(probs))
+        hits.setdefault(min(int(probs[top] * 10), 9), []).append(row["option_ids"][top] == labels[row["id"]])
+    return {b: sum(h) / len(h) for b, h in hits.items()}
+
+
+def test_plot_writes_a_png_whose_bars_are_the_bin_accuracies_before_and_after(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from semif_serve.reliability_plot import BAR, PLOT, plot_origin
+
+    gold, preds, _ = write_fixtures(tmp_path, n=900, t_true=2.0, seed=21)
+    out, plot = tmp_path / "report.json", tmp_path / "reliability.png"
+    argv = ["--gold", str(gold), "--predictions", str(preds), "--json", str(out), "--plot", str(plot)]
+    assert run_calibrate(argv) == 0
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    width, height, pixels, texts = decode_png(plot.read_bytes())
+    assert (width, height) == (len(pixels[0]), len(pixels))
+    assert f"ECE {report['ece_before']:.4f}" in texts["Title"]
+    assert f"ECE {report['ece_after']:.4f}" in texts["Title"]
+    for panel, temperature in enumerate([1.0, report["temperature"]]):
+        expected = bin_accuracies_by_hand(gold, preds, temperature)
+        x0, y0 = plot_origin(panel)
+        for b in range(10):
+            column = [pixels[y][x0 + round((b + 0.5) * PLOT / 10)] for y in range(y0, y0 + PLOT + 1)]
+            bar = [i for i, rgb in enumerate(column) if rgb == BAR]
+            if b not in expected:
+                assert bar == [], (panel, b)
+                continue
+            height_px = PLOT - bar[0] if bar else 0  # the bar's top row, counted up from the x axis
+            assert abs(height_px - expected[b] * PLOT) <= 2, (panel, b, height_px, expected[b])
+
+
+def test_plot_to_an_unwritable_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gold, preds, _ = write_fixtures(tmp_path, n=60, t_true=1.0, seed=2)
+    argv = ["--gold", str(gold), "--predictions", str(preds), "--plot", str(tmp_path / "no" / "x.png")]
+    assert run_calibrate(argv) == 2
+    assert "x.png" in capsys.readouterr().err

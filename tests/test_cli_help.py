@@ -9,8 +9,7 @@ import pytest
 from semif_serve.cli import build_parser, main
 from semif_serve.settings import Settings, env_name
 
-# calibrate parses its own arguments (run_calibrate) and owns its help.
-DOCUMENTED = ["serve", "demo", "demo-model", "env-template", "check-model", "manifest"]
+DOCUMENTED = ["serve", "demo", "demo-model", "calibrate", "env-template", "check-model", "manifest"]
 
 
 def help_text(capsys, *argv: str) -> str:
@@ -23,7 +22,7 @@ def help_text(capsys, *argv: str) -> str:
 def test_the_top_level_help_lists_every_command_with_what_it_does(capsys):
     text = help_text(capsys)
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
-    for name in [*DOCUMENTED, "calibrate"]:
+    for name in DOCUMENTED:
         assert name in subparsers.choices
         (choice,) = [c for c in subparsers._choices_actions if c.dest == name]
         assert choice.help and choice.help in text, name
@@ -61,3 +60,19 @@ def test_demo_help_explains_port_and_the_settings_it_reads(capsys):
 def test_check_model_and_manifest_help_name_their_arguments(capsys):
     assert "--manifest FILE" in help_text(capsys, "check-model")
     assert "--write FILE" in help_text(capsys, "manifest")
+
+
+def test_calibrate_help_explains_every_option_and_what_it_prints(capsys):
+    text = help_text(capsys, "calibrate")
+    listed = text.split(" options:")[1]
+    for option in (
+        "--gold FILE",
+        "--predictions FILE",
+        "--mode",
+        "--workload NAME",
+        "--json FILE",
+        "--plot FILE.png",
+    ):
+        assert re.search(rf"{re.escape(option)}(?: \{{[a-z,]+\}})? [a-z(]", listed), option
+    for promise in ("out-of-fold", "150 rows", "bound", "calibration.json"):
+        assert promise in text, promise

