@@ -187,7 +187,8 @@ def test_an_out_of_memory_forward_gets_503_returns_to_baseline_and_the_next_requ
     memory = SimulatedMemory(floor=100 * MIB, growth=300 * MIB)
     service = service_on(engine, checkpoint, memory)
     app = create_app(service)
-    baseline = service.worker.policy.baseline_bytes
+    # The baseline counts what the state cache may hold; the allocator itself goes back to its floor.
+    baseline = service.worker.policy.baseline_bytes - service.engine.cache.budget_bytes
     memory.fail_next = cuda_oom("")
     refused = post(app, "/decide", decision())
     assert refused.status_code == 503
@@ -199,14 +200,15 @@ def test_an_out_of_memory_forward_gets_503_returns_to_baseline_and_the_next_requ
 
 
 def test_a_burst_that_grows_past_the_margin_is_given_back(engine, checkpoint):
-    memory = SimulatedMemory(floor=100 * MIB, growth=400 * MIB)
+    # Past baseline (floor + the state cache's 1 GiB budget) + the 512 MiB margin.
+    memory = SimulatedMemory(floor=100 * MIB, growth=800 * MIB)
     service = service_on(engine, checkpoint, memory)
     app = create_app(service)
     before = memory.releases
     body = {"state": "s", "decisions": [decision(id=f"d{i}") for i in range(4)]}
     assert post(app, "/decide/shared", body).status_code == 200
     assert memory.releases > before
-    assert memory.reserved == service.worker.policy.baseline_bytes
+    assert memory.reserved == service.worker.policy.baseline_bytes - service.engine.cache.budget_bytes
 
 
 def test_a_shared_request_over_the_memory_budget_is_split_and_equals_the_unsplit_answer(
@@ -226,7 +228,8 @@ def test_a_shared_request_over_the_memory_budget_is_split_and_equals_the_unsplit
     width = len(probe.ids) - prefix + 8
     estimate = service.engine.estimate
     two_rows = estimate.prefill_bytes(prefix) + 2 * estimate.row_bytes(prefix, width) + 1
-    memory = SimulatedMemory(floor=0, cap=two_rows)
+    # The cap also holds the state cache's budget, which the baseline counts.
+    memory = SimulatedMemory(floor=0, cap=two_rows + service.engine.cache.budget_bytes)
     split_service = service_on(engine, checkpoint, memory)
     split = post(create_app(split_service), "/decide/shared", body).json()
     assert split["timing"]["forward_batches"] == 3

@@ -15,6 +15,7 @@ from conftest import TOKEN, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.app import create_app
+from semif_serve.batching import Job
 from semif_serve.domain import Option, OutOfMemory, PromptRow, Question, TooLargeForMemory
 from semif_serve.engine import TorchEngine
 from semif_serve.memory import ReleasePolicy
@@ -47,16 +48,34 @@ def assert_close(got, want, tol=1e-5) -> None:
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= tol
 
 
+class EngineGate:
+    """Holds the engine thread inside the batcher (as a long forward would) until opened."""
+
+    def __init__(self) -> None:
+        self.engine = self
+        self.started = threading.Event()
+        self.opened = threading.Event()
+
+    def run_group(self, group):
+        self.started.set()
+        self.opened.wait(30)
+        return {p.job.id: [None] for p in group.parts}
+
+    async def hold(self, service: Service) -> asyncio.Task:
+        held = asyncio.create_task(service.worker.batcher.submit(Job("gate", None, 0, (1,), payload=self)))
+        await asyncio.to_thread(self.started.wait, 30)
+        return held
+
+
 async def held_burst(service: Service, calls):
     """Hold the engine thread, queue every call, then free it: the calls meet in one take."""
-    gate = threading.Event()
-    busy = asyncio.create_task(service.worker.run(lambda: gate.wait(30)))
-    await asyncio.sleep(0.05)
+    gate = EngineGate()
+    held = await gate.hold(service)
     tasks = [asyncio.create_task(call()) for call in calls]
     while service.worker.batcher.queued < len(tasks):
         await asyncio.sleep(0.01)
-    gate.set()
-    await busy
+    gate.opened.set()
+    await held
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -83,7 +102,7 @@ def test_distinct_direct_decisions_queued_together_run_in_one_forward_and_equal_
     )
 
     after = fresh.worker.batcher.stats()
-    assert after.forwards - before.forwards == 1
+    assert after.forwards - before.forwards == 2  # the gate's, then one for the four requests
     assert after.merged_forwards - before.merged_forwards == 1
     for i, (state, outcome) in enumerate(zip(states, outcomes, strict=True)):
         assert outcome.shared is False and outcome.timing is None
@@ -111,7 +130,8 @@ def test_requests_about_one_state_share_one_prefill_and_each_equals_its_fresh_pr
 
 
 def test_a_cached_state_serves_a_batch_of_rows_and_orderings_and_equals_a_fresh_prefill(fresh, engine):
-    asyncio.run(fresh.core.decide(STATE, [question(0)], shared=True, **LIMITS))
+    # Several rows share the state prefix and the question text up to its number: one key.
+    asyncio.run(fresh.core.decide(STATE, [question(7), question(8)], shared=True, **LIMITS))
     questions = [question(1), question(2, "rotations"), question(3, "all")]
     hits = fresh.engine.cache.stats().hits
 
@@ -149,9 +169,8 @@ def test_a_second_question_with_orderings_extends_the_stored_state_prefix(fresh,
 
 def test_a_cancelled_request_is_dropped_before_its_forward_and_the_others_are_answered(fresh):
     async def go():
-        gate = threading.Event()
-        busy = asyncio.create_task(fresh.worker.run(lambda: gate.wait(30)))
-        await asyncio.sleep(0.05)
+        gate = EngineGate()
+        held = await gate.hold(fresh)
         calls = [
             asyncio.create_task(fresh.core.decide(f"State {i}.", [question(i)], shared=True, **LIMITS))
             for i in range(3)
@@ -161,8 +180,8 @@ def test_a_cancelled_request_is_dropped_before_its_forward_and_the_others_are_an
         calls[1].cancel()
         await asyncio.sleep(0.01)
         before = fresh.worker.batcher.stats()
-        gate.set()
-        await busy
+        gate.opened.set()
+        await held
         return before, await asyncio.gather(*calls, return_exceptions=True)
 
     before, results = asyncio.run(go())
@@ -170,7 +189,7 @@ def test_a_cancelled_request_is_dropped_before_its_forward_and_the_others_are_an
     assert isinstance(results[1], asyncio.CancelledError)
     assert results[0].timing.merged_requests == results[2].timing.merged_requests == 1
     assert after.cancelled_dropped - before.cancelled_dropped == 1
-    assert after.rows - before.rows == 2
+    assert after.rows - before.rows == 1 + 2  # the gate's row, then the two live requests' rows
 
 
 def test_out_of_memory_in_a_merged_forward_fails_only_the_request_that_cannot_run_alone(
