@@ -194,7 +194,6 @@ class Batcher(Generic[R]):
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
         self._queue: list[_Pending] = []
         self._ids: set[Hashable] = set()  # jobs queued or running: ids must be unique among them
-        self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stats = BatchStats()
         self._stats_lock = threading.Lock()
@@ -215,17 +214,14 @@ class Batcher(Generic[R]):
         if job.id in self._ids:
             raise ValueError(f"job id {job.id!r} is already queued or running")
         loop = asyncio.get_running_loop()
-        wakeup = self._wakeup
-        # A loop that ended (asyncio.run returned) took its task along: start one on this loop.
-        if wakeup is None or self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._queue = [p for p in self._queue if p.future.get_loop() is loop]
-            wakeup = self._wakeup = asyncio.Event()
-            self._task = loop.create_task(self._loop(wakeup))
         future = loop.create_future()
         self._ids.add(job.id)
         future.add_done_callback(lambda _: self._ids.discard(job.id))
         self._queue.append(_Pending(job, future))
-        wakeup.set()
+        # One drain task at a time; it ends when the queue is empty, so no task outlives its loop.
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._queue = [p for p in self._queue if p.future.get_loop() is loop]
+            self._task = loop.create_task(self._drain())
         return await future
 
     async def close(self) -> None:
@@ -243,10 +239,9 @@ class Batcher(Generic[R]):
         if self._own_executor:
             self.executor.shutdown(wait=False)
 
-    async def _loop(self, wakeup: asyncio.Event) -> None:
-        while True:
-            await wakeup.wait()
-            wakeup.clear()
+    async def _drain(self) -> None:
+        """Run everything queued, then whatever arrived meanwhile, until the queue is empty."""
+        while self._queue:
             taken, self._queue = self._queue, []
             live = {p.job.id: p for p in taken if not self._dropped(p)}
             for group in self._plan(live):
