@@ -152,8 +152,8 @@ class AnswerBoundary(Refusal):
 
     def __init__(self, letter: str, option: int, question: int | None = None) -> None:
         super().__init__(
-            f"appending the answer letter {letter!r} changes this prompt's tokenisation, "
-            "so its logit cannot be read faithfully",
+            f"appending the answer {'letter' if len(letter) == 1 else 'code'} {letter!r} changes this "
+            "prompt's tokenisation, so its logit cannot be read faithfully",
             question,
             option,
         )
