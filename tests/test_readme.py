@@ -291,15 +291,20 @@ def test_the_python_client_example_answers_against_the_demo(demo):
     assert prefix and int(prefix[1]) > 0
 
 
-def test_the_python_client_example_exits_1_with_the_services_error(demo):
-    url, _ = demo
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "native_client.py")],
-        env=clean_env(SEMIF_URL=url, SEMIF_API_TOKEN="wrong-token"),
+def run_example(name: str, **env: str) -> subprocess.CompletedProcess:
+    """Run one of examples/ as a user would, with only `env` added to a clean environment."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        env=clean_env(**env),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_the_python_client_example_exits_1_with_the_services_error(demo):
+    url, _ = demo
+    result = run_example("native_client.py", SEMIF_URL=url, SEMIF_API_TOKEN="wrong-token")
     assert result.returncode == 1
     assert "401 unauthorized" in result.stderr
 
@@ -322,13 +327,7 @@ def test_the_typesafe_sdk_example_answers_against_the_demo(demo):
 
 def test_the_typesafe_sdk_example_exits_1_with_the_services_error(demo):
     url, _ = demo
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "systemone_client.py")],
-        env=clean_env(TYPESAFE_BASE_URL=url, TYPESAFE_API_KEY="wrong-token"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_example("systemone_client.py", TYPESAFE_BASE_URL=url, TYPESAFE_API_KEY="wrong-token")
     assert result.returncode == 1
     assert "401" in result.stderr and "the bearer token is not valid" in result.stderr
 
