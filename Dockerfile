@@ -78,7 +78,7 @@ COPY src ./src
 RUN --mount=type=cache,target=/root/.cache/uv \
     uv sync --frozen --no-dev --no-editable ${EXTRAS} \
         --no-build-isolation-package causal-conv1d \
- && python -c "import semif_serve.settings" \
+ && python -c "import semif_serve.service.settings" \
  && case "${EXTRAS}" in *kernels*) python -c "import causal_conv1d" ;; *) ;; esac
 
 # ---------------------------------------------------------------- runtime

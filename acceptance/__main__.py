@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from semif_serve.tools.cli import main
 
 sys.exit(main())

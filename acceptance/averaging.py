@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from semif_serve.numerics import expected_calibration_error
-from semif_serve.orderings import MAX_ALL_OPTIONS, NATIVE_MODES
+from semif_serve.domain.numerics import expected_calibration_error
+from semif_serve.domain.orderings import MAX_ALL_OPTIONS, NATIVE_MODES
 
 from .common import (
     CheckError,

@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     args = parser.parse_args(argv)
     from bench.batching import measure
-    from semif_serve.demo import DEMO_REVISION, QWEN35_4B_SHAPE, write_checkpoint
-    from semif_serve.settings import Settings
-    from semif_serve.startup import Service
+    from semif_serve.service.settings import Settings
+    from semif_serve.service.startup import Service
+    from semif_serve.tools.demo import DEMO_REVISION, QWEN35_4B_SHAPE, write_checkpoint
 
     path = write_checkpoint(Path(tempfile.mkdtemp()) / "qwen35-4b-random", QWEN35_4B_SHAPE)
     settings = Settings(

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from semif_serve.http.server import LoopbackServer
+
 from .common import (
     EXIT_ERROR,
     EXIT_GATE_FAILED,
@@ -53,7 +55,6 @@ from .common import (
     write_result,
 )
 from .latency import measure_latency, print_latency
-from .server import LoopbackServer
 from .workloads import (
     LATENCY_CASES,
     binary_criteria,
@@ -175,7 +176,7 @@ def write_random_checkpoint(directory: Path, shape, device: str = "cuda", seed: 
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from semif_serve.demo import build_tokenizer
+    from semif_serve.tools.demo import build_tokenizer
 
     directory = Path(directory)
     tokenizer = build_tokenizer(directory)
@@ -434,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="semif-gpu-", dir=args.work_dir))
     try:
         from semif_serve.app import create_app
-        from semif_serve.demo import QWEN35_4B_SHAPE
-        from semif_serve.settings import load_settings
-        from semif_serve.startup import Service
+        from semif_serve.service.settings import load_settings
+        from semif_serve.service.startup import Service
+        from semif_serve.tools.demo import QWEN35_4B_SHAPE
 
         t0 = time.monotonic()
         model_dir = write_random_checkpoint(work / "model", QWEN35_4B_SHAPE, device="cuda")

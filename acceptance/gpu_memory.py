@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from semif_serve.numerics import GIB, MIB
+from semif_serve.domain.numerics import GIB, MIB
+from semif_serve.http.server import LoopbackServer
 
 from .common import (
     EXIT_GATE_FAILED,
@@ -50,7 +51,6 @@ from .gpu_latency import (
     service_settings,
     write_random_checkpoint,
 )
-from .server import LoopbackServer
 from .workloads import filler, fit_words, prefix_tokens_probe
 
 LARGE_REQUEST = (1960, 24)  # (prefix tokens, rows): a burst well past the release margin
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="semif-gpu-memory-"))
     try:
         from semif_serve.app import create_app
-        from semif_serve.demo import QWEN35_4B_SHAPE
-        from semif_serve.settings import load_settings
-        from semif_serve.startup import Service
+        from semif_serve.service.settings import load_settings
+        from semif_serve.service.startup import Service
+        from semif_serve.tools.demo import QWEN35_4B_SHAPE
 
         model_dir = write_random_checkpoint(work / "model", QWEN35_4B_SHAPE, device="cuda")
         token = "gpu-" + secrets.token_urlsafe(24)

@@ -96,7 +96,7 @@ class ServiceProcess:
         self.token_file.chmod(0o600)
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in __exit__
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "semif_serve.cli", "serve"],
+            [sys.executable, "-m", "semif_serve.tools.cli", "serve"],
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

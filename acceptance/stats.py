@@ -8,7 +8,7 @@ import random
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from semif_serve.numerics import argmax as top_index  # the first of equal maxima, as torch takes it
+from semif_serve.domain.numerics import argmax as top_index  # the first of equal maxima, as torch takes it
 
 
 def top2_margin(probabilities: Sequence[float]) -> float:

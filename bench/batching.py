@@ -24,9 +24,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from semif_serve.domain import Option, Question  # noqa: E402
-from semif_serve.settings import Settings  # noqa: E402
-from semif_serve.startup import Service  # noqa: E402
+from semif_serve.domain.types import Option, Question  # noqa: E402
+from semif_serve.service.settings import Settings  # noqa: E402
+from semif_serve.service.startup import Service  # noqa: E402
 
 LIMITS = dict(max_input_tokens=8192, max_options=16, max_rows=64)
 
@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="the test checkpoint instead of the bench one")
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     args = parser.parse_args()
-    from semif_serve.demo import DEMO_REVISION, write_checkpoint
+    from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
 
     if args.tiny:
         path = write_checkpoint(Path(tempfile.mkdtemp()) / "tiny")

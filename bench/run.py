@@ -52,7 +52,7 @@ from acceptance.workloads import (  # noqa: E402
     input_tokens_probe,
     prefix_tokens_probe,
 )
-from semif_serve.numerics import MIB  # noqa: E402
+from semif_serve.domain.numerics import MIB  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ QUICK = Plan(
 
 def bench_checkpoint(cache: Path | None = None) -> Path:
     """The bench checkpoint, built once into the cache (keyed by its shape) and reused."""
-    from semif_serve.demo import BENCH_SHAPE, DEMO_REVISION, write_checkpoint
+    from semif_serve.tools.demo import BENCH_SHAPE, DEMO_REVISION, write_checkpoint
 
     key = hashlib.sha256(repr((BENCH_SHAPE, DEMO_REVISION)).encode()).hexdigest()[:12]
     base = cache or Path(
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     wall = time.perf_counter()
     model = bench_checkpoint(args.cache)
-    from semif_serve.demo import DEMO_REVISION
+    from semif_serve.tools.demo import DEMO_REVISION
 
     work = Path(tempfile.mkdtemp(prefix="semif-bench-"))
     results: dict[str, Any] = {"plan": asdict(plan), "quick": args.quick, "environment": environment()}

@@ -30,9 +30,9 @@ OPTIONS = ("It succeeded.", "It failed.", "Unclear.")
 
 
 def load(directory: Path):
-    from semif_serve.demo import DEMO_REVISION
-    from semif_serve.engine import TorchEngine
-    from semif_serve.settings import Settings
+    from semif_serve.engine.runner import TorchEngine
+    from semif_serve.service.settings import Settings
+    from semif_serve.tools.demo import DEMO_REVISION
 
     return TorchEngine.load(
         Settings(
@@ -47,7 +47,7 @@ def load(directory: Path):
 
 def prompt_over_state(engine, target_tokens: int) -> tuple[list[int], list[int]]:
     """(state prefix ids, suffix ids) of one real prompt whose state is ~target_tokens long."""
-    from semif_serve.engine import shared_token_prefix
+    from semif_serve.engine.runner import shared_token_prefix
 
     state = SENTENCE * max(1, target_tokens // len(engine.codec.encode(SENTENCE)))
     prompt = engine.codec.encode_prompt(state, QUESTION, OPTIONS, "question")
@@ -59,7 +59,7 @@ def measure(engine, target_tokens: int, runs: int) -> dict:
     """Median engine seconds of a cold and a cached question, their ratio, and the state's bytes."""
     import torch
 
-    from semif_serve.state_cache import StateCache, StoredState, prefill, suffix_logits
+    from semif_serve.engine.state_cache import StateCache, StoredState, prefill, suffix_logits
 
     prefix, suffix = prompt_over_state(engine, target_tokens)
     cache = StateCache(budget_bytes=1 << 34)
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from semif_serve.demo import write_checkpoint
+    from semif_serve.tools.demo import write_checkpoint
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     checkpoints = {}

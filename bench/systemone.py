@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
     args = parser.parse_args(argv)
     wall = time.perf_counter()
-    from semif_serve.demo import DEMO_REVISION, write_checkpoint
+    from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="semif-bench-s1-"))
     if args.shape == "bench":

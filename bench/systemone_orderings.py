@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.run import bench_checkpoint  # noqa: E402
 from semif_serve.app import create_app  # noqa: E402
-from semif_serve.demo import DEMO_REVISION  # noqa: E402
-from semif_serve.settings import DEFAULT_SYSTEMONE_ORDERINGS, Settings  # noqa: E402
-from semif_serve.startup import Service  # noqa: E402
+from semif_serve.service.settings import DEFAULT_SYSTEMONE_ORDERINGS, Settings  # noqa: E402
+from semif_serve.service.startup import Service  # noqa: E402
+from semif_serve.tools.demo import DEMO_REVISION  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
 STATE = "The customer wrote in about a double charge on the March invoice and a failed refund. " * 60

@@ -15,10 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 from semif_serve.app import create_app  # noqa: E402
-from semif_serve.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
-from semif_serve.engine import TorchEngine  # noqa: E402
-from semif_serve.settings import Settings  # noqa: E402
-from semif_serve.startup import Service  # noqa: E402
+from semif_serve.engine.runner import TorchEngine  # noqa: E402
+from semif_serve.service.settings import Settings  # noqa: E402
+from semif_serve.service.startup import Service  # noqa: E402
+from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
 
 TOKEN = "test-token-0123456789"
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import TOKEN
 
 from acceptance import cli, stats
-from semif_serve.numerics import expected_calibration_error
+from semif_serve.domain.numerics import expected_calibration_error
 
 ROOT = Path(__file__).resolve().parents[1]
 from acceptance.common import Client, Gate, Outcome, ServiceCallError, format_table, read_jsonl, write_jsonl  # noqa: E402
@@ -508,9 +508,9 @@ def test_gpu_latency_tables_run_against_the_cpu_demo(live, service, capsys):
 def test_random_checkpoint_writer_builds_a_loadable_bf16_model(tmp_path):
     from conftest import make_settings
 
-    from semif_serve.demo import DEMO_SHAPE
-    from semif_serve.domain import PromptRow
-    from semif_serve.engine import TorchEngine
+    from semif_serve.domain.types import PromptRow
+    from semif_serve.engine.runner import TorchEngine
+    from semif_serve.tools.demo import DEMO_SHAPE
 
     directory = write_random_checkpoint(tmp_path / "m", DEMO_SHAPE, device="cpu")
     assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
@@ -602,7 +602,7 @@ def test_the_gpu_memory_gates_pass_a_release_and_fail_a_leak():
 
 @pytest.mark.parametrize("mode", ["single", "rotations"])
 def test_scored_service_output_feeds_the_calibrate_command(live, capsys, mode):
-    from semif_serve.cli import main as semif_main
+    from semif_serve.tools.cli import main as semif_main
 
     path = live["work"] / f"scored-{mode}.jsonl"
     extra = [] if mode == "single" else ["--orderings", mode]

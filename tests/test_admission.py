@@ -12,7 +12,7 @@ from conftest import TOKEN, decision, make_settings, open_post
 
 from acceptance.server import LoopbackServer
 from semif_serve.app import create_app
-from semif_serve.startup import Service
+from semif_serve.service.startup import Service
 
 AUTH = (b"authorization", f"Bearer {TOKEN}".encode())
 

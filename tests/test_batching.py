@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semif_serve.batching import Batcher, Bounds, Group, Job, Part, plan_groups
+from semif_serve.engine.batching import Batcher, Bounds, Group, Job, Part, plan_groups
 
 HANG_GUARD_S = 10
 

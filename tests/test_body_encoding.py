@@ -22,8 +22,8 @@ from test_hardening import read_response
 
 from acceptance.server import LoopbackServer, read_rss, reset_peak_rss
 from semif_serve.app import create_app
-from semif_serve.body_encoding import STEP_BYTES, BodyDecoder, CorruptBody, requested_coding
-from semif_serve.startup import Service
+from semif_serve.http.body_encoding import STEP_BYTES, BodyDecoder, CorruptBody, requested_coding
+from semif_serve.service.startup import Service
 
 try:
     from compression import zstd  # type: ignore[import-not-found]

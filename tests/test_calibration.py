@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from semif_serve.calibration import (
+from semif_serve.domain.calibration import (
     CalibrationFileError,
     CalibrationTable,
     Temperature,
     calibrated_probabilities,
     load_calibration,
 )
-from semif_serve.calibration_fit import calibration_report, fit_temperature, group_folds, run_calibrate
-from semif_serve.numerics import top_label_ece as expected_calibration_error
+from semif_serve.domain.numerics import top_label_ece as expected_calibration_error
+from semif_serve.tools.calibration_fit import calibration_report, fit_temperature, group_folds, run_calibrate
 
 
 def write(tmp_path: Path, text: str, name: str = "calibration.json") -> Path:
@@ -554,7 +554,7 @@ def bin_accuracies_by_hand(gold: Path, preds: Path, temperature: float) -> dict[
 def test_plot_writes_a_png_whose_bars_are_the_bin_accuracies_before_and_after(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from semif_serve.reliability_plot import BAR, PLOT, plot_origin
+    from semif_serve.tools.reliability_plot import BAR, PLOT, plot_origin
 
     gold, preds, _ = write_fixtures(tmp_path, n=900, t_true=2.0, seed=21)
     out, plot = tmp_path / "report.json", tmp_path / "reliability.png"

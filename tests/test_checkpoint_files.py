@@ -14,14 +14,14 @@ from conftest import TOKEN
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from semif_serve.checkpoint_files import (
+from semif_serve.engine.checkpoint_files import (
     CheckpointFilesError,
     check_checkpoint,
     render_manifest,
     verify_checkpoint,
 )
-from semif_serve.cli import main
-from semif_serve.settings import ConfigurationError
+from semif_serve.service.settings import ConfigurationError
+from semif_serve.tools.cli import main
 
 
 @pytest.fixture
@@ -210,7 +210,7 @@ def test_startup_with_altered_weights_exits_3_naming_the_file_before_the_engine_
         "PATH": "/usr/bin:/bin",
     }
     result = subprocess.run(
-        [sys.executable, "-m", "semif_serve.cli"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "semif_serve.tools.cli"], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 3, result.stderr
     assert "model.safetensors: SHA-256" in result.stderr

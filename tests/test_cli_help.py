@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from semif_serve.cli import build_parser, main
-from semif_serve.settings import Settings, env_name
+from semif_serve.service.settings import Settings, env_name
+from semif_serve.tools.cli import build_parser, main
 
 DOCUMENTED = ["serve", "demo", "demo-model", "calibrate", "env-template", "check-model", "manifest"]
 

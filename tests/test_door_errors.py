@@ -17,7 +17,7 @@ from test_admission import Exchange, scope, while_every_slot_is_taken
 
 from acceptance.server import LoopbackServer
 from semif_serve.app import create_app
-from semif_serve.startup import Service
+from semif_serve.service.startup import Service
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LIMIT = 4000

@@ -22,14 +22,14 @@ from safetensors.torch import load_file, save_file
 from tokenizers import normalizers
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from semif_serve.alphabet import answer_codes
-from semif_serve.demo import write_checkpoint
-from semif_serve.domain import AnswerBoundary, DecisionError, PromptRow, TooManyTokens
-from semif_serve.engine import CheckpointError, TorchEngine
-from semif_serve.native_api import native_error
-from semif_serve.prompt import PromptCodec, TokenizerContractError
-from semif_serve.settings import ConfigurationError
-from semif_serve.startup import Service
+from semif_serve.domain.alphabet import answer_codes
+from semif_serve.domain.prompt import PromptCodec, TokenizerContractError
+from semif_serve.domain.types import AnswerBoundary, DecisionError, PromptRow, TooManyTokens
+from semif_serve.doors.native.api import native_error
+from semif_serve.engine.runner import CheckpointError, TorchEngine
+from semif_serve.service.settings import ConfigurationError
+from semif_serve.service.startup import Service
+from semif_serve.tools.demo import write_checkpoint
 
 # Written out from the brief, not imported: the test renders the prompt on its own.
 SYSTEM = (
@@ -309,7 +309,7 @@ def test_a_state_prefix_the_prompts_do_not_start_with_is_cut_back_to_what_they_s
 def test_the_shared_token_prefix_is_the_longest_cut_every_prompt_starts_with() -> None:
     from types import SimpleNamespace
 
-    from semif_serve.engine import shared_token_prefix
+    from semif_serve.engine.runner import shared_token_prefix
 
     def prompts(*ids):
         return [SimpleNamespace(ids=list(i)) for i in ids]

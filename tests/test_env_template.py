@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from semif_serve.env_template import DEPLOYMENT_VALUES, REGENERATE, render_env_template
-from semif_serve.settings import Settings, env_name
+from semif_serve.service.settings import Settings, env_name
+from semif_serve.tools.env_template import DEPLOYMENT_VALUES, REGENERATE, render_env_template
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "conf" / "semif.env.example"
@@ -38,7 +38,7 @@ def test_committed_example_matches_settings():
     assert EXAMPLE.is_file(), f"conf/semif.env.example is missing; create it with:\n  {REGENERATE}"
     committed = EXAMPLE.read_text(encoding="utf-8")
     assert committed == render_env_template(), (
-        "conf/semif.env.example is out of date with semif_serve.settings.Settings; "
+        "conf/semif.env.example is out of date with semif_serve.service.settings.Settings; "
         f"regenerate it from the repository root with:\n  {REGENERATE}"
     )
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from semif_serve.app import create_app
-from semif_serve.json_body import MAX_DEPTH, MAX_INT_DIGITS
+from semif_serve.http.json_body import MAX_DEPTH, MAX_INT_DIGITS
 
 ROUTES = {
     "/decide": decision(),

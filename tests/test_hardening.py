@@ -20,11 +20,11 @@ from conftest import TOKEN, decision, make_settings
 
 from acceptance.server import LOOPBACK, ServiceProcess
 from semif_serve.app import Service, create_app
-from semif_serve.auth import Authenticator, presented_token
-from semif_serve.demo import DEMO_REVISION
-from semif_serve.errors import ServiceError
-from semif_serve.json_body import MAX_DEPTH, MAX_INT_DIGITS, BodyError, decode_json_object
-from semif_serve.server import server_config
+from semif_serve.http.auth import Authenticator, presented_token
+from semif_serve.http.errors import ServiceError
+from semif_serve.http.json_body import MAX_DEPTH, MAX_INT_DIGITS, BodyError, decode_json_object
+from semif_serve.http.server import server_config
+from semif_serve.tools.demo import DEMO_REVISION
 
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 

@@ -13,13 +13,13 @@ from conftest import TOKEN, decision, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.app import create_app
-from semif_serve.domain import DecisionError, TooManyRows
-from semif_serve.memory import CudaMemory, ReleasePolicy
-from semif_serve.native_api import native_error
-from semif_serve.numerics import GIB, MIB
-from semif_serve.settings import ConfigurationError
-from semif_serve.startup import Service
-from semif_serve.worker import EngineWorker
+from semif_serve.domain.numerics import GIB, MIB
+from semif_serve.domain.types import DecisionError, TooManyRows
+from semif_serve.doors.native.api import native_error
+from semif_serve.engine.memory import CudaMemory, ReleasePolicy
+from semif_serve.engine.worker import EngineWorker
+from semif_serve.service.settings import ConfigurationError
+from semif_serve.service.startup import Service
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -251,7 +251,7 @@ def test_a_request_whose_single_row_cannot_fit_is_refused_with_the_memory_it_nee
 def test_a_failure_while_building_the_response_is_a_500_envelope_and_the_service_goes_on(
     service, monkeypatch
 ):
-    import semif_serve.native_api as native_module
+    import semif_serve.doors.native.api as native_module
 
     app = create_app(service)
 

@@ -15,13 +15,13 @@ from conftest import TOKEN, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.app import create_app
-from semif_serve.batching import Job
-from semif_serve.domain import Option, OutOfMemory, PromptRow, Question, TooLargeForMemory
-from semif_serve.engine import TorchEngine
-from semif_serve.memory import ReleasePolicy
-from semif_serve.numerics import MIB
-from semif_serve.startup import Service
-from semif_serve.state_cache import StateCache, prefill
+from semif_serve.domain.numerics import MIB
+from semif_serve.domain.types import Option, OutOfMemory, PromptRow, Question, TooLargeForMemory
+from semif_serve.engine.batching import Job
+from semif_serve.engine.memory import ReleasePolicy
+from semif_serve.engine.runner import TorchEngine
+from semif_serve.engine.state_cache import StateCache, prefill
+from semif_serve.service.startup import Service
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LIMITS = dict(max_input_tokens=4096, max_options=16, max_rows=64)

@@ -10,8 +10,8 @@ import httpx
 from conftest import TOKEN, decision, make_settings
 
 from semif_serve.app import create_app
-from semif_serve.logs import JsonFormatter
-from semif_serve.startup import Service
+from semif_serve.http.logs import JsonFormatter
+from semif_serve.service.startup import Service
 
 
 def metric(text: str, name: str, **labels) -> float:

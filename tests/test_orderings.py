@@ -16,10 +16,10 @@ import pytest
 from conftest import TOKEN, decision, make_settings
 
 from semif_serve.app import create_app
-from semif_serve.demo import write_checkpoint
-from semif_serve.domain import PromptRow
-from semif_serve.orderings import combine, option_orders
-from semif_serve.startup import Service
+from semif_serve.domain.orderings import combine, option_orders
+from semif_serve.domain.types import PromptRow
+from semif_serve.service.startup import Service
+from semif_serve.tools.demo import write_checkpoint
 
 # -- helpers -------------------------------------------------------------------------------
 

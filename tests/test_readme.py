@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from semif_serve.env_template import DEPLOYMENT_VALUES
-from semif_serve.settings import Settings, env_name
+from semif_serve.service.settings import Settings, env_name
+from semif_serve.tools.env_template import DEPLOYMENT_VALUES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from semif_serve.settings import Settings, env_name
+from semif_serve.service.settings import Settings, env_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"

@@ -13,10 +13,10 @@ import pytest
 from conftest import TOKEN, decision, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
-from semif_serve.demo import DEMO_REVISION, write_checkpoint
-from semif_serve.domain import DecisionError
-from semif_serve.settings import ConfigurationError, load_settings
-from semif_serve.startup import Service
+from semif_serve.domain.types import DecisionError
+from semif_serve.service.settings import ConfigurationError, load_settings
+from semif_serve.service.startup import Service
+from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_a_failing_warm_up_stops_startup(engine, checkpoint):
 
 
 def test_a_bad_calibration_file_stops_startup_naming_the_entry(engine, checkpoint, tmp_path):
-    from semif_serve.calibration import CalibrationFileError
+    from semif_serve.domain.calibration import CalibrationFileError
 
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"good": 1.2, "bad": 50}))
@@ -98,7 +98,7 @@ def run_cli(args, env_overrides, timeout=300):  # a cold start on a busy 2-core 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEMIF_")}
     env.update(env_overrides)
     return subprocess.run(
-        [sys.executable, "-m", "semif_serve.cli", *args],
+        [sys.executable, "-m", "semif_serve.tools.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -159,13 +159,13 @@ def test_an_incomplete_checkpoint_exits_3(checkpoint, tmp_path):
 def test_the_entry_point_forces_offline_before_transformers_is_imported():
     probe = (
         "import os, sys; os.environ['HF_HUB_OFFLINE'] = '0';"
-        "import semif_serve.cli as cli; assert 'transformers' not in sys.modules;"
+        "import semif_serve.tools.cli as cli; assert 'transformers' not in sys.modules;"
         "cli.main(['env-template']) if False else cli.force_offline();"
         "print(os.environ['HF_HUB_OFFLINE'], os.environ['TRANSFORMERS_OFFLINE'])"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "1"]
-    source = Path(__import__("semif_serve.cli").cli.__file__).read_text()
+    source = Path(__import__("semif_serve.tools.cli").tools.cli.__file__).read_text()
     main_body = source.split("def main(", 1)[1]
     assert main_body.index("force_offline()") < main_body.index("import")
 
@@ -181,10 +181,10 @@ def test_the_demo_checkpoint_is_written_offline_and_deterministically(tmp_path):
 
 
 def test_the_demo_rebuilds_a_cached_checkpoint_of_another_revision(tmp_path, monkeypatch):
-    from semif_serve.cli import ensure_demo_checkpoint
+    from semif_serve.tools.cli import ensure_demo_checkpoint
 
     built = []
-    monkeypatch.setattr("semif_serve.demo.write_checkpoint", built.append)
+    monkeypatch.setattr("semif_serve.tools.demo.write_checkpoint", built.append)
     (tmp_path / "DEMO.json").write_text(json.dumps({"revision": "demo-random-weights-v1"}))
     ensure_demo_checkpoint(tmp_path)
     assert built == [tmp_path]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semif_serve.state_cache import (
+from semif_serve.engine.state_cache import (
     StateCache,
     StoredState,
     fork_cache,
@@ -205,7 +205,7 @@ def test_storing_the_same_prefix_again_replaces_it_without_double_counting_bytes
 
 
 def test_a_digest_collision_is_a_miss_never_another_prefixs_state(monkeypatch):
-    import semif_serve.state_cache as module
+    import semif_serve.engine.state_cache as module
 
     cache = StateCache(budget_bytes=10_000)
     monkeypatch.setattr(module, "prefix_digest", lambda ids: "same")

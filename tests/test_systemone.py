@@ -17,7 +17,7 @@ import torch
 from conftest import TOKEN, make_settings
 
 from semif_serve.app import create_app
-from semif_serve.startup import Service
+from semif_serve.service.startup import Service
 
 SYSTEM = (  # written out from SemIf's spec, not imported
     "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
@@ -272,7 +272,7 @@ def test_noul_is_true_then_false_with_default_wording_where_a_side_is_missing(ap
             "bare": native({"type": "noul"}),
         },
     )["answers"]
-    from semif_serve.systemone_api import DEFAULT_INSTRUCTIONS, DEFAULT_NOUL_CRITERIA
+    from semif_serve.doors.systemone.api import DEFAULT_INSTRUCTIONS, DEFAULT_NOUL_CRITERIA
 
     _, p, digest = plain_forward(
         engine, tokenizer, codes, STATE, "Refund?", ['{"asks": "refund"}', DEFAULT_NOUL_CRITERIA["false"]]
@@ -596,7 +596,7 @@ def test_an_unknown_x_workload_is_400_naming_the_known_ones(operator_app):
 
 
 def test_a_workload_map_naming_an_unknown_workload_stops_startup(engine, checkpoint):
-    from semif_serve.settings import ConfigurationError
+    from semif_serve.service.settings import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="SEMIF_SYSTEMONE_WORKLOADS: nope"):
         Service.start(make_settings(checkpoint, systemone_workloads="choice=nope"), engine=engine)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from semif_serve.orderings import option_orders
-from semif_serve.prompt import PromptCodec
-from semif_serve.settings import ConfigurationError, load_settings
-from semif_serve.systemone_api import choice_confidence, expected_score, score_confidence
-from semif_serve.systemone_schemas import orderings_policy, parse_type_map
+from semif_serve.domain.orderings import option_orders
+from semif_serve.domain.prompt import PromptCodec
+from semif_serve.doors.systemone.api import choice_confidence, expected_score, score_confidence
+from semif_serve.doors.systemone.schemas import orderings_policy, parse_type_map
+from semif_serve.service.settings import ConfigurationError, load_settings
 
 
 def cyclic(n: int, start: int) -> tuple[int, ...]:

@@ -16,20 +16,20 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.staticfiles import StaticFiles
 
-from . import SEMIF_COMMIT, __version__
-from .admission import Admission, ASGIApp
-from .auth import Authenticator
-from .doors import Door, door_of
-from .errors import HTTP_ERRORS, ServiceError, internal
-from .native_api import REQUEST_MODELS, NativeDoor
-from .native_schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
-from .observability import Metrics, RequestContext
-from .prompt import PROMPT_VERSION
-from .startup import Service
-from .status import StatusSnapshot, take_snapshot
-from .systemone_api import REQUEST_MODELS as SYSTEMONE_REQUEST_MODELS
-from .systemone_api import SystemOneDoor
-from .systemone_schemas import MAX_OPTIONS as SYSTEMONE_MAX_OPTIONS
+from semif_serve import SEMIF_COMMIT, __version__
+from semif_serve.domain.prompt import PROMPT_VERSION
+from semif_serve.doors.base import Door, door_of
+from semif_serve.doors.native.api import REQUEST_MODELS, NativeDoor
+from semif_serve.doors.native.schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
+from semif_serve.doors.systemone.api import REQUEST_MODELS as SYSTEMONE_REQUEST_MODELS
+from semif_serve.doors.systemone.api import SystemOneDoor
+from semif_serve.doors.systemone.schemas import MAX_OPTIONS as SYSTEMONE_MAX_OPTIONS
+from semif_serve.http.admission import Admission, ASGIApp
+from semif_serve.http.auth import Authenticator
+from semif_serve.http.errors import HTTP_ERRORS, ServiceError, internal
+from semif_serve.http.observability import Metrics, RequestContext
+from semif_serve.service.startup import Service
+from semif_serve.service.status import StatusSnapshot, take_snapshot
 
 log = logging.getLogger("semif_serve.app")
 

@@ -1,0 +1,82 @@
+"""Order averaging: which option orders a question is asked in, and the combined answer."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from semif_serve.domain.numerics import argmax, softmax
+from semif_serve.domain.types import Combined
+
+COMBINE_METHOD = "log-mean"
+# Calibration modes: one per orderings value, "single" for a question asked once.
+NATIVE_MODES = ("single", "rotations", "all")  # what the native door can ask
+MODES = (*NATIVE_MODES, "shifts", "reversal")  # System One adds the bounded modes
+MAX_ALL_OPTIONS = 4  # every permutation of 5 options would be 120 rows
+MAX_SHIFTS = 4  # "shifts": at most this many evenly spaced cyclic shifts, whatever the option count
+
+
+def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
+    """The orders (indices into the caller's options) to ask; the caller's own order comes first.
+
+    rotations: every cyclic shift (n rows); shifts: min(n, MAX_SHIFTS) cyclic shifts evenly spaced
+    (start k*n//count); reversal: the caller's order and its reverse (keeps ordinal adjacency);
+    all: every permutation, lexicographic.
+    """
+    identity = tuple(range(n))
+    if mode is None:
+        return [identity]
+    if mode == "rotations":
+        return [tuple((start + i) % n for i in range(n)) for start in range(n)]
+    if mode == "all":
+        return list(itertools.permutations(identity))
+    if mode == "shifts":
+        count = min(n, MAX_SHIFTS)
+        starts = [(k * n) // count for k in range(count)]
+        return [tuple((start + i) % n for i in range(n)) for start in starts]
+    if mode == "reversal":
+        return [identity, identity[::-1]]
+    raise ValueError(f"unknown orderings mode {mode!r}")
+
+
+def mean_option_logits(
+    n: int, orders: Sequence[Sequence[int]], logits_per_order: Sequence[Sequence[float]]
+) -> list[float]:
+    """Each option's logit averaged over the orders it was asked in (caller's option order)."""
+    sums = [0.0] * n
+    for order, logits in zip(orders, logits_per_order, strict=True):
+        for slot, option in enumerate(order):
+            sums[option] += logits[slot]
+    return [s / len(orders) for s in sums]
+
+
+def combine(
+    option_ids: Sequence[str],
+    orders: Sequence[Sequence[int]],
+    logits_per_order: Sequence[Sequence[float]],
+    mode: str,
+) -> Combined:
+    """The combined answer over orderings.
+
+    probabilities: softmax of each option's mean logit (= the renormalised log-mean of its
+    probabilities); top: the most probable option; agreement: the share of orderings whose own
+    argmax is top; spread: the largest minus the smallest probability any ordering gave top.
+    """
+    n = len(option_ids)
+    probs = softmax(mean_option_logits(n, orders, logits_per_order))
+    top = argmax(probs)
+    agree = 0
+    top_probs = []
+    for order, logits in zip(orders, logits_per_order, strict=True):
+        p = softmax(logits)
+        if order[argmax(p)] == top:
+            agree += 1
+        top_probs.append(p[list(order).index(top)])
+    return Combined(
+        mode=mode,
+        orderings=len(orders),
+        probabilities={option_ids[i]: probs[i] for i in range(n)},
+        top=option_ids[top],
+        agreement=agree / len(orders),
+        spread=max(top_probs) - min(top_probs),
+    )

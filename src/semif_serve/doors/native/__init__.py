@@ -1,0 +1,1 @@
+"""The native door: SemIf's result dicts at /decide and /decide/shared."""

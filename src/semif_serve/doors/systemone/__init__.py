@@ -1,0 +1,1 @@
+"""The System One door: TypeSafe's wire format at /v1/systemone and /v1/models."""

@@ -1,0 +1,341 @@
+"""System One's wire shapes: the `POST /v1/systemone` request (validated here, into FastAPI's 422
+`detail[]` shape), the operator's per-type orderings and workload maps, and the response models
+the published schema declares."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from semif_serve.domain.orderings import MAX_ALL_OPTIONS
+from semif_serve.domain.types import Ordering
+from semif_serve.http.errors import ServiceError
+from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object
+
+SYSTEMONE_PATH = "/v1/systemone"
+MODELS_PATH = "/v1/models"
+MAX_OPTIONS = 255  # System One's own cap; the loaded tokenizer's answer codes may cap lower
+MIN_OPTIONS = 2
+MAX_LEVELS = 10
+ANSWER_TYPES = ("noul", "choice", "score")
+NO_ORDERINGS = "none"
+# Which orderings each answer type may be asked in: score levels keep their order (reversal only).
+ALLOWED_ORDERINGS: dict[str, tuple[str, ...]] = {
+    "noul": (NO_ORDERINGS, "rotations", "reversal"),
+    "choice": (NO_ORDERINGS, "rotations", "shifts", "reversal", "all"),
+    "score": (NO_ORDERINGS, "reversal"),
+}
+OrderingName = Literal["none", "rotations", "shifts", "reversal", "all"]
+# The core's orderings for each name (`none`: asked once, in the caller's order).
+CORE_ORDERINGS: dict[str, Ordering | None] = {
+    NO_ORDERINGS: None,
+    "rotations": "rotations",
+    "shifts": "shifts",
+    "reversal": "reversal",
+    "all": "all",
+}
+
+# Text is a string, or structured data (rendered as JSON text, insertion order kept).
+Text = str | dict[str, Any] | list[Any]
+
+
+class SystemOneValidationError(ServiceError):
+    """A request that breaks a rule: 422 with FastAPI's `detail[]` ({loc, msg, type} each)."""
+
+    def __init__(self, detail: list[dict[str, Any]]) -> None:
+        super().__init__(422, "validation_error", detail[0]["msg"] if detail else "invalid request")
+        self.detail = detail
+
+
+def _require_finite(value: Any) -> Any:
+    """Structured text must serialise as finite JSON (no NaN/Infinity anywhere inside)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{item!r} is not finite JSON")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
+def _check_ordering(kind: str, value: str | None, options: int) -> None:
+    if value is None:
+        return
+    if value not in ALLOWED_ORDERINGS[kind]:
+        allowed = ", ".join(ALLOWED_ORDERINGS[kind])
+        raise ValueError(f"x_orderings {value!r} is not allowed for a {kind} question (allowed: {allowed})")
+    if value == "all" and options > MAX_ALL_OPTIONS:
+        raise ValueError(f'x_orderings "all" is allowed for at most {MAX_ALL_OPTIONS} options, not {options}')
+
+
+class _Question(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    instructions: Text | None = None
+    x_orderings: OrderingName | None = None
+    x_workload: str | None = None
+
+    @field_validator("instructions")
+    @classmethod
+    def _finite(cls, value: Text | None) -> Text | None:
+        return _require_finite(value)
+
+
+class NoulCriteria(BaseModel):
+    """What counts as true and as false; either side may be absent or null."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    true: Text | None = None
+    false: Text | None = None
+
+    @field_validator("true", "false")
+    @classmethod
+    def _finite(cls, value: Text | None) -> Text | None:
+        return _require_finite(value)
+
+
+class NoulQuestion(_Question):
+    """A yes/no question: answered with P(true)."""
+
+    type: Literal["noul"]
+    criteria: NoulCriteria | None = None
+
+    @model_validator(mode="after")
+    def _orderings(self) -> NoulQuestion:
+        _check_ordering("noul", self.x_orderings, 2)
+        return self
+
+
+class ChoiceQuestion(_Question):
+    """One of named options (JSON order); a null description means the name says it all."""
+
+    type: Literal["choice"]
+    criteria: dict[str, Text | None]
+
+    @field_validator("criteria")
+    @classmethod
+    def _options(cls, criteria: dict[str, Text | None], info: ValidationInfo) -> dict[str, Text | None]:
+        limit = (info.context or {}).get("max_options", MAX_OPTIONS)
+        if not MIN_OPTIONS <= len(criteria) <= limit:
+            why = "" if limit == MAX_OPTIONS else " (the answer codes of the loaded tokenizer)"
+            raise ValueError(f"a choice has {MIN_OPTIONS} to {limit} options{why}, not {len(criteria)}")
+        return _require_finite(criteria)
+
+    @model_validator(mode="after")
+    def _orderings(self) -> ChoiceQuestion:
+        _check_ordering("choice", self.x_orderings, len(self.criteria))
+        return self
+
+
+class ScoreQuestion(_Question):
+    """Ordered levels, low to high, as an array (the map form is refused)."""
+
+    type: Literal["score"]
+    criteria: list[Text]
+
+    @field_validator("criteria", mode="before")
+    @classmethod
+    def _array_form(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            raise ValueError(
+                "score criteria must be an array of levels, low to high; the map form is refused"
+            )
+        return value
+
+    @field_validator("criteria")
+    @classmethod
+    def _levels(cls, levels: list[Text]) -> list[Text]:
+        if not MIN_OPTIONS <= len(levels) <= MAX_LEVELS:
+            raise ValueError(f"a score has {MIN_OPTIONS} to {MAX_LEVELS} levels, not {len(levels)}")
+        return _require_finite(levels)
+
+    @model_validator(mode="after")
+    def _orderings(self) -> ScoreQuestion:
+        _check_ordering("score", self.x_orderings, len(self.criteria))
+        return self
+
+
+SystemOneQuestion = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+class SystemOneRequest(BaseModel):
+    """`POST /v1/systemone`: a model, a state, and questions by id (unknown fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    state: Text
+    questions: Annotated[dict[str, SystemOneQuestion], Field(min_length=1)]
+
+    @field_validator("state")
+    @classmethod
+    def _finite(cls, value: Text) -> Text:
+        return _require_finite(value)
+
+    @field_validator("questions")
+    @classmethod
+    def _ids(cls, questions: dict[str, Any]) -> dict[str, Any]:
+        if "" in questions:
+            raise ValueError("a question id must be a non-empty string")
+        return questions
+
+
+def parse_request(body: bytes, max_options: int) -> SystemOneRequest:
+    """Decode and validate a body, or raise SystemOneValidationError in FastAPI's 422 shape."""
+    try:
+        data = decode_json_object(body)
+    except BodyError as exc:
+        kind = "json_invalid" if exc.code == INVALID_JSON else "value_error"
+        where = f" (at {exc.field})" if exc.field else ""
+        raise SystemOneValidationError(
+            [{"loc": ["body"], "msg": exc.message + where, "type": kind}]
+        ) from None
+    try:
+        return SystemOneRequest.model_validate(data, context={"max_options": max_options})
+    except ValidationError as exc:
+        errors = exc.errors(include_input=False, include_url=False, include_context=False)
+        detail = [{"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in errors]
+        raise SystemOneValidationError(detail) from None
+
+
+# -- the operator's per-type maps (SEMIF_SYSTEMONE_ORDERINGS, SEMIF_SYSTEMONE_WORKLOADS) ------------
+
+
+def parse_type_map(text: str) -> dict[str, str]:
+    """`"noul=a,choice=b"` -> `{"noul": "a", "choice": "b"}`; every key an answer type, once."""
+    mapping: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or not value:
+            raise ValueError(f"{item!r} is not <type>=<value>")
+        if kind not in ANSWER_TYPES:
+            raise ValueError(f"{kind!r} is not an answer type ({', '.join(ANSWER_TYPES)})")
+        if kind in mapping:
+            raise ValueError(f"{kind!r} appears more than once")
+        mapping[kind] = value
+    return mapping
+
+
+def orderings_policy(text: str) -> dict[str, str]:
+    """Every answer type's default orderings: `none`, or `<type>=<mode>,...` (a type left out: none)."""
+    if text.strip() == NO_ORDERINGS:
+        return dict.fromkeys(ANSWER_TYPES, NO_ORDERINGS)
+    policy = dict.fromkeys(ANSWER_TYPES, NO_ORDERINGS) | parse_type_map(text)
+    for kind, mode in policy.items():
+        if mode not in ALLOWED_ORDERINGS[kind]:
+            raise ValueError(f"{kind}={mode} is not allowed (allowed: {', '.join(ALLOWED_ORDERINGS[kind])})")
+    return policy
+
+
+# -- responses (declared for the published schema) ----------------------------------------------
+
+
+class SemIfBlock(BaseModel):
+    """`x_semif`: how one answer was read (native readout of the caller's order, orderings, T)."""
+
+    prompt_sha256: str
+    prompt_version: str
+    input_tokens: int
+    option_logits: dict[str, float]
+    orderings: str
+    rows: int
+    agreement: float
+    workload: str | None
+    temperature: float | None
+
+
+class NoulAnswer(BaseModel):
+    """P(true)."""
+
+    type: Literal["noul"]
+    noul: float
+    x_semif: SemIfBlock
+
+
+class ChoiceAnswer(BaseModel):
+    """The most probable option, every option's probability (keys = names) and the confidence."""
+
+    type: Literal["choice"]
+    choice: str
+    probabilities: dict[str, float]
+    confidence: float
+    x_semif: SemIfBlock
+
+
+class ScoreAnswer(BaseModel):
+    """The expected level sum(i * p_i), the legend, each level's probability and the confidence."""
+
+    type: Literal["score"]
+    score: float
+    legend: dict[str, str]
+    probabilities: dict[str, float]
+    confidence: float
+    x_semif: SemIfBlock
+
+
+class Usage(BaseModel):
+    """Tokens evaluated (the shared state once); no token is generated."""
+
+    input_tokens: int
+    output_tokens: int
+
+
+class SystemOneResponse(BaseModel):
+    """The model that answered (its real identity), one answer per question id, and usage."""
+
+    model: str
+    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer]
+    usage: Usage
+
+
+class ModelEntry(BaseModel):
+    """One model name a request may use: the loaded model, or an alias of it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str
+    release_date: str
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`."""
+
+    models: list[ModelEntry]
+
+
+class TypeSafeErrorDetail(BaseModel):
+    """A non-validation error: a stable type and the rule."""
+
+    error_type: str
+    message: str
+
+
+class TypeSafeError(BaseModel):
+    """Every non-validation error on System One's routes."""
+
+    detail: TypeSafeErrorDetail
+
+
+class ValidationItem(BaseModel):
+    """One broken rule: where (`["body", ...]`), what, and its type."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class TypeSafeValidationError(BaseModel):
+    """422: FastAPI's own shape."""
+
+    detail: list[ValidationItem]

@@ -1,0 +1,552 @@
+"""The engine: loads the checkpoint, and scores rows (one question + ordered options) over a state.
+
+A row's score is SemIf's readout: the full-vocabulary logits at the last prompt position,
+in float32, restricted to the answer slots. Rows that share a state run through one path:
+the state prefix's cache comes from the state cache or is prefilled once (in chunks), is
+forked over the rows, every suffix runs in one right-padded forward and each row is read at
+its last real position, whose hidden state alone goes through the vocabulary projection.
+
+Scoring is split so that the worker can merge requests: `prepare` (encode and check one
+request, off the engine thread), `run_group` (one planned group of requests' rows, on the
+engine thread) and `readout` (one request's `Readout` from its scored rows). `score` runs
+the three for one request alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from semif_serve.domain.numerics import MIB
+from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
+from semif_serve.domain.types import BatchTiming, DecisionError, PromptRow, TooLargeForMemory
+from semif_serve.engine.batching import Group, Job, Part
+from semif_serve.engine.memory import CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
+from semif_serve.engine.state_cache import StateCache, StoredState, logits_over, prefill, prefix_digest
+from semif_serve.service.settings import ConfigurationError, Settings
+
+log = logging.getLogger("semif_serve.engine")
+
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+DIRECT_READOUT = "native full-vocabulary last-position logits restricted to declared answer slots"
+SHARED_READOUT = "native selected suffix-position logits"
+SHARED_SERVING_CONFIG = "native-state-prefix-parallel-v1"
+DEMO_NOTE = "random weights: the answers carry no meaning"
+
+
+class CheckpointError(Exception):
+    """The checkpoint cannot be served as it is; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What results and /health report about the loaded model; `demo` is the one truth for demo."""
+
+    source: str
+    revision: str
+    dtype: str
+    device: str
+    demo: bool
+
+    def as_dict(self) -> dict[str, str]:
+        """The `model` block of every result, keys in upstream's order."""
+        info = {
+            "source": self.source,
+            "revision": self.revision,
+            "dtype": self.dtype,
+            "device": self.device,
+            "torch_version": _torch_version(),
+            "transformers_version": _transformers_version(),
+        }
+        if self.demo:
+            info["demo"] = DEMO_NOTE
+        return info
+
+
+@dataclass(frozen=True)
+class RowReadout:
+    """SemIf's readout of one row."""
+
+    option_logits: list[float]
+    probabilities: list[float]
+    input_tokens: int
+    prompt_sha256: str
+
+
+@dataclass(frozen=True)
+class Readout:
+    """The readouts of a batch of rows, in order, and how they were computed."""
+
+    rows: list[RowReadout]
+    shared: bool
+    forward_seconds: float
+    total_seconds: float
+    timing: BatchTiming | None  # None on the direct path
+
+
+@dataclass(frozen=True)
+class PreparedRows:
+    """One request's rows, encoded and checked, ready to join a group of requests.
+
+    `prefix` is what its rows share (prefilled once, or found in the state cache; empty on
+    the direct path); its first `state_tokens` are the question-independent state prefix.
+    """
+
+    engine: TorchEngine
+    prompts: list[EncodedPrompt]
+    n_options: list[int]
+    prefix: list[int]
+    state_tokens: int
+    direct: bool
+    encode_seconds: float
+
+    def job(self, job_id: Hashable) -> Job:
+        """The batching job for these rows (rows sized after the prefix)."""
+        n = len(self.prefix)
+        return Job(
+            id=job_id,
+            prefix_key=prefix_digest(self.prefix) if n else None,
+            prefix_tokens=n,
+            row_tokens=tuple(len(p.ids) - n for p in self.prompts),
+            payload=self,
+        )
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """How one group ran: its state, its forwards and who shared them."""
+
+    prefix_tokens: int
+    prefill: str  # "fresh", "extended", "cached" or "none"
+    prefill_seconds: float
+    replicate_seconds: float
+    suffix_forward_seconds: float
+    requests: int
+    rows: int
+    forwards: int
+    width: int  # the widest suffix of the group (rows are padded to it)
+    direct: bool  # SemIf's plain forward of one lone row
+
+
+@dataclass(frozen=True)
+class ScoredRow:
+    """One row's slot logits and probabilities, and the group run that computed it."""
+
+    option_logits: list[float]
+    probabilities: list[float]
+    run: GroupRun
+
+
+def checkpoint_tensor_names(directory: Path) -> list[str]:
+    """Every tensor name stored in the directory's safetensors files."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            names.extend(fh.keys())
+    return names
+
+
+class TorchEngine:
+    """A loaded model and tokenizer that reads rows; owned by one worker thread.
+
+    `headroom_bytes` (bytes between the warm baseline and the cap; None where the device has
+    no cap or splitting is off) decides when a shared batch is split across forwards.
+    `cache` keeps prefilled states for reuse; `prefill_chunk_tokens` bounds one prefill
+    forward (None: the whole prefix at once).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        codec: PromptCodec,
+        identity: ModelIdentity,
+        memory: DeviceMemory,
+        headroom_bytes: int | None = None,
+        skipped_tensors: int = 0,
+        cache: StateCache | None = None,
+        prefill_chunk_tokens: int | None = None,
+    ) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.codec = codec
+        self.identity = identity
+        self.memory = memory
+        self.headroom_bytes = headroom_bytes
+        self.skipped_tensors = skipped_tensors
+        self.cache = cache if cache is not None else StateCache(0)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.device = torch.device(identity.device)
+        self.slot_ids = torch.tensor(codec.slots, device=self.device)
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
+        tokenizer = codec.tokenizer
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        self.model_info = identity.as_dict()
+
+    def with_memory(self, memory: DeviceMemory, headroom_bytes: int | None = None) -> TorchEngine:
+        """The same weights, codec and state cache on another memory view and headroom (a new engine)."""
+        return TorchEngine(
+            self.model,
+            self.codec,
+            self.identity,
+            memory,
+            headroom_bytes,
+            self.skipped_tensors,
+            self.cache,
+            self.prefill_chunk_tokens,
+        )
+
+    def with_state_cache(self, cache: StateCache, prefill_chunk_tokens: int | None) -> TorchEngine:
+        """The same weights, memory view and headroom over another state cache (a new engine)."""
+        return TorchEngine(
+            self.model,
+            self.codec,
+            self.identity,
+            self.memory,
+            self.headroom_bytes,
+            self.skipped_tensors,
+            cache,
+            prefill_chunk_tokens,
+        )
+
+    @classmethod
+    def load(cls, settings: Settings, memory: DeviceMemory | None = None) -> TorchEngine:
+        """Load a local Qwen3.5 checkpoint; refuse anything that cannot be served faithfully.
+
+        Never downloads. Requires a revision string; checks the architecture and the device;
+        refuses missing or mismatched weights and loader errors; skips the multimodal
+        checkpoint's unused vision and MTP weights (logged once). A checkpoint with DEMO.json
+        is a demo model whatever SEMIF_DEMO says. The tokenizer's answer codes (alphabet.py) are
+        computed here; the first 16 are always A..P, so native prompts never change.
+        """
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
+
+        directory = settings.require_model()
+        if memory is None:
+            memory = _device_memory(settings, torch)
+        if isinstance(memory, CudaMemory):
+            memory.apply_cap()
+        try:
+            config = AutoConfig.from_pretrained(
+                str(directory), local_files_only=True, trust_remote_code=False
+            )
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {directory}/config.json: {exc}") from None
+        model_cls: Any
+        if config.model_type in QWEN35_MODEL_TYPES:
+            model_cls, model_config = Qwen3_5ForCausalLM, config.get_text_config()
+        elif settings.allow_any_architecture:
+            model_cls, model_config = AutoModelForCausalLM, config
+        else:
+            raise CheckpointError(
+                f"model_type {config.model_type!r} is not a Qwen3.5 text model; set "
+                "SEMIF_ALLOW_ANY_ARCHITECTURE=true to serve it anyway"
+            )
+        dtype = getattr(torch, settings.dtype or "float32")
+        try:
+            model, info = model_cls.from_pretrained(
+                str(directory),
+                config=model_config,
+                dtype=dtype,
+                local_files_only=True,
+                trust_remote_code=False,
+                output_loading_info=True,
+                # Report wrong-shaped tensors in `mismatched_keys` (refused below, by name) instead
+                # of transformers' bare "ignore_mismatched_sizes is False" error.
+                ignore_mismatched_sizes=True,
+            )
+        except Exception as exc:
+            raise CheckpointError(f"the checkpoint failed to load: {exc}") from None
+        problems = {k: list(info.get(k) or []) for k in ("missing_keys", "mismatched_keys", "error_msgs")}
+        if any(problems.values()):
+            detail = "; ".join(f"{k}: {v[:5]}" for k, v in problems.items() if v)
+            raise CheckpointError(f"the checkpoint is incomplete or mismatched ({detail})")
+        used = sum(1 for _ in model.named_parameters())
+        skipped = max(0, len(checkpoint_tensor_names(directory)) - used)
+        if skipped:
+            log.info("skipped %d checkpoint tensors the text model does not use", skipped)
+        model.to(settings.device)
+        model.eval()
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, trust_remote_code=False
+        )
+        assert settings.dtype is not None  # Settings fills the device's default
+        identity = ModelIdentity(
+            source=settings.model_source,
+            revision=settings.model_revision,
+            dtype=settings.dtype,
+            device=settings.device,
+            demo=settings.demo or (directory / "DEMO.json").exists(),
+        )
+        codec = PromptCodec(tokenizer)
+        return cls(
+            model,
+            codec,
+            identity,
+            memory,
+            skipped_tensors=skipped,
+            cache=StateCache(settings.state_cache_mib * MIB),
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        )
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def score(self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int) -> Readout:
+        """Read rows over one state, alone. `shared=False` with one row runs SemIf's plain
+        forward; otherwise the state prefix is prefilled once (or found in the state cache)
+        and the rows run in right-padded batches (split where the memory headroom says one
+        batch would not fit).
+
+        Raises TooManyTokens, AnswerBoundary or TooLargeForMemory with `row` set to the
+        position of the row concerned.
+        """
+        prepared = self.prepare(state, rows, shared=shared, max_input_tokens=max_input_tokens)
+        job = prepared.job(0)
+        scored = self.run_group(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
+        return self.readout(prepared, scored[0])
+
+    def prepare(
+        self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int
+    ) -> PreparedRows:
+        """Encode and check one request's rows and find what they share; refuses (TooManyTokens,
+        AnswerBoundary, TooLargeForMemory, with `row` set) before anything runs."""
+        started = time.perf_counter()
+        prompts = [self._encode(state, row, i, max_input_tokens) for i, row in enumerate(rows)]
+        direct = not shared and len(rows) == 1
+        prefix: list[int] = []
+        state_tokens = 0
+        if not direct:
+            state_prefix = self.codec.state_prefix(state, prompts[0])
+            prefix = shared_token_prefix(state_prefix, prompts)
+            state_tokens = min(len(state_prefix), len(prefix))
+            width = max(len(p.ids) for p in prompts) - len(prefix)
+            self._rows_that_fit(len(prefix), width)
+        return PreparedRows(
+            engine=self,
+            prompts=prompts,
+            n_options=[len(row.descriptions) for row in rows],
+            prefix=prefix,
+            state_tokens=state_tokens,
+            direct=direct,
+            encode_seconds=time.perf_counter() - started,
+        )
+
+    def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
+        """Score one planned group on this thread: one state (cached or prefilled once) for
+        every part, the rows in right-padded forwards split by the memory headroom; the
+        results of each job's rows in the group, in order. A lone direct row runs SemIf's
+        plain forward; direct rows merged with others run right-padded with no state."""
+        parts = group.parts
+        if len(parts) == 1 and parts[0].job.payload.direct:
+            prepared = parts[0].job.payload
+            (logits, probs), seconds = self._direct(prepared.prompts[0].ids, prepared.n_options[0])
+            run = GroupRun(0, "none", 0.0, 0.0, seconds, 1, 1, 1, len(prepared.prompts[0].ids), True)
+            return {parts[0].job.id: [ScoredRow(logits, probs, run)]}
+        first: PreparedRows = parts[0].job.payload
+        prefix = first.prefix if group.prefix_key is not None else []
+        stored, how, prefill_seconds = self._state(prefix, first.state_tokens)
+        rows = [
+            (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i])
+            for p in parts
+            for i in range(p.start, p.stop)
+        ]
+        width = max(len(suffix) for suffix, _ in rows)
+        step = self._rows_per_forward(len(prefix), width) or len(rows)
+        readouts: list[tuple[list[float], list[float]]] = []
+        replicate_seconds = suffix_seconds = 0.0
+        forwards = 0
+        torch = self.torch
+        with torch.inference_mode():
+            for start in range(0, len(rows), step):
+                chunk = rows[start : start + step]
+                t0 = time.perf_counter()
+                cache = stored.fork(len(chunk)) if stored is not None else None
+                self.memory.synchronize()
+                t1 = time.perf_counter()
+                logits = logits_over(self.model, cache, len(prefix), [s for s, _ in chunk], self.pad_id)
+                del cache
+                readouts.extend(self._readout(logits[i], n) for i, (_, n) in enumerate(chunk))
+                del logits
+                self.memory.synchronize()
+                replicate_seconds += t1 - t0
+                suffix_seconds += time.perf_counter() - t1
+                forwards += 1
+        run = GroupRun(
+            prefix_tokens=len(prefix),
+            prefill=how,
+            prefill_seconds=prefill_seconds,
+            replicate_seconds=replicate_seconds,
+            suffix_forward_seconds=suffix_seconds,
+            requests=len({p.job.id for p in parts}),
+            rows=len(rows),
+            forwards=forwards,
+            width=width,
+            direct=False,
+        )
+        results: dict[Hashable, list[ScoredRow]] = {}
+        at = 0
+        for p in parts:
+            count = p.stop - p.start
+            results[p.job.id] = [ScoredRow(lg, pr, run) for lg, pr in readouts[at : at + count]]
+            at += count
+        return results
+
+    def readout(self, prepared: PreparedRows, scored: Sequence[ScoredRow]) -> Readout:
+        """One request's readouts and timing from its scored rows (which may span several groups)."""
+        runs = list({id(r.run): r.run for r in scored}.values())
+        readouts = [
+            RowReadout(row.option_logits, row.probabilities, len(p.ids), p.sha256)
+            for row, p in zip(scored, prepared.prompts, strict=True)
+        ]
+        forward_seconds = sum(
+            r.prefill_seconds + r.replicate_seconds + r.suffix_forward_seconds for r in runs
+        )
+        total = prepared.encode_seconds + forward_seconds
+        if prepared.direct:
+            return Readout(readouts, False, forward_seconds, total, None)
+        n_prefix = len(prepared.prefix)
+        prefills = [r.prefill for r in runs]
+        timing = BatchTiming(
+            prefix_tokens=n_prefix,
+            prefill_seconds=sum(r.prefill_seconds for r in runs),
+            replicate_seconds=sum(r.replicate_seconds for r in runs),
+            suffix_forward_seconds=sum(r.suffix_forward_seconds for r in runs),
+            batch_size=len(prepared.prompts),
+            true_suffix_tokens=sum(len(p.ids) - n_prefix for p in prepared.prompts),
+            padded_suffix_tokens=sum(r.width * sum(1 for row in scored if row.run is r) for r in runs),
+            forward_batches=sum(r.forwards for r in runs),
+            merged_requests=max(r.requests for r in runs),
+            prefill=next((k for k in PREFILL_KINDS if k in prefills), "none"),
+            prefill_shared=any(r.requests > 1 for r in runs) and n_prefix > 0,
+        )
+        return Readout(readouts, True, forward_seconds, total, timing)
+
+    def _state(self, prefix: list[int], state_tokens: int) -> tuple[StoredState | None, str, float]:
+        """The stored state over exactly `prefix`: from the cache, extended from a cached
+        shorter one, or prefilled (in chunks); a fresh state prefix is stored on its own too,
+        so that the next question over the same state extends it."""
+        if not prefix:
+            return None, "none", 0.0
+        stored = self.cache.get(prefix)
+        if stored is not None:
+            return stored, "cached", 0.0
+        t0 = time.perf_counter()
+        start = self.cache.longest_prefix(prefix)
+        how = "extended" if start is not None else "fresh"
+        if start is None and 0 < state_tokens < len(prefix):
+            start = self._prefill(prefix[:state_tokens], None)
+        stored = self._prefill(prefix, start)
+        self.memory.synchronize()
+        return stored, how, time.perf_counter() - t0
+
+    def _prefill(self, ids: list[int], start: StoredState | None) -> StoredState:
+        return self.cache.put(
+            ids, prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens)
+        )
+
+    def _encode(self, state: Any, row: PromptRow, index: int, max_input_tokens: int) -> EncodedPrompt:
+        try:
+            return self.codec.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
+        except DecisionError as exc:
+            exc.row = index
+            raise
+
+    def _rows_per_forward(self, n_prefix: int, width: int) -> int | None:
+        """Rows per suffix forward under the headroom (None: no limit); at least one."""
+        if self.headroom_bytes is None:
+            return None
+        return max(
+            1, self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, self.prefill_chunk_tokens)
+        )
+
+    def _rows_that_fit(self, n_prefix: int, width: int) -> None:
+        """Refuse a request whose single row cannot fit under the headroom."""
+        if self.headroom_bytes is None:
+            return
+        chunk = self.prefill_chunk_tokens
+        if self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, chunk) == 0:
+            need = self.estimate.prefill_bytes(n_prefix, chunk) + self.estimate.row_bytes(n_prefix, width)
+            refusal = TooLargeForMemory(need, self.headroom_bytes)
+            refusal.row = 0
+            raise refusal
+
+    def _readout(self, last_logits: Any, n_options: int) -> tuple[list[float], list[float]]:
+        """Full-vocabulary float32 logits of one position -> (slot logits, their softmax)."""
+        option = last_logits.float()[self.slot_ids[:n_options]]
+        return option.tolist(), self.torch.softmax(option, dim=-1).tolist()
+
+    def _direct(self, ids: list[int], n_options: int) -> tuple[tuple[list[float], list[float]], float]:
+        torch = self.torch
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device), use_cache=False, logits_to_keep=1
+            )
+            readout = self._readout(out.logits[0, -1], n_options)
+        self.memory.synchronize()
+        return readout, time.perf_counter() - t0
+
+
+PREFILL_KINDS = ("fresh", "extended", "cached")  # a request's `prefill`: the costliest of its groups'
+
+
+def _whole(job: Job) -> Part:
+    return Part(job, 0, len(job.row_tokens))
+
+
+def shared_token_prefix(state_prefix: list[int], prompts: Sequence[EncodedPrompt]) -> list[int]:
+    """The tokens to prefill once: the state prefix, cut back to what every prompt starts with,
+    then, for several rows, extended over whatever they all still share (the question, for
+    the orderings of one decision). Any common token prefix is exact: the model is causal.
+
+    Upstream's rule (drop the prefix's last token) covers a tokenizer that merges JSON
+    punctuation into one token; one that merges deeper needs the cut-back. Every row keeps at
+    least its last token, whose position is read.
+    """
+    limit = min(len(p.ids) for p in prompts) - 1
+    length = min(len(state_prefix), limit)
+    while length and any(p.ids[:length] != state_prefix[:length] for p in prompts):
+        length -= 1
+    if length < len(state_prefix):
+        log.debug("state prefix cut from %d to %d tokens", len(state_prefix), length)
+    first = prompts[0].ids
+    if len(prompts) > 1 and length == len(state_prefix):
+        while length < limit and all(p.ids[length] == first[length] for p in prompts):
+            length += 1
+    return first[:length]
+
+
+def _device_memory(settings: Settings, torch: Any) -> DeviceMemory:
+    if settings.device == "cpu":
+        return HostMemory()
+    if not torch.cuda.is_available():
+        raise ConfigurationError("SEMIF_DEVICE=cuda but no CUDA device is visible")
+    if torch.cuda.device_count() != 1:
+        raise ConfigurationError(
+            f"SEMIF_DEVICE=cuda needs exactly one visible GPU, found {torch.cuda.device_count()} "
+            "(set CUDA_VISIBLE_DEVICES)"
+        )
+    return CudaMemory(settings.vram_cap_gib)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)

@@ -1,0 +1,122 @@
+"""The one worker that owns the engine: requests are encoded off the event loop, queued, and
+merged into as few forwards as fit whenever the engine thread is free (`batching.Batcher`);
+every failure is mapped, released and re-raised unchained, and a failed merged forward is
+retried request by request so that only the failing request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from semif_serve.domain.types import DecisionError, EngineFailure, OutOfMemory, PromptRow, Refusal
+from semif_serve.engine.batching import Batcher, Bounds, Group
+from semif_serve.engine.memory import ReleasePolicy
+
+if TYPE_CHECKING:
+    from semif_serve.engine.runner import Readout, ScoredRow, TorchEngine
+
+log = logging.getLogger("semif_serve.worker")
+T = TypeVar("T")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA OOM (whatever its message), a RuntimeError saying 'out of memory', or a host MemoryError."""
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return True
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def classify_failure(exc: BaseException) -> DecisionError:
+    """The domain error for an engine failure; carries no traceback and no request text."""
+    if is_out_of_memory(exc):
+        return OutOfMemory()
+    return EngineFailure()
+
+
+class EngineWorker:
+    """Runs engine jobs one at a time on a dedicated thread; merges queued requests' rows."""
+
+    def __init__(self, policy: ReleasePolicy, bounds: Bounds | None = None) -> None:
+        self.policy = policy
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-engine")
+        # One tokenizer thread: requests are encoded (and refused) before they join a group.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-encode")
+        self.batcher: Batcher[ScoredRow] = Batcher(self._run_group, bounds or Bounds(), self._executor)
+        self._job_ids = itertools.count()
+        self.pending = 0
+        self.out_of_memory_events = 0
+
+    async def score(
+        self,
+        engine: TorchEngine,
+        state: Any,
+        rows: Sequence[PromptRow],
+        *,
+        shared: bool,
+        max_input_tokens: int,
+    ) -> Readout:
+        """`engine.score` for one request, merged with whatever else is queued when the engine
+        is free; the numbers are those of the request alone. A cancelled caller's rows are
+        dropped before their forward."""
+        loop = asyncio.get_running_loop()
+        self.pending += 1
+        try:
+            prepared = await loop.run_in_executor(
+                self._encoder,
+                lambda: engine.prepare(state, rows, shared=shared, max_input_tokens=max_input_tokens),
+            )
+            scored = await self.batcher.submit(prepared.job(next(self._job_ids)))
+            return engine.readout(prepared, scored)
+        finally:
+            self.pending -= 1
+
+    def _run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
+        engine: TorchEngine = group.parts[0].job.payload.engine
+        return self._guarded(lambda: engine.run_group(group))
+
+    async def run(self, job: Callable[[], T]) -> T:
+        """Run `job` on the engine thread; a cancelled caller's job is skipped if not yet started."""
+        loop = asyncio.get_running_loop()
+        self.pending += 1
+        try:
+            return await loop.run_in_executor(self._executor, self._guarded, job)
+        finally:
+            self.pending -= 1
+
+    def run_now(self, job: Callable[[], T]) -> T:
+        """Run `job` synchronously through the same guard (startup warm-up)."""
+        return self._guarded(job)
+
+    def _guarded(self, job: Callable[[], T]) -> T:
+        failure: DecisionError | None = None
+        try:
+            result = job()
+        except Refusal:
+            raise  # the request was refused before anything ran that needs releasing
+        except Exception as exc:  # noqa: BLE001 - every engine failure becomes a domain error
+            failure = classify_failure(exc)
+            log.error("engine failure: %s", type(exc).__name__)
+        if failure is None:
+            self.policy.after_success()
+            return result
+        # The original exception and its frames (which hold activations) are gone by now.
+        if isinstance(failure, OutOfMemory):
+            self.out_of_memory_events += 1
+        self.policy.after_failure()
+        raise failure from None
+
+    def shutdown(self) -> None:
+        """Stop the threads after the running job."""
+        self._encoder.shutdown(wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)

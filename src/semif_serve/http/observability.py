@@ -1,0 +1,234 @@
+"""Request ids, one JSON log line per request, and Prometheus metrics.
+
+`RequestContext` is the outermost ASGI layer: it names every request, stamps
+`X-Request-ID` on every response, and on completion logs and counts what the route
+recorded in `scope["state"]["log"]` (rows, tokens, timings, workload: never the state
+text, never the token).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from semif_serve.http.admission import Admission, Receive, Scope, Send
+from semif_serve.service.status import StatusSnapshot
+
+log = logging.getLogger("semif_serve.request")
+
+SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+ROUTES = {"/decide", "/decide/shared", "/health", "/metrics", "/openapi.json", "/docs"}
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class StatusCollector(Collector):
+    """Reads one status snapshot at scrape time: the same numbers /health reports."""
+
+    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.snapshot()
+        yield GaugeMetricFamily(
+            "semif_requests_in_progress", "POST requests admitted and not finished", value=now.in_progress
+        )
+        yield GaugeMetricFamily(
+            "semif_queue_depth", "engine jobs waiting or running", value=now.engine_pending
+        )
+        yield GaugeMetricFamily(
+            "semif_ready", "1 when the engine is warm and not draining", value=float(now.ready)
+        )
+        yield CounterMetricFamily(
+            "semif_busy_rejections", "POSTs refused with 429 busy", value=now.busy_rejections
+        )
+        yield CounterMetricFamily(
+            "semif_out_of_memory", "requests that ran out of device memory", value=now.out_of_memory_events
+        )
+        yield CounterMetricFamily(
+            "semif_memory_releases", "times cached device memory was released", value=now.releases
+        )
+        yield GaugeMetricFamily(
+            "semif_memory_reserved_bytes", "memory reserved by the allocator", value=now.reserved_bytes
+        )
+        yield GaugeMetricFamily(
+            "semif_memory_baseline_bytes",
+            "reserved memory after warm-up plus the state cache budget",
+            value=now.baseline_bytes or 0,
+        )
+        yield from _batch_metrics(now)
+        yield from _cache_metrics(now)
+
+
+def _batch_metrics(now: StatusSnapshot) -> Iterator[Metric]:
+    b = now.batches
+    yield CounterMetricFamily("semif_forwards", "engine forwards run by the batcher", value=b.forwards)
+    yield CounterMetricFamily(
+        "semif_merged_forwards", "forwards that carried more than one request", value=b.merged_forwards
+    )
+    yield CounterMetricFamily("semif_forward_rows", "rows run in the batcher's forwards", value=b.rows)
+    yield CounterMetricFamily(
+        "semif_forward_true_tokens", "real suffix tokens in the batcher's forwards", value=b.true_tokens
+    )
+    yield CounterMetricFamily(
+        "semif_forward_padded_tokens",
+        "suffix tokens incl. padding (rows x widest row) in the batcher's forwards",
+        value=b.padded_tokens,
+    )
+    yield GaugeMetricFamily(
+        "semif_rows_per_forward",
+        "mean rows per forward so far",
+        value=b.rows / b.forwards if b.forwards else 0,
+    )
+    yield GaugeMetricFamily(
+        "semif_padded_token_share",
+        "share of padding in the forwards' suffix tokens so far",
+        value=1 - b.true_tokens / b.padded_tokens if b.padded_tokens else 0,
+    )
+    yield CounterMetricFamily(
+        "semif_isolated_retries",
+        "requests rerun alone after their merged forward failed",
+        value=b.isolated_retries,
+    )
+    yield CounterMetricFamily(
+        "semif_cancelled_dropped",
+        "requests dropped before their forward (caller gone)",
+        value=b.cancelled_dropped,
+    )
+
+
+def _cache_metrics(now: StatusSnapshot) -> Iterator[Metric]:
+    c = now.cache
+    yield CounterMetricFamily("semif_state_cache_hits", "state prefixes found in the cache", value=c.hits)
+    yield CounterMetricFamily(
+        "semif_state_cache_misses", "state prefixes not in the cache (each one prefilled)", value=c.misses
+    )
+    yield CounterMetricFamily(
+        "semif_state_cache_evictions", "states evicted least-recently-used", value=c.evictions
+    )
+    yield CounterMetricFamily(
+        "semif_state_cache_refused", "states larger than the whole budget, never stored", value=c.refused
+    )
+    yield GaugeMetricFamily("semif_state_cache_bytes", "bytes of stored states", value=c.bytes)
+    yield GaugeMetricFamily(
+        "semif_state_cache_budget_bytes", "the state cache's byte budget", value=c.budget_bytes
+    )
+    yield GaugeMetricFamily("semif_state_cache_entries", "stored states", value=c.entries)
+
+
+class Metrics:
+    """The service's Prometheus registry (its own, so tests and processes never share counters)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "semif_requests", "requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.rows = Counter(
+            "semif_rows_scored", "rows (decisions x orderings) scored", registry=self.registry
+        )
+        self.seconds = Histogram(
+            "semif_request_seconds",
+            "end-to-end seconds by route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.forward = Histogram(
+            "semif_forward_seconds",
+            "engine forward seconds per request",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefix = Histogram(
+            "semif_prefix_tokens",
+            "shared state prefix tokens per request",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+
+    def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        """Report the live status, read through `snapshot` at every scrape."""
+        self.registry.register(StatusCollector(snapshot))
+
+    def observe(self, route: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
+        """Count one answered request and what its route recorded."""
+        self.requests.labels(route, str(status)).inc()
+        self.seconds.labels(route).observe(seconds)
+        if "rows" in fields:
+            self.rows.inc(fields["rows"])
+        if "forward_seconds" in fields:
+            self.forward.observe(fields["forward_seconds"])
+        if "prefix_tokens" in fields:
+            self.prefix.observe(fields["prefix_tokens"])
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    """The caller's X-Request-ID when it is sane (<= 128 of [A-Za-z0-9._:-]), else a new one."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if SANE_REQUEST_ID.fullmatch(text):
+                return text
+    return uuid.uuid4().hex
+
+
+class RequestContext:
+    """Names each request, stamps X-Request-ID, and logs and counts it once it is answered."""
+
+    def __init__(self, app: Admission, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    @property
+    def admission(self) -> Admission:
+        """The admission layer this context wraps (its queue and drain state)."""
+        return self.app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = request_id_from(scope["headers"])
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["log"] = {}
+        status = 0
+
+        async def stamped(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, stamped)
+        finally:
+            seconds = time.perf_counter() - started
+            path = scope["path"]
+            route = path if path in ROUTES else "other"
+            fields = state.get("log", {})
+            self.metrics.observe(route, status, seconds, fields)
+            if route != "/metrics" and not (route == "/health" and status == 200):
+                log.info(
+                    "request",
+                    extra={
+                        "request_id": request_id,
+                        "method": scope["method"],
+                        "route": route,
+                        "status": status or None,
+                        "duration_ms": round(seconds * 1000, 3),
+                        **fields,
+                    },
+                )

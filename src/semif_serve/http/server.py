@@ -1,0 +1,176 @@
+"""Running the app under uvicorn: envelope answers from the HTTP layer, a header deadline, and a drain.
+
+The HTTP/1.1 protocol is uvicorn's h11 protocol with two changes: a request the parser refuses
+(malformed request line or headers, a bad `Content-Length`, a header block over h11's 16 KiB)
+is answered with the error envelope (`400 invalid_http_request`) instead of uvicorn's plain
+text, and headers that do not complete within SEMIF_HEADER_TIMEOUT_SECONDS of the connection
+opening (or of the previous response) get `408 header_timeout` and the connection is closed.
+
+The first SIGTERM/SIGINT stops admitting (new POSTs get 503 draining, /health says
+draining so a load balancer takes the replica out) while the socket stays open; in-flight
+requests finish within SEMIF_SHUTDOWN_GRACE_SECONDS, which bounds the whole shutdown
+(whatever is still running at the deadline is cancelled and logged as cancelled). A second
+signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from semif_serve.http.admission import error_response
+from semif_serve.http.errors import ServiceError
+
+log = logging.getLogger("semif_serve.server")
+
+MAX_HEAD_BYTES = 16 * 1024  # request line + headers, however they arrive (h11 alone checks only pieces)
+
+
+def raw_error(error: ServiceError) -> bytes:
+    """A complete HTTP/1.1 response carrying the envelope, for answers sent outside any ASGI cycle."""
+    request_id = uuid.uuid4().hex
+    response = error_response(error, request_id)
+    log.warning("refused by the HTTP layer", extra={"request_id": request_id, "code": error.code})
+    head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}".encode()]
+    head += [name + b": " + value for name, value in response.raw_headers]
+    head.append(b"connection: close")
+    return b"\r\n".join(head) + b"\r\n\r\n" + response.body
+
+
+class EnvelopeProtocol(H11Protocol):
+    """uvicorn's h11 protocol that answers its own refusals in the envelope and bounds header time."""
+
+    header_timeout_seconds = 10.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._headers_arrived()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_size(data) > MAX_HEAD_BYTES:
+            self.send_400_response("header block too large")
+            return
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._headers_arrived()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._await_headers()
+
+    def send_400_response(self, msg: str) -> None:
+        self._headers_arrived()
+        error = ServiceError(
+            400,
+            "invalid_http_request",
+            "the request line or headers are not valid HTTP/1.1 (for example a Content-Length that is "
+            "not plain ASCII digits, or a header block over 16 KiB)",
+        )
+        self.transport.write(raw_error(error))
+        self.transport.close()
+
+    def _head_size(self, data: bytes) -> int:
+        """Bytes of the request line and headers received so far."""
+        buffered = self.conn.trailing_data[0] + data
+        end = buffered.find(b"\r\n\r\n")
+        return end if end >= 0 else len(buffered)
+
+    def _await_headers(self) -> None:
+        self._headers_arrived()
+        self.header_deadline = self.loop.call_later(self.header_timeout_seconds, self._headers_timed_out)
+
+    def _headers_arrived(self) -> None:
+        if self.header_deadline is not None:
+            self.header_deadline.cancel()
+            self.header_deadline = None
+
+    def _headers_timed_out(self) -> None:
+        self.header_deadline = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if not self.conn.trailing_data[0]:
+            self.transport.close()  # nothing was sent: close without an answer, like an idle keep-alive
+            return
+        error = ServiceError(
+            408,
+            "header_timeout",
+            f"the request headers did not arrive within {self.header_timeout_seconds:g} seconds",
+        )
+        self.transport.write(raw_error(error))
+        self.transport.close()
+
+
+def server_config(
+    app: Any, host: str, port: int, header_timeout_seconds: float, **options: Any
+) -> uvicorn.Config:
+    """The uvicorn config the service runs under (also used by the tests' loopback servers)."""
+    protocol = type(
+        "EnvelopeProtocol", (EnvelopeProtocol,), {"header_timeout_seconds": header_timeout_seconds}
+    )
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        log_config=None,
+        access_log=False,
+        **options,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that drains before it stops listening, within one grace period in total."""
+
+    def __init__(self, config: uvicorn.Config, admission, grace_seconds: float) -> None:
+        super().__init__(config)
+        self.admission = admission
+        self.grace_seconds = grace_seconds
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_deadline is not None:
+            log.warning("second signal: exiting now", extra={"in_progress": self.admission.in_progress})
+            self.should_exit = True
+            self.force_exit = True
+            return
+        self.admission.draining = True
+        self.drain_deadline = time.monotonic() + self.grace_seconds
+        log.info(
+            "draining: refusing new requests",
+            extra={"in_progress": self.admission.in_progress, "grace_seconds": self.grace_seconds},
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            left = self.drain_deadline - time.monotonic()
+            if self.admission.in_progress == 0 or left <= 0:
+                log.info("drained", extra={"left_in_progress": self.admission.in_progress})
+                self.config.timeout_graceful_shutdown = max(0.0, left)  # type: ignore[assignment]  # a float works
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def run_server(app, host: str, port: int, grace_seconds: float, header_timeout_seconds: float = 10.0) -> None:
+    """Serve `app` (from create_app) until drained."""
+    config = server_config(
+        app, host, port, header_timeout_seconds, timeout_graceful_shutdown=grace_seconds, lifespan="off"
+    )
+    DrainingServer(config, app.admission, grace_seconds).run()

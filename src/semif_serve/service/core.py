@@ -1,0 +1,185 @@
+"""The decision core: questions over a state -> prompt rows -> the engine -> typed outcomes.
+
+It knows nothing of HTTP. Every door (the native API, System One) calls `DecisionCore.decide`
+with its own limits and maps the `DecisionError`s it raises to its own status and body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from semif_serve.domain.calibration import CalibrationTable, calibrated_probabilities
+from semif_serve.domain.orderings import combine, mean_option_logits, option_orders
+from semif_serve.domain.types import (
+    Calibrated,
+    DecisionError,
+    DecisionOutcome,
+    OrderingReadout,
+    PromptRow,
+    Question,
+    QuestionOutcome,
+    TooManyOptions,
+    TooManyRows,
+    UnknownWorkload,
+)
+from semif_serve.engine.runner import Readout, TorchEngine
+from semif_serve.engine.worker import EngineWorker
+
+
+@dataclass(frozen=True)
+class PlannedQuestion:
+    """A question and the option orders it is asked in; its rows start at `first_row`."""
+
+    question: Question
+    orders: list[tuple[int, ...]]
+    first_row: int
+
+
+def plan_rows(
+    questions: Sequence[Question], *, max_rows: int, max_options: int, calibration: CalibrationTable
+) -> tuple[list[PlannedQuestion], list[PromptRow]]:
+    """Expand every question into one row per ordering; refuse unknown workloads, too many
+    options and row-cap breaches."""
+    planned: list[PlannedQuestion] = []
+    rows: list[PromptRow] = []
+    for index, question in enumerate(questions):
+        if len(question.options) > max_options:
+            raise TooManyOptions(len(question.options), max_options, index)
+        if question.workload is not None and question.workload not in calibration:
+            raise UnknownWorkload(question.workload, calibration.names(), index)
+        orders = option_orders(len(question.options), question.orderings)
+        planned.append(PlannedQuestion(question, orders, len(rows)))
+        for order in orders:
+            rows.append(PromptRow(question.text, tuple(question.options[i].description for i in order)))
+    if len(rows) > max_rows:
+        raise TooManyRows(len(rows), max_rows)
+    return planned, rows
+
+
+def question_outcome(
+    planned: PlannedQuestion, readout: Readout, calibration: CalibrationTable
+) -> QuestionOutcome:
+    """One question's typed outcome from the batch's readouts."""
+    question = planned.question
+    ids = [o.id for o in question.options]
+    readouts = tuple(
+        OrderingReadout(
+            option_ids=tuple(ids[i] for i in order),
+            option_logits=row.option_logits,
+            probabilities=row.probabilities,
+            input_tokens=row.input_tokens,
+            prompt_sha256=row.prompt_sha256,
+        )
+        for order, row in zip(
+            planned.orders,
+            readout.rows[planned.first_row : planned.first_row + len(planned.orders)],
+            strict=True,
+        )
+    )
+    if question.orderings is None:
+        calibrated = None
+        if question.workload is not None:
+            calibrated = _calibrated(calibration, question.workload, "single", readouts[0].option_logits)
+        return QuestionOutcome(question, readouts, None, calibrated)
+    logits = [r.option_logits for r in readouts]
+    combined = combine(ids, planned.orders, logits, question.orderings)
+    calibrated = None
+    if question.workload is not None:
+        mean = mean_option_logits(len(ids), planned.orders, logits)
+        calibrated = _calibrated(calibration, question.workload, question.orderings, mean)
+    return QuestionOutcome(question, readouts, combined, calibrated)
+
+
+def _calibrated(
+    calibration: CalibrationTable, workload: str, mode: str, logits: Sequence[float]
+) -> Calibrated:
+    temperature = calibration.temperature(workload, mode)
+    return Calibrated(
+        workload=workload,
+        temperature=temperature.value,
+        temperature_mode=temperature.source,
+        probabilities=calibrated_probabilities(logits, temperature.value),
+    )
+
+
+class DecisionCore:
+    """Answers questions over a state through the one engine worker."""
+
+    def __init__(self, engine: TorchEngine, worker: EngineWorker, calibration: CalibrationTable) -> None:
+        self.engine = engine
+        self.worker = worker
+        self.calibration = calibration
+
+    @property
+    def model_info(self) -> dict[str, str]:
+        """The `model` block results report."""
+        return self.engine.model_info
+
+    async def decide(
+        self,
+        state: Any,
+        questions: Sequence[Question],
+        *,
+        shared: bool,
+        max_input_tokens: int,
+        max_options: int,
+        max_rows: int,
+    ) -> DecisionOutcome:
+        """Ask every question (in every ordering) over `state` in one engine batch (merged with
+        other requests queued at the same time; the numbers are those of the call alone).
+
+        `shared=True` runs the shared-prefix path even for one row; otherwise a single row runs
+        SemIf's plain forward and several rows the shared path. Raises a `DecisionError` that
+        names the question (and option, in the caller's order) it concerns by position.
+        """
+        planned, rows = plan_rows(
+            questions, max_rows=max_rows, max_options=max_options, calibration=self.calibration
+        )
+        try:
+            readout = await self.worker.score(
+                self.engine, state, rows, shared=shared, max_input_tokens=max_input_tokens
+            )
+        except DecisionError as exc:
+            _locate(exc, planned)
+            raise
+        return DecisionOutcome(
+            questions=tuple(question_outcome(p, readout, self.calibration) for p in planned),
+            shared=readout.shared,
+            forward_seconds=readout.forward_seconds,
+            total_seconds=readout.total_seconds,
+            timing=readout.timing,
+        )
+
+
+def _locate(exc: DecisionError, planned: Sequence[PlannedQuestion]) -> None:
+    """Turn the engine's row position into the question's, and a slot into the caller's option."""
+    if exc.row is None:
+        return
+    for index, p in enumerate(planned):
+        if p.first_row <= exc.row < p.first_row + len(p.orders):
+            exc.question = index
+            if exc.option is not None:
+                exc.option = p.orders[exc.row - p.first_row][exc.option]
+            return
+
+
+def outcome_record(outcome: DecisionOutcome) -> dict[str, Any]:
+    """What the request log line and the metrics keep of an answered call (no text, no token)."""
+    readouts = [r for q in outcome.questions for r in q.readouts]
+    record: dict[str, Any] = {
+        "rows": len(readouts),
+        "input_tokens": sum(r.input_tokens for r in readouts),
+        "forward_seconds": round(outcome.forward_seconds, 6),
+        "engine_seconds": round(outcome.total_seconds, 6),
+    }
+    if outcome.timing is not None:
+        record["prefix_tokens"] = outcome.timing.prefix_tokens
+        record["forward_batches"] = outcome.timing.forward_batches
+        record["merged_requests"] = outcome.timing.merged_requests
+        record["prefill"] = outcome.timing.prefill
+    named = sorted({q.question.workload for q in outcome.questions if q.question.workload})
+    if named:
+        record["workloads"] = named
+    return record

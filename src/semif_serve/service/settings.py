@@ -1,0 +1,184 @@
+"""Service configuration: every `SEMIF_*` environment variable, validated before the weights load."""
+
+from __future__ import annotations
+
+from datetime import date
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from semif_serve.doors.systemone.schemas import orderings_policy, parse_type_map
+
+ENV_PREFIX = "SEMIF_"
+# Averaging every type over a few orders (see contract.md, System One, for the measured cost).
+DEFAULT_SYSTEMONE_ORDERINGS = "noul=rotations,choice=shifts,score=reversal"
+
+
+class ConfigurationError(Exception):
+    """Invalid configuration; the message names the variable and never echoes secrets."""
+
+
+def validate_token_text(token: str) -> str:
+    """A bearer token must be non-empty visible ASCII (0x21..0x7E)."""
+    if not token:
+        raise ValueError("the API token is empty")
+    if any(not (0x21 <= ord(ch) <= 0x7E) for ch in token):
+        raise ValueError("the API token must be visible ASCII (no spaces, controls or non-ASCII)")
+    return token
+
+
+class Settings(BaseSettings):
+    """Configuration of one semif-serve process (environment variables `SEMIF_<FIELD>`)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True)
+
+    model_path: Path | None = Field(None, description="Local model directory (read-only mount).")
+    model_revision: str = Field("", description="Revision string of the checkpoint (required).")
+    model_manifest: Path | None = Field(
+        None,
+        description="SHA-256 manifest of the model directory (semif-serve manifest); startup verifies it.",
+    )
+    model_source: str = Field("Qwen/Qwen3.5-4B", description="Model id reported in results.")
+    allow_any_architecture: bool = Field(
+        False, description="Serve a checkpoint whose model_type is not a Qwen3.5 text model."
+    )
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cuda (one visible GPU) or cpu.")
+    dtype: Literal["bfloat16", "float32"] | None = Field(
+        None, description="Weights dtype; default bfloat16 on cuda, float32 on cpu."
+    )
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8032, ge=1, le=65535, description="Port to bind.")
+    api_token: SecretStr | None = Field(None, description="Bearer token for POSTs.")
+    api_token_file: Path | None = Field(None, description="File holding the bearer token.")
+    max_rows: int = Field(64, ge=1, description="Rows (decisions x orderings) per request.")
+    max_input_tokens: int = Field(4096, ge=1, description="Prompt tokens per row.")
+    max_queue: int = Field(32, ge=1, description="POST requests in progress before 429 busy.")
+    max_body_bytes: int = Field(1_048_576, ge=1, description="Request body limit in bytes.")
+    vram_cap_gib: float = Field(12.0, gt=0, description="Hard GPU memory cap in GiB (cuda).")
+    release_margin_mib: int = Field(
+        512, ge=0, description="Release cached memory when reserved exceeds baseline by this."
+    )
+    split_batches: bool = Field(
+        True, description="Split shared batches that the memory estimate says would not fit the cap."
+    )
+    state_cache_mib: int = Field(
+        1024,
+        ge=0,
+        description="Prefilled states kept for reuse, in MiB (0: off); part of the cap and the baseline.",
+    )
+    prefill_chunk_tokens: int = Field(
+        2048, ge=1, description="State prefix tokens per prefill forward (bounds activation memory)."
+    )
+    max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
+    max_batch_tokens: int = Field(
+        16_384, ge=1, description="Padded tokens (rows x widest row + prefix) of merged requests per forward."
+    )
+    calibration: Path | None = Field(None, description="calibration.json: workload temperatures.")
+    metrics_public: bool = Field(True, description="Serve /metrics without the token.")
+    body_timeout_seconds: float = Field(
+        10.0, gt=0, description="How long a POST body may take to arrive before 408 frees its slot."
+    )
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="How long request headers may take to arrive before 408 closes the connection.",
+    )
+    shutdown_grace_seconds: float = Field(
+        30.0, gt=0, description="How long SIGTERM waits for in-flight requests."
+    )
+    demo: bool = Field(False, description="Mark results as coming from random demo weights.")
+    model_release_date: date | None = Field(
+        None,
+        description="Release date /v1/models reports (YYYY-MM-DD); default: the day config.json was written.",
+    )
+    systemone_max_input_tokens: int = Field(
+        32768, ge=1, description="System One: prompt tokens per row (state + the longest question)."
+    )
+    systemone_max_rows: int = Field(
+        256, ge=1, description="System One: rows (questions x orderings) per request."
+    )
+    systemone_orderings: str = Field(
+        DEFAULT_SYSTEMONE_ORDERINGS,
+        description="System One: orderings per answer type (`none`, or e.g. noul=rotations,choice=shifts).",
+    )
+    systemone_workloads: str = Field(
+        "", description="System One: calibration workload per answer type (e.g. choice=authored144)."
+    )
+    systemone_allow_aliases: bool = Field(
+        True, description="System One: serve the model names Jev clients send (jev-latest, jev-preview)."
+    )
+
+    @field_validator("systemone_orderings")
+    @classmethod
+    def _orderings_policy(cls, value: str) -> str:
+        orderings_policy(value)
+        return value
+
+    @field_validator("systemone_workloads")
+    @classmethod
+    def _workload_map(cls, value: str) -> str:
+        parse_type_map(value)
+        return value
+
+    @field_validator("model_revision")
+    @classmethod
+    def _revision_is_stripped(cls, value: str) -> str:
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Settings:
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        if self.api_token is not None and self.api_token_file is not None:
+            raise ValueError("set SEMIF_API_TOKEN or SEMIF_API_TOKEN_FILE, not both")
+        return self
+
+    def token(self) -> str:
+        """The bearer token, from the variable or the file; raises ConfigurationError."""
+        if self.api_token is not None:
+            raw = self.api_token.get_secret_value()
+            where = "SEMIF_API_TOKEN"
+        elif self.api_token_file is not None:
+            try:
+                raw = self.api_token_file.read_text(encoding="utf-8").rstrip("\r\n")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigurationError(
+                    f"SEMIF_API_TOKEN_FILE: cannot read {self.api_token_file}: {type(exc).__name__}"
+                ) from None
+            where = "SEMIF_API_TOKEN_FILE"
+        else:
+            raise ConfigurationError("SEMIF_API_TOKEN or SEMIF_API_TOKEN_FILE must be set")
+        try:
+            return validate_token_text(raw)
+        except ValueError as exc:
+            raise ConfigurationError(f"{where}: {exc}") from None
+
+    def require_model(self) -> Path:
+        """The model directory, which must exist, with a revision string."""
+        if self.model_path is None:
+            raise ConfigurationError("SEMIF_MODEL_PATH must be set to a local model directory")
+        if not self.model_path.is_dir():
+            raise ConfigurationError(f"SEMIF_MODEL_PATH: {self.model_path} is not a directory")
+        if not self.model_revision:
+            raise ConfigurationError("SEMIF_MODEL_REVISION must name the checkpoint's revision")
+        return self.model_path
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets a settings field."""
+    return ENV_PREFIX + field.upper()
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the environment (plus overrides), raising ConfigurationError naming the variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_input=False, include_url=False):
+            loc = ".".join(str(part) for part in err["loc"])
+            name = env_name(loc) if loc else "configuration"
+            problems.append(f"{name}: {err['msg']}")
+        raise ConfigurationError("; ".join(problems)) from None

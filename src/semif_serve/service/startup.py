@@ -1,0 +1,95 @@
+"""Startup in one place: settings -> calibration -> weights manifest -> engine -> warm-up
+-> baseline -> a `Service`.
+
+Startup fails closed: any error here stops the process before the port is bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from semif_serve.domain.calibration import CalibrationTable, load_calibration
+from semif_serve.domain.numerics import MIB
+from semif_serve.domain.types import PromptRow
+from semif_serve.doors.systemone.schemas import parse_type_map
+from semif_serve.engine.batching import Bounds
+from semif_serve.engine.checkpoint_files import Verification, verify_checkpoint
+from semif_serve.engine.memory import ReleasePolicy
+from semif_serve.engine.runner import TorchEngine
+from semif_serve.engine.state_cache import StateCache
+from semif_serve.engine.worker import EngineWorker
+from semif_serve.service.core import DecisionCore
+from semif_serve.service.settings import ConfigurationError, Settings
+
+WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
+WARM_UP_ROWS = (
+    PromptRow("Is this a warm-up request?", ("Yes.", "No.")),
+    PromptRow("Which option is listed first?", ("The first.", "The second.", "The third.")),
+)
+
+
+@dataclass
+class Service:
+    """A loaded, warmed-up process: its settings, the engine and its worker, and the core."""
+
+    settings: Settings
+    engine: TorchEngine
+    worker: EngineWorker
+    core: DecisionCore
+    token: str
+    weights: Verification
+    ready: bool = False
+
+    @property
+    def calibration(self) -> CalibrationTable:
+        """The workload temperatures the core applies."""
+        return self.core.calibration
+
+    @property
+    def demo(self) -> bool:
+        """Whether the loaded model is the random-weight demo (the one truth for demo)."""
+        return self.engine.identity.demo
+
+    @classmethod
+    def start(cls, settings: Settings, engine: TorchEngine | None = None) -> Service:
+        """Validate the token and calibration, load the engine, warm it up and mark the baseline.
+
+        The state cache is created here (empty, its budget from the settings) and counted in
+        the baseline, so the headroom left for forwards is cap - warm floor - cache budget.
+        Raises ConfigurationError, CalibrationFileError, CheckpointError or DecisionError;
+        the caller exits non-zero on any of them (startup fails closed).
+        """
+        token = settings.token()
+        calibration = load_calibration(settings.calibration)
+        unknown = sorted(
+            set(parse_type_map(settings.systemone_workloads).values()) - set(calibration.names())
+        )
+        if unknown:
+            raise ConfigurationError(
+                f"SEMIF_SYSTEMONE_WORKLOADS: {', '.join(unknown)} not in the calibration file"
+            )
+        weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
+        if engine is None:
+            engine = TorchEngine.load(settings)
+        engine = engine.with_state_cache(
+            StateCache(settings.state_cache_mib * MIB), settings.prefill_chunk_tokens
+        )
+        policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
+        worker = EngineWorker(policy, Bounds(settings.max_batch_rows, settings.max_batch_tokens))
+        warm_up(engine, worker, settings.max_input_tokens)
+        baseline = policy.mark_baseline()
+        cap = engine.memory.cap_bytes()
+        if cap is not None and settings.split_batches:
+            engine = engine.with_memory(engine.memory, headroom_bytes=cap - baseline)
+        core = DecisionCore(engine, worker, calibration)
+        return cls(settings, engine, worker, core, token, weights, ready=True)
+
+
+def warm_up(engine: TorchEngine, worker: EngineWorker, max_input_tokens: int) -> None:
+    """Read a real decision on both paths through the worker's guard."""
+    worker.run_now(
+        lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS[:1], shared=False, max_input_tokens=max_input_tokens)
+    )
+    worker.run_now(
+        lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS, shared=True, max_input_tokens=max_input_tokens)
+    )

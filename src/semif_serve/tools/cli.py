@@ -1,0 +1,298 @@
+"""The `semif-serve` command: serve, demo, demo-model, calibrate, env-template, check-model, manifest.
+
+The entry point forces HF_HUB_OFFLINE=1 before anything imports transformers: the service
+never downloads weights or data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import textwrap
+from pathlib import Path
+
+EXIT_CONFIG = 2
+EXIT_STARTUP = 3
+
+log = logging.getLogger("semif_serve")
+
+
+def force_offline() -> None:
+    """No hub traffic, ever: set before transformers or huggingface_hub is imported."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def demo_directory() -> Path:
+    """Where `semif-serve demo` keeps its checkpoint (SEMIF_DEMO_DIR, else the user cache)."""
+    configured = os.environ.get("SEMIF_DEMO_DIR")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "semif-serve" / "demo-model"
+
+
+def ensure_demo_checkpoint(directory: Path) -> Path:
+    """Build the demo checkpoint unless a complete one of this revision is already there."""
+    from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
+
+    marker = directory / "DEMO.json"
+    if not marker.exists() or json.loads(marker.read_text()).get("revision") != DEMO_REVISION:
+        print(f"building the random-weight demo checkpoint in {directory} ...", flush=True)
+        write_checkpoint(directory)
+    return directory
+
+
+def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
+    """Validate everything, load and warm up the engine, then bind the port; fail closed."""
+    from semif_serve.domain.calibration import CalibrationFileError
+    from semif_serve.domain.types import DecisionError
+    from semif_serve.engine.runner import CheckpointError
+    from semif_serve.http.logs import configure_logging
+    from semif_serve.service.settings import ConfigurationError, load_settings
+    from semif_serve.service.startup import Service
+
+    from .app import create_app
+
+    configure_logging()
+    try:
+        settings = load_settings(**(overrides or {}))
+        settings.require_model()
+        settings.token()
+    except ConfigurationError as exc:
+        log.error("invalid configuration: %s", exc)
+        return EXIT_CONFIG
+    try:
+        service = Service.start(settings)
+    except (ConfigurationError, CalibrationFileError) as exc:
+        log.error("invalid configuration: %s", exc)
+        return EXIT_CONFIG
+    except (CheckpointError, DecisionError) as exc:
+        log.error("startup failed: %s", exc)
+        return EXIT_STARTUP
+    except Exception as exc:  # noqa: BLE001 - any warm-up failure must stop startup, clearly
+        log.error("startup failed during load or warm-up: %s: %s", type(exc).__name__, exc)
+        return EXIT_STARTUP
+    if announce_token:
+        print(
+            f"\nsemif-serve demo (random weights) on http://{settings.host}:{settings.port}\n"
+            f"token: {settings.token()}\n"
+            f"try:   curl -s -H 'Authorization: Bearer {settings.token()}' "
+            f"http://{settings.host}:{settings.port}/health\n",
+            flush=True,
+        )
+    from semif_serve.http.server import run_server
+
+    log.info(
+        "serving",
+        extra={
+            "host": settings.host,
+            "port": settings.port,
+            "device": settings.device,
+            "demo": service.demo,
+        },
+    )
+    run_server(
+        create_app(service),
+        settings.host,
+        settings.port,
+        settings.shutdown_grace_seconds,
+        settings.header_timeout_seconds,
+    )
+    service.worker.shutdown()
+    return 0
+
+
+ENV_TEMPLATE_POINTER = (
+    "Every setting is a SEMIF_* environment variable; `semif-serve env-template` prints them all "
+    "with their defaults and meanings."
+)
+
+
+def settings_epilog() -> str:
+    """Every SEMIF_* variable with its default, generated from Settings, for `serve --help`."""
+    from semif_serve.service.settings import Settings, env_name
+    from semif_serve.tools.env_template import _format_value
+
+    lines = ["settings (environment variables, default in brackets):"]
+    for field, info in Settings.model_fields.items():
+        default = _format_value(info.default) or "unset"
+        lines.append(f"  {env_name(field):<30} {info.description} [{default}]")
+    lines += ["", ENV_TEMPLATE_POINTER]
+    return "\n".join(lines)
+
+
+def check_model(directory: Path, manifest: Path | None) -> int:
+    """`semif-serve check-model`: 0 when the directory is complete (and matches the manifest)."""
+    from semif_serve.engine.checkpoint_files import CheckpointFilesError, check_checkpoint, verify_checkpoint
+    from semif_serve.engine.memory import GIB
+    from semif_serve.service.settings import ConfigurationError
+
+    try:
+        report = check_checkpoint(directory)
+        print(f"{directory}: complete")
+        print(f"  config.json: model_type {report.model_type}")
+        print(f"  tokenizer: {', '.join(report.tokenizer)}")
+        print(
+            f"  weights: {len(report.shards)} safetensors files, {report.tensors} tensors, "
+            f"{report.bytes:,} bytes ({report.bytes / GIB:.2f} GiB)"
+        )
+        if manifest is None:
+            print("  manifest: not checked (add --manifest FILE to compare every file's SHA-256)")
+        else:
+            verification = verify_checkpoint(directory, manifest)
+            print(
+                f"  manifest: all {verification.files} files match {manifest} ({verification.seconds:.1f} s)"
+            )
+    except CheckpointFilesError as exc:
+        print(f"check-model: {exc}", file=sys.stderr)
+        return 1
+    except ConfigurationError as exc:
+        print(f"check-model: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
+def write_manifest(directory: Path, target: Path | None) -> int:
+    """`semif-serve manifest`: the SHA-256 manifest of a model directory, to stdout or a file."""
+    from semif_serve.engine.checkpoint_files import CheckpointFilesError, render_manifest
+
+    try:
+        text = render_manifest(directory, exclude=target)
+    except (CheckpointFilesError, OSError) as exc:
+        print(f"manifest: {exc}", file=sys.stderr)
+        return 1
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        target.write_text(text, encoding="utf-8")
+        print(f"wrote the SHA-256 of {text.count(chr(10))} files to {target}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `semif-serve` argument parser: one subcommand per task, each pointing to env-template."""
+    from semif_serve.tools.calibration_fit import add_calibrate_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="semif-serve", description=__doc__.splitlines()[0], epilog=ENV_TEMPLATE_POINTER
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, summary: str, details: str = "", **kw) -> argparse.ArgumentParser:
+        description = f"{summary[0].upper()}{summary[1:]}." + (f" {details}" if details else "")
+        return commands.add_parser(
+            name,
+            help=summary,
+            description="\n\n".join(textwrap.fill(text, 88) for text in (description, ENV_TEMPLATE_POINTER)),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kw,
+        )
+
+    command(
+        "serve",
+        "serve the configured model (the default when no command is given)",
+        "Validates the settings, verifies the weights against SEMIF_MODEL_MANIFEST when it is set, "
+        "loads and warms up the model, then binds SEMIF_HOST:SEMIF_PORT. Exits 2 on invalid "
+        "configuration, 3 when the checkpoint or the warm-up fails.",
+        epilog=settings_epilog(),
+    )
+    demo = command(
+        "demo",
+        "serve a random-weight demo model on the CPU (its answers carry no meaning)",
+        "Builds the demo checkpoint once (under SEMIF_DEMO_DIR, else ~/.cache/semif-serve/demo-model), "
+        "then serves it in the foreground. It reads SEMIF_PORT, SEMIF_API_TOKEN (fixed, so examples "
+        "can be pasted; otherwise a new token is printed on every run) and SEMIF_CALIBRATION.",
+    )
+    demo.add_argument("--port", type=int, default=None, help="port to bind (default: SEMIF_PORT, else 8032)")
+    model = command("demo-model", "write the random-weight demo checkpoint to DIR, without serving it")
+    model.add_argument("directory", type=Path, metavar="DIR", help="folder to write (created if missing)")
+    calibrate = command(
+        "calibrate",
+        "fit a workload temperature (SEMIF_CALIBRATION) from labelled rows and the service's predictions",
+        "Joins --gold and --predictions by id, finds the T in [0.05, 20] that minimises the gold "
+        "options' negative log-likelihood, and prints accuracy, NLL and ECE (10 bins) at T=1 and at "
+        "the fitted T, in-sample and out-of-fold (5 folds by group_id), then the calibration.json "
+        "entry. It warns below ~150 rows and when T lands on a bound. Exits 0, or 2 on bad input "
+        "(--mode rotations/all needs predictions scored with those orderings).",
+    )
+    add_calibrate_arguments(calibrate)
+    command("env-template", "print every SEMIF_* variable with its default, as a commented env file")
+    check = command(
+        "check-model",
+        "check that a model directory is complete before serving it",
+        "Verifies config.json, the tokenizer files, the safetensors index, and that every shard it "
+        "names is present and readable (its header parses and its tensors fill the file). With "
+        "--manifest it also compares every file's SHA-256. Exits 0 when complete, 1 otherwise.",
+    )
+    check.add_argument("directory", type=Path, metavar="DIR", help="the model directory (SEMIF_MODEL_PATH)")
+    check.add_argument(
+        "--manifest", type=Path, default=None, metavar="FILE", help="a manifest from `semif-serve manifest`"
+    )
+    manifest = command(
+        "manifest",
+        "print the SHA-256 manifest of a model directory, for SEMIF_MODEL_MANIFEST",
+        "One `<sha256>  <path>` line per file (sha256sum's format; hidden paths skipped). Point "
+        "SEMIF_MODEL_MANIFEST at it and startup refuses (exit 3) a directory whose files differ.",
+    )
+    manifest.add_argument(
+        "directory", type=Path, metavar="DIR", help="the model directory (SEMIF_MODEL_PATH)"
+    )
+    manifest.add_argument(
+        "--write",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the manifest to FILE instead of stdout",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `semif-serve` console script."""
+    force_offline()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    if args.command == "calibrate":
+        from semif_serve.tools.calibration_fit import calibrate
+
+        return calibrate(args)
+    if args.command == "demo-model":
+        from semif_serve.tools.demo import write_checkpoint
+
+        write_checkpoint(args.directory)
+        print(f"wrote a random-weight demo checkpoint to {args.directory}")
+        return 0
+    if args.command == "env-template":
+        from semif_serve.tools.env_template import render_env_template
+
+        sys.stdout.write(render_env_template())
+        return 0
+    if args.command == "check-model":
+        return check_model(args.directory, args.manifest)
+    if args.command == "manifest":
+        return write_manifest(args.directory, args.write)
+    if args.command == "demo":
+        from semif_serve.tools.demo import DEMO_REVISION
+
+        overrides = {
+            "model_path": ensure_demo_checkpoint(demo_directory()),
+            "model_revision": DEMO_REVISION,
+            "device": "cpu",
+            "dtype": "float32",
+            "demo": True,
+        }
+        if args.port is not None:
+            overrides["port"] = args.port
+        if not (os.environ.get("SEMIF_API_TOKEN") or os.environ.get("SEMIF_API_TOKEN_FILE")):
+            overrides["api_token"] = "demo-" + secrets.token_urlsafe(18)
+        return serve(overrides, announce_token=True)
+    return serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
