@@ -30,11 +30,11 @@ OPTIONS = ("It succeeded.", "It failed.", "Unclear.")
 
 
 def load(directory: Path):
-    from semif_serve.engine.runner import TorchEngine
     from semif_serve.service.settings import Settings
+    from semif_serve.service.startup import load_engine
     from semif_serve.tools.demo import DEMO_REVISION
 
-    return TorchEngine.load(
+    return load_engine(
         Settings(
             model_path=directory,
             model_revision=DEMO_REVISION,

@@ -17,7 +17,7 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 from semif_serve.app import create_app  # noqa: E402
 from semif_serve.engine.runner import TorchEngine  # noqa: E402
 from semif_serve.service.settings import Settings  # noqa: E402
-from semif_serve.service.startup import Service  # noqa: E402
+from semif_serve.service.startup import Service, load_engine  # noqa: E402
 from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
 
 TOKEN = "test-token-0123456789"
@@ -49,7 +49,7 @@ def make_settings(model_path: Path, **overrides) -> Settings:
 
 @pytest.fixture(scope="session")
 def engine(checkpoint) -> TorchEngine:
-    return TorchEngine.load(make_settings(checkpoint))
+    return load_engine(make_settings(checkpoint))
 
 
 @pytest.fixture(scope="session")

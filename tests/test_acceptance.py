@@ -509,7 +509,7 @@ def test_random_checkpoint_writer_builds_a_loadable_bf16_model(tmp_path):
     from conftest import make_settings
 
     from semif_serve.domain.types import PromptRow
-    from semif_serve.engine.runner import TorchEngine
+    from semif_serve.service.startup import load_engine
     from semif_serve.tools.demo import DEMO_SHAPE
 
     directory = write_random_checkpoint(tmp_path / "m", DEMO_SHAPE, device="cpu")
@@ -517,7 +517,7 @@ def test_random_checkpoint_writer_builds_a_loadable_bf16_model(tmp_path):
     marker = json.loads((directory / "DEMO.json").read_text())
     assert marker["random_weights"] is True and marker["parameters"] > 0
     settings = make_settings(directory, model_revision=marker["revision"], dtype="bfloat16")
-    engine = TorchEngine.load(settings)
+    engine = load_engine(settings)
     scored = engine.score("A state", [PromptRow("Q?", ("Yes.", "No."))], shared=False, max_input_tokens=4096)
     assert sum(scored.rows[0].probabilities) == pytest.approx(1.0)
 

@@ -14,13 +14,13 @@ from conftest import TOKEN
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from semif_serve.domain.types import ConfigurationError
 from semif_serve.engine.checkpoint_files import (
     CheckpointFilesError,
     check_checkpoint,
     render_manifest,
     verify_checkpoint,
 )
-from semif_serve.service.settings import ConfigurationError
 from semif_serve.tools.cli import main
 
 

@@ -68,7 +68,7 @@ def test_every_domain_error_has_a_system_one_answer() -> None:
 
 
 def test_every_system_one_error_type_is_in_the_contract_and_back():
-    answered = {(rule.status, rule.error_type) for rule in [*SYSTEMONE_ERRORS.values(), UNKNOWN_MODEL]}
+    answered = {(rule.status, rule.code) for rule in [*SYSTEMONE_ERRORS.values(), UNKNOWN_MODEL]}
     answered |= {(HTTP_ERRORS[code], error_type) for code, error_type in HTTP_ERROR_TYPES.items()}
     documented = {
         (int(status), error_type.strip("`")) for status, error_type, _ in table_rows("### System One errors")

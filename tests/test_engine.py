@@ -24,11 +24,16 @@ from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditiona
 
 from semif_serve.domain.alphabet import answer_codes
 from semif_serve.domain.prompt import PromptCodec, TokenizerContractError
-from semif_serve.domain.types import AnswerBoundary, DecisionError, PromptRow, TooManyTokens
+from semif_serve.domain.types import (
+    AnswerBoundary,
+    ConfigurationError,
+    DecisionError,
+    PromptRow,
+    TooManyTokens,
+)
 from semif_serve.doors.native.api import native_error
-from semif_serve.engine.runner import CheckpointError, TorchEngine
-from semif_serve.service.settings import ConfigurationError
-from semif_serve.service.startup import Service
+from semif_serve.engine.loader import CheckpointError, load_model
+from semif_serve.service.startup import Service, checkpoint_spec, load_engine
 from semif_serve.tools.demo import write_checkpoint
 
 # Written out from the brief, not imported: the test renders the prompt on its own.
@@ -468,7 +473,7 @@ def test_the_loader_refuses_a_checkpoint_whose_tokenizer_breaks_the_answer_slots
 ) -> None:
     broken = edited_copy(checkpoint, tmp_path / "ckpt", lowercase)
     with pytest.raises(TokenizerContractError, match="answer letter 'A' is not one token"):
-        TorchEngine.load(make_settings(broken))
+        load_engine(make_settings(broken))
 
 
 # -- the loader ----------------------------------------------------------------------------
@@ -486,7 +491,7 @@ def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(checkpoint, tmp_path
     name = "model.layers.1.mlp.up_proj.weight"
     broken = rewrite_weights(checkpoint, tmp_path / "ckpt", lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match="missing_keys") as caught:
-        TorchEngine.load(make_settings(broken))
+        load_engine(make_settings(broken))
     assert name in str(caught.value)
 
 
@@ -498,7 +503,7 @@ def test_a_checkpoint_with_a_wrongly_shaped_tensor_is_refused_naming_it(checkpoi
 
     broken = rewrite_weights(checkpoint, tmp_path / "ckpt", reshape)
     with pytest.raises(CheckpointError, match="mismatched") as caught:
-        TorchEngine.load(make_settings(broken))
+        load_engine(make_settings(broken))
     assert name in str(caught.value)
 
 
@@ -508,7 +513,7 @@ def test_extra_tensors_beside_the_text_model_are_skipped_and_counted(checkpoint,
         tensors["mtp.norm.weight"] = torch.zeros(4)
 
     extended = rewrite_weights(checkpoint, tmp_path / "ckpt", add)
-    assert TorchEngine.load(make_settings(extended)).skipped_tensors == 2
+    assert load_model(checkpoint_spec(make_settings(extended))).skipped_tensors == 2
 
 
 def test_a_non_qwen35_architecture_is_refused_unless_allowed(checkpoint, tmp_path) -> None:
@@ -518,7 +523,7 @@ def test_a_non_qwen35_architecture_is_refused_unless_allowed(checkpoint, tmp_pat
     config["model_type"] = "llama"
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="model_type 'llama' is not a Qwen3.5 text model") as caught:
-        TorchEngine.load(make_settings(target))
+        load_engine(make_settings(target))
     assert "SEMIF_ALLOW_ANY_ARCHITECTURE" in str(caught.value)
 
 
@@ -530,18 +535,18 @@ def test_device_cuda_without_a_gpu_is_a_configuration_error_before_any_weights_l
     shutil.copytree(checkpoint, target)
     (target / "model.safetensors").write_bytes(b"not weights")  # loading these would fail differently
     with pytest.raises(ConfigurationError, match="no CUDA device is visible"):
-        TorchEngine.load(make_settings(target, device="cuda"))
+        load_engine(make_settings(target, device="cuda"))
 
 
 @pytest.mark.parametrize("revision", ["", "   "])
 def test_a_missing_revision_is_refused(checkpoint, revision) -> None:
     with pytest.raises(ConfigurationError, match="SEMIF_MODEL_REVISION"):
-        TorchEngine.load(make_settings(checkpoint, model_revision=revision))
+        load_engine(make_settings(checkpoint, model_revision=revision))
 
 
 def test_a_missing_model_directory_is_refused(tmp_path) -> None:
     with pytest.raises(ConfigurationError, match="not a directory"):
-        TorchEngine.load(make_settings(tmp_path / "absent"))
+        load_engine(make_settings(tmp_path / "absent"))
 
 
 # -- the multimodal checkpoint -------------------------------------------------------------
@@ -550,25 +555,26 @@ def test_a_missing_model_directory_is_refused(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def multimodal(tmp_path_factory):
     directory = write_checkpoint(tmp_path_factory.mktemp("multimodal"), multimodal=True)
-    return directory, TorchEngine.load(make_settings(directory))
+    loaded = load_model(checkpoint_spec(make_settings(directory)))
+    return directory, TorchEngine.over(loaded), loaded.skipped_tensors
 
 
 def test_a_multimodal_checkpoint_loads_its_text_model_and_counts_the_skipped_vision_tensors(
     multimodal,
 ) -> None:
-    directory, engine = multimodal
+    directory, engine, skipped_tensors = multimodal
     with safe_open(str(directory / "model.safetensors"), "pt") as fh:
         names = list(fh.keys())
     visual = sum(1 for n in names if "visual" in n)
     assert visual > 0
     assert json.loads((directory / "config.json").read_text())["model_type"] == "qwen3_5"
-    assert engine.skipped_tensors == visual
+    assert skipped_tensors == visual
 
 
 def test_a_multimodal_checkpoints_option_logits_equal_its_own_text_only_forward(
     multimodal, checkpoint, tokenizer
 ) -> None:
-    directory, engine = multimodal
+    directory, engine, _ = multimodal
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the same tokenizer
         assert (directory / name).read_bytes() == (checkpoint / name).read_bytes(), name
     full = Qwen3_5ForConditionalGeneration.from_pretrained(str(directory), dtype=torch.float32)

@@ -14,11 +14,10 @@ from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.app import create_app
 from semif_serve.domain.numerics import GIB, MIB
-from semif_serve.domain.types import DecisionError, TooManyRows
+from semif_serve.domain.types import ConfigurationError, DecisionError, TooManyRows
 from semif_serve.doors.native.api import native_error
 from semif_serve.engine.memory import CudaMemory, ReleasePolicy
 from semif_serve.engine.worker import EngineWorker
-from semif_serve.service.settings import ConfigurationError
 from semif_serve.service.startup import Service
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -258,7 +257,7 @@ def test_a_failure_while_building_the_response_is_a_500_envelope_and_the_service
     def broken(*args, **kwargs):
         raise KeyError(TOKEN)
 
-    monkeypatch.setattr(native_module, "result_dict", broken)
+    monkeypatch.setattr(native_module, "decision_result", broken)
     secret_state = "the secret state text"
     failed = post(app, "/decide", decision(state=secret_state))
     assert failed.status_code == 500

@@ -13,8 +13,8 @@ import pytest
 from conftest import TOKEN, decision, make_settings
 from memory_sim import SimulatedMemory, cuda_oom
 
-from semif_serve.domain.types import DecisionError
-from semif_serve.service.settings import ConfigurationError, load_settings
+from semif_serve.domain.types import ConfigurationError, DecisionError
+from semif_serve.service.settings import load_settings
 from semif_serve.service.startup import Service
 from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
 

@@ -596,7 +596,7 @@ def test_an_unknown_x_workload_is_400_naming_the_known_ones(operator_app):
 
 
 def test_a_workload_map_naming_an_unknown_workload_stops_startup(engine, checkpoint):
-    from semif_serve.service.settings import ConfigurationError
+    from semif_serve.domain.types import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="SEMIF_SYSTEMONE_WORKLOADS: nope"):
         Service.start(make_settings(checkpoint, systemone_workloads="choice=nope"), engine=engine)

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,16 +19,15 @@ from starlette.staticfiles import StaticFiles
 
 from semif_serve import SEMIF_COMMIT, __version__
 from semif_serve.domain.prompt import PROMPT_VERSION
-from semif_serve.doors.base import Door, door_of
-from semif_serve.doors.native.api import REQUEST_MODELS, NativeDoor
+from semif_serve.doors.base import DecisionDoor, door_of
+from semif_serve.doors.native.api import NativeDoor
 from semif_serve.doors.native.schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
-from semif_serve.doors.systemone.api import REQUEST_MODELS as SYSTEMONE_REQUEST_MODELS
 from semif_serve.doors.systemone.api import SystemOneDoor
 from semif_serve.doors.systemone.schemas import MAX_OPTIONS as SYSTEMONE_MAX_OPTIONS
 from semif_serve.http.admission import Admission, ASGIApp
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.errors import HTTP_ERRORS, ServiceError, internal
-from semif_serve.http.observability import Metrics, RequestContext
+from semif_serve.http.observability import REQUEST_ID_HEADER, Metrics, RequestContext
 from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot, take_snapshot
 
@@ -48,8 +48,8 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
         "max_queue": settings.max_queue,
         "max_body_bytes": settings.max_body_bytes,
         "release_margin_mib": settings.release_margin_mib,
-        "answer_codes": service.engine.codec.capacity,
-        "systemone_max_options": min(SYSTEMONE_MAX_OPTIONS, service.engine.codec.capacity),
+        "answer_codes": service.core.capacity,
+        "systemone_max_options": min(SYSTEMONE_MAX_OPTIONS, service.core.capacity),
         "systemone_max_input_tokens": settings.systemone_max_input_tokens,
         "systemone_max_rows": settings.systemone_max_rows,
     }
@@ -60,7 +60,7 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
         "ready": now.ready,
         "version": __version__,
         "semif": {"commit": SEMIF_COMMIT, "prompt_version": PROMPT_VERSION},
-        "model": service.engine.model_info,
+        "model": service.core.model_info,
         "device": settings.device,
         "dtype": settings.dtype,
         "demo": service.demo,
@@ -123,7 +123,7 @@ def publish_schema(api: FastAPI, models: Sequence[type[BaseModel]]) -> None:
     api.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(service: Service, doors: Sequence[Door] | None = None) -> RequestContext:
+def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) -> RequestContext:
     """The ASGI app over `service`, with the native and System One doors and any further `doors`.
 
     The returned app exposes `.admission` and `.metrics`.
@@ -137,8 +137,7 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
         openapi_url=None,
         redirect_slashes=False,
     )
-    native = NativeDoor(service)
-    all_doors: list[Door] = [native, SystemOneDoor(service), *(doors or [])]
+    all_doors: list[DecisionDoor] = [NativeDoor(service), SystemOneDoor(service), *(doors or [])]
     settings = service.settings
     protected = {path for door in all_doors for path in door.protected_paths}
     if not settings.metrics_public:
@@ -209,7 +208,7 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
     async def metrics_route() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    publish_schema(api, [*REQUEST_MODELS, *SYSTEMONE_REQUEST_MODELS])
+    publish_schema(api, [model for door in all_doors for model in door.request_models])
 
     @api.get(OPENAPI_PATH, include_in_schema=False)
     async def openapi_json() -> JSONResponse:
@@ -226,4 +225,10 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
         )
 
     api.mount(DOCS_ASSETS, StaticFiles(directory=_swagger_assets()), name="docs-assets")
-    return RequestContext(admission, metrics)
+    # Metric and log labels: every declared route of the app and its doors; any other path is "other".
+    routes = {route.path for route in api.routes if isinstance(route, APIRoute)}
+
+    def id_headers(path: str) -> tuple[bytes, ...]:
+        return (REQUEST_ID_HEADER, *door_of(all_doors, path).request_id_headers)
+
+    return RequestContext(admission, metrics, routes, id_headers)

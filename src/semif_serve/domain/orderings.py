@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Literal
 
 from semif_serve.domain.numerics import argmax, softmax
-from semif_serve.domain.types import Combined
+from semif_serve.domain.types import Combined, Ordering
 
 COMBINE_METHOD = "log-mean"
 # Calibration modes: one per orderings value, "single" for a question asked once.
@@ -14,6 +15,24 @@ NATIVE_MODES = ("single", "rotations", "all")  # what the native door can ask
 MODES = (*NATIVE_MODES, "shifts", "reversal")  # System One adds the bounded modes
 MAX_ALL_OPTIONS = 4  # every permutation of 5 options would be 120 rows
 MAX_SHIFTS = 4  # "shifts": at most this many evenly spaced cyclic shifts, whatever the option count
+
+ANSWER_TYPES = ("noul", "choice", "score")
+NO_ORDERINGS = "none"
+# Which orderings each answer type may be asked in: score levels keep their order (reversal only).
+ALLOWED_ORDERINGS: dict[str, tuple[str, ...]] = {
+    "noul": (NO_ORDERINGS, "rotations", "reversal"),
+    "choice": (NO_ORDERINGS, "rotations", "shifts", "reversal", "all"),
+    "score": (NO_ORDERINGS, "reversal"),
+}
+OrderingName = Literal["none", "rotations", "shifts", "reversal", "all"]
+# The core's orderings for each name (`none`: asked once, in the caller's order).
+CORE_ORDERINGS: dict[str, Ordering | None] = {
+    NO_ORDERINGS: None,
+    "rotations": "rotations",
+    "shifts": "shifts",
+    "reversal": "reversal",
+    "all": "all",
+}
 
 
 def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
@@ -80,3 +99,32 @@ def combine(
         agreement=agree / len(orders),
         spread=max(top_probs) - min(top_probs),
     )
+
+
+# -- the operator's per-type maps (SEMIF_SYSTEMONE_ORDERINGS, SEMIF_SYSTEMONE_WORKLOADS) ------------
+
+
+def parse_type_map(text: str) -> dict[str, str]:
+    """`"noul=a,choice=b"` -> `{"noul": "a", "choice": "b"}`; every key an answer type, once."""
+    mapping: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or not value:
+            raise ValueError(f"{item!r} is not <type>=<value>")
+        if kind not in ANSWER_TYPES:
+            raise ValueError(f"{kind!r} is not an answer type ({', '.join(ANSWER_TYPES)})")
+        if kind in mapping:
+            raise ValueError(f"{kind!r} appears more than once")
+        mapping[kind] = value
+    return mapping
+
+
+def orderings_policy(text: str) -> dict[str, str]:
+    """Every answer type's default orderings: `none`, or `<type>=<mode>,...` (a type left out: none)."""
+    if text.strip() == NO_ORDERINGS:
+        return dict.fromkeys(ANSWER_TYPES, NO_ORDERINGS)
+    policy = dict.fromkeys(ANSWER_TYPES, NO_ORDERINGS) | parse_type_map(text)
+    for kind, mode in policy.items():
+        if mode not in ALLOWED_ORDERINGS[kind]:
+            raise ValueError(f"{kind}={mode} is not allowed (allowed: {', '.join(ALLOWED_ORDERINGS[kind])})")
+    return policy

@@ -221,3 +221,7 @@ class EngineFailure(DecisionError):
 
     def __init__(self) -> None:
         super().__init__("The service failed while answering this request.")
+
+
+class ConfigurationError(Exception):
+    """Invalid configuration; the message names the variable and never echoes secrets."""

@@ -1,38 +1,167 @@
-"""What every HTTP door shares: the door interface the app composes.
+"""What every door shares: the door interface, error rules and their lookup, asking the core,
+the reply wrapper and the published error responses.
 
-A door owns a set of routes (admission authenticates its protected paths), turns domain
-errors into its own status and body through its own table, and renders every error on its
-paths in its own shape.
+A door declares its paths, its routes and request models, its one table from domain error to
+`ErrorRule`, and how it renders an error on its paths; the rest lives here once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel
 
-from semif_serve.http.errors import ServiceError
+from semif_serve.domain.types import DecisionError, DecisionOutcome, Question
+from semif_serve.http.errors import ServiceError, internal
+from semif_serve.service.core import RequestRecord
+from semif_serve.service.startup import Service
+
+log = logging.getLogger("semif_serve.doors")
+
+BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
+Reply = TypeVar("Reply", bound=BaseModel)
+
+# Every status a door may answer besides 200, and why (a door adds its own words per status).
+ERROR_STATUSES: dict[int, str] = {
+    400: "the body is not JSON, Content-Length is malformed, or the compressed body is corrupt",
+    401: "missing, malformed or wrong bearer token",
+    404: "no such route",
+    405: "the method is not allowed on this route",
+    408: "the body did not arrive within SEMIF_BODY_TIMEOUT_SECONDS",
+    413: "the body, a prompt or the rows pass a limit, or one row needs more memory than the cap leaves",
+    415: "a Content-Encoding other than gzip or zstd (or a stack of them)",
+    422: "a field breaks a rule",
+    429: "too many requests in progress; Retry-After",
+    500: "an unexpected failure; the service stays up",
+    503: "out of device memory, or draining; Retry-After",
+}
 
 
-class Door(Protocol):
-    """An HTTP surface over the decision core."""
+@dataclass(frozen=True)
+class ErrorRule:
+    """How a door answers one domain error: status and code (TypeSafe's `error_type` on System
+    One), the field it names on a one-question route and on a many-question route (`{question}`
+    is the question's index), headers, and when it applies (for the contract)."""
+
+    status: int
+    code: str
+    field: str | None = None
+    shared_field: str | None = None
+    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    when: str = ""
+
+
+class NoErrorRule(LookupError):
+    """A domain error that a door's table has no rule for: a bug, answered 500 and logged by name."""
+
+
+def rule_for(table: Mapping[type[DecisionError], ErrorRule], exc: DecisionError) -> ErrorRule:
+    """The rule for `exc`: its own class's, else the nearest base class's that has one."""
+    for kind in type(exc).__mro__:
+        if kind in table:
+            return table[kind]
+    raise NoErrorRule(f"no error rule for {type(exc).__name__}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A door's own bounds on a request, passed to the core."""
+
+    max_input_tokens: int
+    max_options: int
+    max_rows: int
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses `model` itself (to keep its own 4xx)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def error_responses(
+    model: type[BaseModel], overrides: Mapping[int, tuple[type[BaseModel], str]] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """The published error responses of a door: every status in ERROR_STATUSES with the door's
+    error body `model`, and a door's own model or words where `overrides` says."""
+    published: dict[int | str, dict[str, Any]] = {}
+    for status, description in ERROR_STATUSES.items():
+        body, words = (overrides or {}).get(status, (model, description))
+        published[status] = {"model": body, "description": words}
+    return published
+
+
+class DecisionDoor(ABC):
+    """An HTTP surface over the decision core: routes, request models and one error table."""
 
     #: Paths starting with this belong to the door (its error shape answers their 404/405/500).
-    path_prefix: str
+    path_prefix: ClassVar[str]
     #: Paths that need the bearer token (admission checks it from the headers, before a slot).
-    protected_paths: frozenset[str]
+    protected_paths: ClassVar[frozenset[str]]
+    #: Request bodies the routes parse themselves, published in the OpenAPI schema.
+    request_models: ClassVar[tuple[type[BaseModel], ...]]
+    #: The door's one table from domain error to its answer.
+    errors: ClassVar[Mapping[type[DecisionError], ErrorRule]]
+    #: Headers, beside X-Request-ID, that carry the request id on the door's paths.
+    request_id_headers: ClassVar[tuple[bytes, ...]] = ()
 
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    @abstractmethod
     def router(self) -> APIRouter:
         """The door's routes, ready to include in the app."""
-        ...
 
+    @abstractmethod
     def render(self, error: ServiceError, request: Request) -> Response:
         """An error on one of the door's paths, in the door's own body shape."""
-        ...
+
+    @abstractmethod
+    def refusal(self, exc: DecisionError, rule: ErrorRule, shared: bool, ids: Sequence[str]) -> ServiceError:
+        """The door's answer to a domain error under its rule (`ids`: the questions, in order)."""
+
+    async def ask(
+        self, request: Request, state: Any, questions: Sequence[Question], *, shared: bool, limits: Limits
+    ) -> DecisionOutcome:
+        """Ask the core, record the call for the log line and the metrics, and turn a domain
+        error into the door's refusal through its table."""
+        try:
+            outcome = await self.service.core.decide(
+                state,
+                questions,
+                shared=shared,
+                max_input_tokens=limits.max_input_tokens,
+                max_options=limits.max_options,
+                max_rows=limits.max_rows,
+            )
+        except DecisionError as exc:
+            rule = rule_for(self.errors, exc)
+            raise self.refusal(exc, rule, shared, [q.id for q in questions]) from None
+        request.state.record = RequestRecord.of(outcome)
+        return outcome
+
+    async def reply(self, request: Request, build: Callable[[bytes], Awaitable[BaseModel]]) -> JSONResponse:
+        """Read the body, build the reply model and send it as JSON (fields left unset are left
+        out); any failure that is not a refusal is a 500 in the door's shape, logged by name."""
+        body = await request.body()
+        try:
+            reply = await build(body)
+        except ServiceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failure building the reply is a 500, the service stays up
+            detail = f" ({exc})" if isinstance(exc, NoErrorRule) else ""
+            log.error("failed to build the response: %s%s", type(exc).__name__, detail)
+            raise internal() from None
+        return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
 
 
-def door_of(doors: Sequence[Door], path: str) -> Door:
+def door_of(doors: Sequence[DecisionDoor], path: str) -> DecisionDoor:
     """The door that owns `path`: the longest matching prefix wins; the native door ("") is the fallback."""
     return max((d for d in doors if path.startswith(d.path_prefix)), key=lambda d: len(d.path_prefix))

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from semif_serve.engine.runner import CheckpointError
-from semif_serve.service.settings import ConfigurationError
+from semif_serve.domain.types import ConfigurationError
+from semif_serve.engine.loader import CheckpointError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

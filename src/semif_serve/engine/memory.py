@@ -13,7 +13,7 @@ import os
 from typing import Protocol
 
 from semif_serve.domain.numerics import GIB
-from semif_serve.service.settings import ConfigurationError
+from semif_serve.domain.types import ConfigurationError
 
 log = logging.getLogger("semif_serve.memory")
 

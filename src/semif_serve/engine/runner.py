@@ -1,4 +1,4 @@
-"""The engine: loads the checkpoint, and scores rows (one question + ordered options) over a state.
+"""The runner: scores rows (one question + ordered options) over a state with a loaded model.
 
 A row's score is SemIf's readout: the full-vocabulary logits at the last prompt position,
 in float32, restricted to the answer slots. Rows that share a state run through one path:
@@ -18,53 +18,20 @@ import logging
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from semif_serve.domain.numerics import MIB
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
 from semif_serve.domain.types import BatchTiming, DecisionError, PromptRow, TooLargeForMemory
 from semif_serve.engine.batching import Group, Job, Part
-from semif_serve.engine.memory import CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
+from semif_serve.engine.loader import LoadedModel, ModelIdentity
+from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
 from semif_serve.engine.state_cache import StateCache, StoredState, logits_over, prefill, prefix_digest
-from semif_serve.service.settings import ConfigurationError, Settings
 
 log = logging.getLogger("semif_serve.engine")
 
-QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 DIRECT_READOUT = "native full-vocabulary last-position logits restricted to declared answer slots"
 SHARED_READOUT = "native selected suffix-position logits"
 SHARED_SERVING_CONFIG = "native-state-prefix-parallel-v1"
-DEMO_NOTE = "random weights: the answers carry no meaning"
-
-
-class CheckpointError(Exception):
-    """The checkpoint cannot be served as it is; the message says why."""
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What results and /health report about the loaded model; `demo` is the one truth for demo."""
-
-    source: str
-    revision: str
-    dtype: str
-    device: str
-    demo: bool
-
-    def as_dict(self) -> dict[str, str]:
-        """The `model` block of every result, keys in upstream's order."""
-        info = {
-            "source": self.source,
-            "revision": self.revision,
-            "dtype": self.dtype,
-            "device": self.device,
-            "torch_version": _torch_version(),
-            "transformers_version": _transformers_version(),
-        }
-        if self.demo:
-            info["demo"] = DEMO_NOTE
-        return info
 
 
 @dataclass(frozen=True)
@@ -141,17 +108,6 @@ class ScoredRow:
     run: GroupRun
 
 
-def checkpoint_tensor_names(directory: Path) -> list[str]:
-    """Every tensor name stored in the directory's safetensors files."""
-    from safetensors import safe_open
-
-    names: list[str] = []
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as fh:
-            names.extend(fh.keys())
-    return names
-
-
 class TorchEngine:
     """A loaded model and tokenizer that reads rows; owned by one worker thread.
 
@@ -168,7 +124,6 @@ class TorchEngine:
         identity: ModelIdentity,
         memory: DeviceMemory,
         headroom_bytes: int | None = None,
-        skipped_tensors: int = 0,
         cache: StateCache | None = None,
         prefill_chunk_tokens: int | None = None,
     ) -> None:
@@ -180,18 +135,25 @@ class TorchEngine:
         self.identity = identity
         self.memory = memory
         self.headroom_bytes = headroom_bytes
-        self.skipped_tensors = skipped_tensors
         self.cache = cache if cache is not None else StateCache(0)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.device = torch.device(identity.device)
         self.slot_ids = torch.tensor(codec.slots, device=self.device)
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
         self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
         tokenizer = codec.tokenizer
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.model_info = identity.as_dict()
+
+    @classmethod
+    def over(cls, loaded: LoadedModel) -> TorchEngine:
+        """An engine over a loaded checkpoint (no state cache until startup gives it one)."""
+        return cls(loaded.model, loaded.codec, loaded.identity, loaded.memory)
+
+    @property
+    def capacity(self) -> int:
+        """How many answer codes the loaded tokenizer can read (System One's option cap)."""
+        return self.codec.capacity
 
     def with_memory(self, memory: DeviceMemory, headroom_bytes: int | None = None) -> TorchEngine:
         """The same weights, codec and state cache on another memory view and headroom (a new engine)."""
@@ -201,7 +163,6 @@ class TorchEngine:
             self.identity,
             memory,
             headroom_bytes,
-            self.skipped_tensors,
             self.cache,
             self.prefill_chunk_tokens,
         )
@@ -214,90 +175,8 @@ class TorchEngine:
             self.identity,
             self.memory,
             self.headroom_bytes,
-            self.skipped_tensors,
             cache,
             prefill_chunk_tokens,
-        )
-
-    @classmethod
-    def load(cls, settings: Settings, memory: DeviceMemory | None = None) -> TorchEngine:
-        """Load a local Qwen3.5 checkpoint; refuse anything that cannot be served faithfully.
-
-        Never downloads. Requires a revision string; checks the architecture and the device;
-        refuses missing or mismatched weights and loader errors; skips the multimodal
-        checkpoint's unused vision and MTP weights (logged once). A checkpoint with DEMO.json
-        is a demo model whatever SEMIF_DEMO says. The tokenizer's answer codes (alphabet.py) are
-        computed here; the first 16 are always A..P, so native prompts never change.
-        """
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
-
-        directory = settings.require_model()
-        if memory is None:
-            memory = _device_memory(settings, torch)
-        if isinstance(memory, CudaMemory):
-            memory.apply_cap()
-        try:
-            config = AutoConfig.from_pretrained(
-                str(directory), local_files_only=True, trust_remote_code=False
-            )
-        except Exception as exc:
-            raise CheckpointError(f"cannot read {directory}/config.json: {exc}") from None
-        model_cls: Any
-        if config.model_type in QWEN35_MODEL_TYPES:
-            model_cls, model_config = Qwen3_5ForCausalLM, config.get_text_config()
-        elif settings.allow_any_architecture:
-            model_cls, model_config = AutoModelForCausalLM, config
-        else:
-            raise CheckpointError(
-                f"model_type {config.model_type!r} is not a Qwen3.5 text model; set "
-                "SEMIF_ALLOW_ANY_ARCHITECTURE=true to serve it anyway"
-            )
-        dtype = getattr(torch, settings.dtype or "float32")
-        try:
-            model, info = model_cls.from_pretrained(
-                str(directory),
-                config=model_config,
-                dtype=dtype,
-                local_files_only=True,
-                trust_remote_code=False,
-                output_loading_info=True,
-                # Report wrong-shaped tensors in `mismatched_keys` (refused below, by name) instead
-                # of transformers' bare "ignore_mismatched_sizes is False" error.
-                ignore_mismatched_sizes=True,
-            )
-        except Exception as exc:
-            raise CheckpointError(f"the checkpoint failed to load: {exc}") from None
-        problems = {k: list(info.get(k) or []) for k in ("missing_keys", "mismatched_keys", "error_msgs")}
-        if any(problems.values()):
-            detail = "; ".join(f"{k}: {v[:5]}" for k, v in problems.items() if v)
-            raise CheckpointError(f"the checkpoint is incomplete or mismatched ({detail})")
-        used = sum(1 for _ in model.named_parameters())
-        skipped = max(0, len(checkpoint_tensor_names(directory)) - used)
-        if skipped:
-            log.info("skipped %d checkpoint tensors the text model does not use", skipped)
-        model.to(settings.device)
-        model.eval()
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(directory), local_files_only=True, trust_remote_code=False
-        )
-        assert settings.dtype is not None  # Settings fills the device's default
-        identity = ModelIdentity(
-            source=settings.model_source,
-            revision=settings.model_revision,
-            dtype=settings.dtype,
-            device=settings.device,
-            demo=settings.demo or (directory / "DEMO.json").exists(),
-        )
-        codec = PromptCodec(tokenizer)
-        return cls(
-            model,
-            codec,
-            identity,
-            memory,
-            skipped_tensors=skipped,
-            cache=StateCache(settings.state_cache_mib * MIB),
-            prefill_chunk_tokens=settings.prefill_chunk_tokens,
         )
 
     # -- reading ------------------------------------------------------------------------------
@@ -525,28 +404,3 @@ def shared_token_prefix(state_prefix: list[int], prompts: Sequence[EncodedPrompt
         while length < limit and all(p.ids[length] == first[length] for p in prompts):
             length += 1
     return first[:length]
-
-
-def _device_memory(settings: Settings, torch: Any) -> DeviceMemory:
-    if settings.device == "cpu":
-        return HostMemory()
-    if not torch.cuda.is_available():
-        raise ConfigurationError("SEMIF_DEVICE=cuda but no CUDA device is visible")
-    if torch.cuda.device_count() != 1:
-        raise ConfigurationError(
-            f"SEMIF_DEVICE=cuda needs exactly one visible GPU, found {torch.cuda.device_count()} "
-            "(set CUDA_VISIBLE_DEVICES)"
-        )
-    return CudaMemory(settings.vram_cap_gib)
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)

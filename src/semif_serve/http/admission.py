@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.body_encoding import SUPPORTED, BodyDecoder, CorruptBody, requested_coding
@@ -37,19 +37,6 @@ log = logging.getLogger("semif_serve.admission")
 
 ASCII_DIGITS = re.compile(rb"[0-9]+")  # int() and isdigit() would accept Unicode digits
 RETRY_AFTER_SECONDS = "1"
-
-
-def error_response(error: ServiceError, request_id: str | None = None) -> JSONResponse:
-    """The envelope as a response: the one serialisation of every error the service sends."""
-    headers = dict(error.headers)
-    if request_id is not None:
-        headers["X-Request-ID"] = request_id
-    return JSONResponse(error.envelope(request_id), status_code=error.status, headers=headers)
-
-
-def native_render(error: ServiceError, request: Request) -> JSONResponse:
-    """The native envelope, with the error's headers and the request id."""
-    return error_response(error, getattr(request.state, "request_id", None))
 
 
 def busy(max_queue: int) -> ServiceError:
@@ -111,7 +98,7 @@ class Admission:
         body_timeout_seconds: float,
         authenticator: Authenticator,
         protected_paths: Collection[str],
-        render: ErrorRenderer = native_render,
+        render: ErrorRenderer,
     ) -> None:
         self.app = app
         self.render = render
@@ -150,7 +137,9 @@ class Admission:
     async def refuse(self, scope: Scope, send: Send, error: ServiceError) -> None:
         """Answer `error` as a complete response, in the shape of the door that owns the path."""
         response = self.render(error, Request(scope))
-        await send({"type": "http.response.start", "status": error.status, "headers": response.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+        )
         await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
     async def _screened(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 
 class ServiceError(Exception):
     """A failure the service answers on purpose: an HTTP status, a stable code, a message.
@@ -27,17 +29,20 @@ class ServiceError(Exception):
         self.field = field
         self.headers = headers or {}
 
-    @property
-    def is_client_error(self) -> bool:
-        """True for a refusal of the request itself (4xx): nothing ran that needs releasing."""
-        return 400 <= self.status < 500
-
     def envelope(self, request_id: str | None = None) -> dict[str, Any]:
         """The JSON body of the error response."""
         body: dict[str, Any] = {"code": self.code, "message": self.message, "field": self.field}
         if request_id is not None:
             body["request_id"] = request_id
         return {"error": body}
+
+
+def error_response(error: ServiceError, request_id: str | None = None) -> JSONResponse:
+    """The native envelope as a response: the one serialisation of every native error."""
+    headers = dict(error.headers)
+    if request_id is not None:
+        headers["X-Request-ID"] = request_id
+    return JSONResponse(error.envelope(request_id), status_code=error.status, headers=headers)
 
 
 # The errors a door answers on its own (not from a domain error): code -> status.

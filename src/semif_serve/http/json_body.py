@@ -8,6 +8,7 @@ convert, and lone UTF-16 surrogates in any string or key, naming the field where
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -90,3 +91,18 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise BodyError(INVALID_VALUE, "the request body must be a JSON object")
     return document
+
+
+def require_finite(value: Any, path: str, what: str) -> Any:
+    """`value` unchanged if it serialises as finite JSON (no NaN or Infinity anywhere inside), else
+    ValueError naming where (`state.v[1]`) and `what` must be finite."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{where} holds {item!r}; {what} must serialise as finite JSON")
+        if isinstance(item, dict):
+            stack.extend((child, f"{where}.{key}") for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in reversed(list(enumerate(item))))
+    return value

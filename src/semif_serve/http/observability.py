@@ -2,8 +2,8 @@
 
 `RequestContext` is the outermost ASGI layer: it names every request, stamps
 `X-Request-ID` on every response, and on completion logs and counts what the route
-recorded in `scope["state"]["log"]` (rows, tokens, timings, workload: never the state
-text, never the token).
+recorded in `scope["state"]["record"]` (a `RequestRecord`: rows, tokens, timings, workloads;
+never the state text, never the token).
 """
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from semif_serve.http.admission import Admission, Receive, Scope, Send
+from semif_serve.service.core import RequestRecord
 from semif_serve.service.status import StatusSnapshot
 
 log = logging.getLogger("semif_serve.request")
 
+REQUEST_ID_HEADER = b"x-request-id"
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-ROUTES = {"/decide", "/decide/shared", "/health", "/metrics", "/openapi.json", "/docs"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -159,22 +159,22 @@ class Metrics:
         """Report the live status, read through `snapshot` at every scrape."""
         self.registry.register(StatusCollector(snapshot))
 
-    def observe(self, route: str, status: int, seconds: float, fields: dict[str, Any]) -> None:
+    def observe(self, route: str, status: int, seconds: float, record: RequestRecord | None) -> None:
         """Count one answered request and what its route recorded."""
         self.requests.labels(route, str(status)).inc()
         self.seconds.labels(route).observe(seconds)
-        if "rows" in fields:
-            self.rows.inc(fields["rows"])
-        if "forward_seconds" in fields:
-            self.forward.observe(fields["forward_seconds"])
-        if "prefix_tokens" in fields:
-            self.prefix.observe(fields["prefix_tokens"])
+        if record is None:
+            return
+        self.rows.inc(record.rows)
+        self.forward.observe(record.forward_seconds)
+        if record.prefix_tokens is not None:
+            self.prefix.observe(record.prefix_tokens)
 
 
 def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
     """The caller's X-Request-ID when it is sane (<= 128 of [A-Za-z0-9._:-]), else a new one."""
     for name, value in headers:
-        if name == b"x-request-id":
+        if name == REQUEST_ID_HEADER:
             text = value.decode("latin-1")
             if SANE_REQUEST_ID.fullmatch(text):
                 return text
@@ -184,9 +184,17 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
 class RequestContext:
     """Names each request, stamps X-Request-ID, and logs and counts it once it is answered."""
 
-    def __init__(self, app: Admission, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: Admission,
+        metrics: Metrics,
+        routes: Collection[str],
+        id_headers: Callable[[str], Sequence[bytes]] = lambda path: (REQUEST_ID_HEADER,),
+    ) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = frozenset(routes)  # metric and log labels; any other path is "other"
+        self.id_headers = id_headers  # the headers a path's responses carry the request id in
 
     @property
     def admission(self) -> Admission:
@@ -201,15 +209,17 @@ class RequestContext:
         request_id = request_id_from(scope["headers"])
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
-        state["log"] = {}
+        state["record"] = None
         status = 0
 
         async def stamped(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+                names = self.id_headers(scope["path"])
+                headers = [h for h in message.get("headers", []) if h[0].lower() not in names]
+                stamps = [(name, request_id.encode()) for name in names]
+                message = {**message, "headers": [*headers, *stamps]}
             await send(message)
 
         try:
@@ -217,9 +227,10 @@ class RequestContext:
         finally:
             seconds = time.perf_counter() - started
             path = scope["path"]
-            route = path if path in ROUTES else "other"
-            fields = state.get("log", {})
-            self.metrics.observe(route, status, seconds, fields)
+            route = path if path in self.routes else "other"
+            record: RequestRecord | None = state.get("record")
+            self.metrics.observe(route, status, seconds, record)
+            fields = record.log_fields() if record is not None else {}
             if route != "/metrics" and not (route == "/health" and status == 200):
                 log.info(
                     "request",

@@ -26,8 +26,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from semif_serve.http.admission import error_response
-from semif_serve.http.errors import ServiceError
+from semif_serve.http.errors import ServiceError, error_response
 
 log = logging.getLogger("semif_serve.server")
 

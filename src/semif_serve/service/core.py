@@ -7,7 +7,7 @@ with its own limits and maps the `DecisionError`s it raises to its own status an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from semif_serve.domain.calibration import CalibrationTable, calibrated_probabilities
@@ -24,6 +24,7 @@ from semif_serve.domain.types import (
     TooManyRows,
     UnknownWorkload,
 )
+from semif_serve.engine.loader import ModelIdentity
 from semif_serve.engine.runner import Readout, TorchEngine
 from semif_serve.engine.worker import EngineWorker
 
@@ -117,6 +118,16 @@ class DecisionCore:
         """The `model` block results report."""
         return self.engine.model_info
 
+    @property
+    def identity(self) -> ModelIdentity:
+        """The loaded model's identity (source, revision, dtype, device, demo)."""
+        return self.engine.identity
+
+    @property
+    def capacity(self) -> int:
+        """How many options one question can have: the tokenizer's answer codes."""
+        return self.engine.capacity
+
     async def decide(
         self,
         state: Any,
@@ -165,21 +176,40 @@ def _locate(exc: DecisionError, planned: Sequence[PlannedQuestion]) -> None:
             return
 
 
-def outcome_record(outcome: DecisionOutcome) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RequestRecord:
     """What the request log line and the metrics keep of an answered call (no text, no token)."""
-    readouts = [r for q in outcome.questions for r in q.readouts]
-    record: dict[str, Any] = {
-        "rows": len(readouts),
-        "input_tokens": sum(r.input_tokens for r in readouts),
-        "forward_seconds": round(outcome.forward_seconds, 6),
-        "engine_seconds": round(outcome.total_seconds, 6),
-    }
-    if outcome.timing is not None:
-        record["prefix_tokens"] = outcome.timing.prefix_tokens
-        record["forward_batches"] = outcome.timing.forward_batches
-        record["merged_requests"] = outcome.timing.merged_requests
-        record["prefill"] = outcome.timing.prefill
-    named = sorted({q.question.workload for q in outcome.questions if q.question.workload})
-    if named:
-        record["workloads"] = named
-    return record
+
+    rows: int
+    input_tokens: int
+    forward_seconds: float
+    engine_seconds: float
+    prefix_tokens: int | None = None  # None on the direct path
+    forward_batches: int | None = None
+    merged_requests: int | None = None
+    prefill: str | None = None
+    workloads: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, outcome: DecisionOutcome) -> RequestRecord:
+        """The record of one answered call."""
+        readouts = [r for q in outcome.questions for r in q.readouts]
+        timing = outcome.timing
+        return cls(
+            rows=len(readouts),
+            input_tokens=sum(r.input_tokens for r in readouts),
+            forward_seconds=round(outcome.forward_seconds, 6),
+            engine_seconds=round(outcome.total_seconds, 6),
+            prefix_tokens=timing.prefix_tokens if timing else None,
+            forward_batches=timing.forward_batches if timing else None,
+            merged_requests=timing.merged_requests if timing else None,
+            prefill=timing.prefill if timing else None,
+            workloads=tuple(sorted({q.question.workload for q in outcome.questions if q.question.workload})),
+        )
+
+    def log_fields(self) -> dict[str, Any]:
+        """The fields of the request's JSON log line (those that apply to this call)."""
+        fields = {k: v for k, v in asdict(self).items() if v is not None and k != "workloads"}
+        if self.workloads:
+            fields["workloads"] = list(self.workloads)
+        return fields

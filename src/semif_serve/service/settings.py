@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from datetime import date
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from semif_serve.doors.systemone.schemas import orderings_policy, parse_type_map
+from semif_serve.domain.orderings import orderings_policy, parse_type_map
+from semif_serve.domain.types import ConfigurationError
 
 ENV_PREFIX = "SEMIF_"
 # Averaging every type over a few orders (see contract.md, System One, for the measured cost).
 DEFAULT_SYSTEMONE_ORDERINGS = "noul=rotations,choice=shifts,score=reversal"
-
-
-class ConfigurationError(Exception):
-    """Invalid configuration; the message names the variable and never echoes secrets."""
 
 
 def validate_token_text(token: str) -> str:
@@ -99,28 +96,29 @@ class Settings(BaseSettings):
     systemone_max_rows: int = Field(
         256, ge=1, description="System One: rows (questions x orderings) per request."
     )
-    systemone_orderings: str = Field(
-        DEFAULT_SYSTEMONE_ORDERINGS,
+    systemone_orderings: Annotated[dict[str, str], NoDecode] = Field(
+        DEFAULT_SYSTEMONE_ORDERINGS,  # parsed once, by the validator below
+        validate_default=True,
         description="System One: orderings per answer type (`none`, or e.g. noul=rotations,choice=shifts).",
     )
-    systemone_workloads: str = Field(
-        "", description="System One: calibration workload per answer type (e.g. choice=authored144)."
+    systemone_workloads: Annotated[dict[str, str], NoDecode] = Field(
+        "",  # parsed once, by the validator below
+        validate_default=True,
+        description="System One: calibration workload per answer type (e.g. choice=authored144).",
     )
     systemone_allow_aliases: bool = Field(
         True, description="System One: serve the model names Jev clients send (jev-latest, jev-preview)."
     )
 
-    @field_validator("systemone_orderings")
+    @field_validator("systemone_orderings", mode="before")
     @classmethod
-    def _orderings_policy(cls, value: str) -> str:
-        orderings_policy(value)
-        return value
+    def _orderings_policy(cls, value: Any) -> Any:
+        return orderings_policy(value) if isinstance(value, str) else value
 
-    @field_validator("systemone_workloads")
+    @field_validator("systemone_workloads", mode="before")
     @classmethod
-    def _workload_map(cls, value: str) -> str:
-        parse_type_map(value)
-        return value
+    def _workload_map(cls, value: Any) -> Any:
+        return parse_type_map(value) if isinstance(value, str) else value
 
     @field_validator("model_revision")
     @classmethod

@@ -10,16 +10,16 @@ from dataclasses import dataclass
 
 from semif_serve.domain.calibration import CalibrationTable, load_calibration
 from semif_serve.domain.numerics import MIB
-from semif_serve.domain.types import PromptRow
-from semif_serve.doors.systemone.schemas import parse_type_map
+from semif_serve.domain.types import ConfigurationError, PromptRow
 from semif_serve.engine.batching import Bounds
 from semif_serve.engine.checkpoint_files import Verification, verify_checkpoint
-from semif_serve.engine.memory import ReleasePolicy
+from semif_serve.engine.loader import CheckpointSpec, load_model
+from semif_serve.engine.memory import DeviceMemory, ReleasePolicy
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.core import DecisionCore
-from semif_serve.service.settings import ConfigurationError, Settings
+from semif_serve.service.settings import Settings
 
 WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
 WARM_UP_ROWS = (
@@ -61,16 +61,14 @@ class Service:
         """
         token = settings.token()
         calibration = load_calibration(settings.calibration)
-        unknown = sorted(
-            set(parse_type_map(settings.systemone_workloads).values()) - set(calibration.names())
-        )
+        unknown = sorted(set(settings.systemone_workloads.values()) - set(calibration.names()))
         if unknown:
             raise ConfigurationError(
                 f"SEMIF_SYSTEMONE_WORKLOADS: {', '.join(unknown)} not in the calibration file"
             )
         weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
         if engine is None:
-            engine = TorchEngine.load(settings)
+            engine = load_engine(settings)
         engine = engine.with_state_cache(
             StateCache(settings.state_cache_mib * MIB), settings.prefill_chunk_tokens
         )
@@ -83,6 +81,27 @@ class Service:
             engine = engine.with_memory(engine.memory, headroom_bytes=cap - baseline)
         core = DecisionCore(engine, worker, calibration)
         return cls(settings, engine, worker, core, token, weights, ready=True)
+
+
+def checkpoint_spec(settings: Settings) -> CheckpointSpec:
+    """The engine's view of the settings: what to load, in which dtype, on which device."""
+    directory = settings.require_model()
+    assert settings.dtype is not None  # Settings fills the device's default
+    return CheckpointSpec(
+        directory=directory,
+        revision=settings.model_revision,
+        source=settings.model_source,
+        dtype=settings.dtype,
+        device=settings.device,
+        demo=settings.demo,
+        allow_any_architecture=settings.allow_any_architecture,
+        vram_cap_gib=settings.vram_cap_gib,
+    )
+
+
+def load_engine(settings: Settings, memory: DeviceMemory | None = None) -> TorchEngine:
+    """Load the configured checkpoint (never downloads) into an engine with no state cache yet."""
+    return TorchEngine.over(load_model(checkpoint_spec(settings), memory))
 
 
 def warm_up(engine: TorchEngine, worker: EngineWorker, max_input_tokens: int) -> None:

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from semif_serve.engine.batching import BatchStats, Bounds
 from semif_serve.engine.state_cache import CacheStats
-from semif_serve.http.admission import Admission
 from semif_serve.service.startup import Service
+
+
+class QueueState(Protocol):
+    """What the snapshot reads of the HTTP admission layer (which sits above this one)."""
+
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def in_progress(self) -> int: ...
+    @property
+    def reading_bodies(self) -> int: ...
+    @property
+    def refused(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,7 @@ class StatusSnapshot:
         return "ok" if self.ready else "starting"
 
 
-def take_snapshot(service: Service, admission: Admission | None) -> StatusSnapshot:
+def take_snapshot(service: Service, admission: QueueState | None) -> StatusSnapshot:
     """Read the queue, drain state, worker and memory once."""
     policy = service.worker.policy
     draining = bool(admission and admission.draining)

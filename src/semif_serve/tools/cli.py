@@ -49,10 +49,10 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
 def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
     """Validate everything, load and warm up the engine, then bind the port; fail closed."""
     from semif_serve.domain.calibration import CalibrationFileError
-    from semif_serve.domain.types import DecisionError
-    from semif_serve.engine.runner import CheckpointError
+    from semif_serve.domain.types import ConfigurationError, DecisionError
+    from semif_serve.engine.loader import CheckpointError
     from semif_serve.http.logs import configure_logging
-    from semif_serve.service.settings import ConfigurationError, load_settings
+    from semif_serve.service.settings import load_settings
     from semif_serve.service.startup import Service
 
     from .app import create_app
@@ -127,9 +127,9 @@ def settings_epilog() -> str:
 
 def check_model(directory: Path, manifest: Path | None) -> int:
     """`semif-serve check-model`: 0 when the directory is complete (and matches the manifest)."""
+    from semif_serve.domain.types import ConfigurationError
     from semif_serve.engine.checkpoint_files import CheckpointFilesError, check_checkpoint, verify_checkpoint
     from semif_serve.engine.memory import GIB
-    from semif_serve.service.settings import ConfigurationError
 
     try:
         report = check_checkpoint(directory)

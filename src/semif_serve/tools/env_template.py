@@ -62,6 +62,8 @@ def _describe_type(annotation: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
         return " or ".join(_describe_type(arg) for arg in args)
+    if origin is dict:
+        return "string"  # a map written as `key=value,...`, parsed once by the settings
     if origin is Literal:
         return "one of " + ", ".join(str(arg) for arg in typing.get_args(annotation))
     names = {bool: "true or false", int: "integer", float: "number", str: "string"}

@@ -7,19 +7,16 @@ result dicts (keys in upstream's order) or its domain error to a status through
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPBearer
 
 from semif_serve.domain.orderings import COMBINE_METHOD
 from semif_serve.domain.prompt import PROMPT_VERSION
 from semif_serve.domain.types import (
     AnswerBoundary,
+    BatchTiming,
     Calibrated,
     DecisionError,
     DecisionOutcome,
@@ -35,72 +32,68 @@ from semif_serve.domain.types import (
     TooManyTokens,
     UnknownWorkload,
 )
+from semif_serve.doors.base import (
+    BEARER,
+    DecisionDoor,
+    ErrorRule,
+    Limits,
+    error_responses,
+    request_body,
+    rule_for,
+)
 from semif_serve.doors.native.schemas import (
     MAX_OPTIONS,
+    CalibratedBody,
+    CombinedBody,
     DecisionBody,
     DecisionResult,
     ErrorEnvelope,
+    ModelInfo,
+    NativeResult,
     QuestionBody,
     SharedDecisionsBody,
     SharedResponse,
+    TimingBody,
     parse_body,
 )
 from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
-from semif_serve.http.admission import native_render
-from semif_serve.http.errors import ServiceError, internal
-from semif_serve.service.core import outcome_record
-from semif_serve.service.startup import Service
-
-log = logging.getLogger("semif_serve.native")
+from semif_serve.http.errors import ServiceError, error_response
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
 
 
-@dataclass(frozen=True)
-class NativeErrorRule:
-    """How the native door answers one domain error: status, code, and the field it names on
-    `/decide` and on `/decide/shared` (`{question}` is the decision's index)."""
-
-    status: int
-    code: str
-    decide_field: str | None
-    shared_field: str | None
-    headers: Mapping[str, str] = field(default_factory=dict)
-    when: str = ""
-
-
-NATIVE_ERRORS: dict[type[DecisionError], NativeErrorRule] = {
-    TooManyOptions: NativeErrorRule(
+NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
+    TooManyOptions: ErrorRule(
         422, "validation_error", "options", "decisions[{question}].options", when="too many options"
     ),
-    TooManyRows: NativeErrorRule(
+    TooManyRows: ErrorRule(
         422, "too_many_rows", "orderings", "decisions", when="decisions × orderings over SEMIF_MAX_ROWS"
     ),
-    TooManyTokens: NativeErrorRule(
+    TooManyTokens: ErrorRule(
         422, "too_many_tokens", "state", "decisions[{question}]", when="a prompt over SEMIF_MAX_INPUT_TOKENS"
     ),
-    UnknownWorkload: NativeErrorRule(
+    UnknownWorkload: ErrorRule(
         422,
         "unknown_workload",
         "workload",
         "decisions[{question}].workload",
         when="`workload` is not in the calibration file; the message lists the known ones",
     ),
-    AnswerBoundary: NativeErrorRule(
+    AnswerBoundary: ErrorRule(
         422,
         "answer_boundary",
         "state",
         "decisions[{question}]",
         when="appending an answer letter would change this prompt's tokenisation",
     ),
-    TooLargeForMemory: NativeErrorRule(
+    TooLargeForMemory: ErrorRule(
         413,
         "too_large_for_memory",
         "state",
         "decisions[{question}]",
         when="one row alone needs more memory than the cap leaves; the message says how much",
     ),
-    OutOfMemory: NativeErrorRule(
+    OutOfMemory: ErrorRule(
         503,
         "out_of_memory",
         None,
@@ -108,15 +101,19 @@ NATIVE_ERRORS: dict[type[DecisionError], NativeErrorRule] = {
         {"Retry-After": "1"},
         when="the forward ran out of device memory; memory was released; `Retry-After`",
     ),
-    EngineFailure: NativeErrorRule(500, "internal_error", None, None, when="an unexpected engine failure"),
+    EngineFailure: ErrorRule(500, "internal_error", None, None, when="an unexpected engine failure"),
 }
 
 
 def native_error(exc: DecisionError, shared: bool) -> ServiceError:
-    """The native door's answer to a domain error, naming the request field it concerns."""
-    rule = next(NATIVE_ERRORS[kind] for kind in type(exc).__mro__ if kind in NATIVE_ERRORS)
-    template = rule.shared_field if shared else rule.decide_field
-    path = template.format(question=exc.question or 0) if template else None
+    """The native door's answer to a domain error, naming the request field it concerns: the
+    decision's own field where its position is known, else the list of decisions."""
+    rule = rule_for(NATIVE_ERRORS, exc)
+    template = rule.shared_field if shared else rule.field
+    path = None
+    if template is not None:
+        known = exc.question is not None
+        path = template.format(question=exc.question) if known else template.split("[{question}]")[0]
     return ServiceError(rule.status, rule.code, exc.message, path, dict(rule.headers))
 
 
@@ -134,173 +131,144 @@ def to_question(body: QuestionBody) -> Question:
 # -- results ------------------------------------------------------------------------------------
 
 
-def semif_result(
-    question_id: str, readout: OrderingReadout, outcome: DecisionOutcome, model: dict[str, Any]
-) -> dict[str, Any]:
-    """SemIf's result dict for one ordering, keys in upstream's order."""
+def model_info(identity: dict[str, str], outcome: DecisionOutcome) -> ModelInfo:
+    """The `model` block: the engine's identity, plus the serving config on the shared path."""
     if outcome.shared:
-        model = {**model, "serving_config": SHARED_SERVING_CONFIG}
-    return {
-        "id": question_id,
-        "option_ids": list(readout.option_ids),
-        "probabilities": readout.probabilities,
-        "option_logits": readout.option_logits,
-        "input_tokens": readout.input_tokens,
-        "forward_seconds": outcome.forward_seconds,
-        "total_seconds": outcome.total_seconds,
-        "prompt_sha256": readout.prompt_sha256,
-        "prompt_version": PROMPT_VERSION,
-        "model": model,
-        "readout": SHARED_READOUT if outcome.shared else DIRECT_READOUT,
-        "probability_status": PROBABILITY_STATUS,
-    }
+        return ModelInfo(**identity, serving_config=SHARED_SERVING_CONFIG)
+    return ModelInfo(**identity)
 
 
-def _calibrated(calibrated: Calibrated, option_ids: list[str] | None) -> dict[str, Any]:
+def semif_result(
+    question_id: str, readout: OrderingReadout, outcome: DecisionOutcome, model: ModelInfo
+) -> NativeResult:
+    """SemIf's result dict for one ordering, keys in upstream's order."""
+    return NativeResult(
+        id=question_id,
+        option_ids=list(readout.option_ids),
+        probabilities=readout.probabilities,
+        option_logits=readout.option_logits,
+        input_tokens=readout.input_tokens,
+        forward_seconds=outcome.forward_seconds,
+        total_seconds=outcome.total_seconds,
+        prompt_sha256=readout.prompt_sha256,
+        prompt_version=PROMPT_VERSION,
+        model=model,
+        readout=SHARED_READOUT if outcome.shared else DIRECT_READOUT,
+        probability_status=PROBABILITY_STATUS,
+    )
+
+
+def calibrated_body(calibrated: Calibrated, option_ids: list[str] | None) -> CalibratedBody:
+    """Probabilities at the workload's temperature: a list for a single read, by id when combined."""
     probs = calibrated.probabilities
-    return {
-        "workload": calibrated.workload,
-        "temperature": calibrated.temperature,
-        "temperature_mode": calibrated.temperature_mode,
-        "probabilities": dict(zip(option_ids, probs, strict=True)) if option_ids else probs,
-    }
+    return CalibratedBody(
+        workload=calibrated.workload,
+        temperature=calibrated.temperature,
+        temperature_mode=calibrated.temperature_mode,
+        probabilities=dict(zip(option_ids, probs, strict=True)) if option_ids else probs,
+    )
 
 
-def result_dict(answer: QuestionOutcome, outcome: DecisionOutcome, model: dict[str, Any]) -> dict[str, Any]:
+def timing_body(timing: BatchTiming) -> TimingBody:
+    """How the shared-path batch ran."""
+    return TimingBody(**timing.as_dict())
+
+
+def decision_result(
+    answer: QuestionOutcome, outcome: DecisionOutcome, identity: dict[str, str]
+) -> DecisionResult:
     """One decision's reply: the native result for the caller's order, plus orderings/combined/calibrated."""
     question = answer.question
+    model = model_info(identity, outcome)
     natives = [semif_result(question.id, r, outcome, model) for r in answer.readouts]
-    result = dict(natives[0])
+    result = DecisionResult(**dict(natives[0]))
     if answer.combined is None:
         if answer.calibrated is not None:
-            result["calibrated"] = _calibrated(answer.calibrated, None)
+            result.calibrated = calibrated_body(answer.calibrated, None)
         return result
     combined = answer.combined
-    block: dict[str, Any] = {
-        "method": COMBINE_METHOD,
-        "mode": combined.mode,
-        "orderings": combined.orderings,
-        "probabilities": combined.probabilities,
-        "top": combined.top,
-        "agreement": combined.agreement,
-        "spread": combined.spread,
-    }
+    block = CombinedBody(
+        method=COMBINE_METHOD,
+        mode=combined.mode,
+        orderings=combined.orderings,
+        probabilities=combined.probabilities,
+        top=combined.top,
+        agreement=combined.agreement,
+        spread=combined.spread,
+    )
     if answer.calibrated is not None:
-        block["calibrated"] = _calibrated(answer.calibrated, [o.id for o in question.options])
-    result["orderings"] = natives
-    result["combined"] = block
+        block.calibrated = calibrated_body(answer.calibrated, [o.id for o in question.options])
+    result.orderings = natives
+    result.combined = block
     return result
 
 
 # -- the door -------------------------------------------------------------------------------------
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorEnvelope, "description": description}
-    for status, description in {
-        400: "the body is not JSON, or Content-Length is malformed",
-        401: "missing, malformed or wrong bearer token",
-        413: "the body is too large, or one row needs more memory than the cap leaves",
-        422: "a field breaks a rule (the envelope names the field and the rule)",
-        429: "too many requests in progress; Retry-After",
-        500: "an unexpected failure; the service stays up",
-        503: "out of device memory, or draining; Retry-After",
-    }.items()
-}
 
-
-def json_body(model: type[Any]) -> dict[str, Any]:
-    """The OpenAPI request body of a route that parses `model` itself (to keep its own 4xx)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
-
-
-class NativeDoor:
+class NativeDoor(DecisionDoor):
     """SemIf's native API over the decision core."""
 
     path_prefix = ""
     protected_paths = frozenset({"/decide", "/decide/shared"})
-
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    request_models = (DecisionBody, SharedDecisionsBody)
+    errors = NATIVE_ERRORS
 
     def render(self, error: ServiceError, request: Request) -> JSONResponse:
         """The native envelope, with the error's headers and the request id."""
-        return native_render(error, request)
+        return error_response(error, getattr(request.state, "request_id", None))
 
-    async def decide(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
+    def refusal(self, exc: DecisionError, rule: ErrorRule, shared: bool, ids: Sequence[str]) -> ServiceError:
+        """The native envelope's error for a domain error (the field names the decision)."""
+        return native_error(exc, shared)
+
+    @property
+    def limits(self) -> Limits:
+        """SemIf's own bounds: at most 16 options (A..P), the native row and token caps."""
+        settings = self.service.settings
+        return Limits(settings.max_input_tokens, MAX_OPTIONS, settings.max_rows)
+
+    async def decide(self, request: Request, body: bytes) -> DecisionResult:
         """`POST /decide`: one decision; orderings run as one shared batch."""
         decision = parse_body(DecisionBody, body)
-        outcome = await self._ask(decision.state, [to_question(decision)], shared=False)
-        record.update(outcome_record(outcome))
-        result = result_dict(outcome.questions[0], outcome, self.service.core.model_info)
+        outcome = await self.ask(
+            request, decision.state, [to_question(decision)], shared=False, limits=self.limits
+        )
+        result = decision_result(outcome.questions[0], outcome, self.service.core.model_info)
         if outcome.timing is not None:
-            result["timing"] = outcome.timing.as_dict()
+            result.timing = timing_body(outcome.timing)
         return result
 
-    async def decide_shared(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
+    async def decide_shared(self, request: Request, body: bytes) -> SharedResponse:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        request = parse_body(SharedDecisionsBody, body)
-        questions = [to_question(d) for d in request.decisions]
-        outcome = await self._ask(request.state, questions, shared=True)
-        record.update(outcome_record(outcome))
-        model = self.service.core.model_info
-        results = [result_dict(q, outcome, model) for q in outcome.questions]
-        timing = outcome.timing.as_dict() if outcome.timing is not None else {}
-        return {"results": results, "timing": timing}
-
-    async def _ask(self, state: Any, questions: list[Question], shared: bool) -> DecisionOutcome:
-        settings = self.service.settings
-        try:
-            return await self.service.core.decide(
-                state,
-                questions,
-                shared=shared,
-                max_input_tokens=settings.max_input_tokens,
-                max_options=MAX_OPTIONS,
-                max_rows=settings.max_rows,
-            )
-        except DecisionError as exc:
-            raise native_error(exc, shared) from None
-
-    async def _answer(
-        self, request: Request, handler: Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]]
-    ) -> JSONResponse:
-        body = await request.body()
-        record = request.state.log if hasattr(request.state, "log") else {}
-        try:
-            return JSONResponse(await handler(body, record))
-        except ServiceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failure building the reply is a 500 envelope
-            log.error("failed to build the response: %s", type(exc).__name__)
-            raise internal() from None
+        shared = parse_body(SharedDecisionsBody, body)
+        questions = [to_question(d) for d in shared.decisions]
+        outcome = await self.ask(request, shared.state, questions, shared=True, limits=self.limits)
+        identity = self.service.core.model_info
+        results = [decision_result(q, outcome, identity) for q in outcome.questions]
+        assert outcome.timing is not None  # the shared path always times its batch
+        return SharedResponse(results=results, timing=timing_body(outcome.timing))
 
     def router(self) -> APIRouter:
         """`POST /decide` and `POST /decide/shared`, declared for the published schema."""
-        router = APIRouter(dependencies=[Security(BEARER)], responses=ERROR_RESPONSES)
+        router = APIRouter(dependencies=[Security(BEARER)], responses=error_responses(ErrorEnvelope))
 
         @router.post(
             "/decide",
             summary="One decision",
             responses={200: {"model": DecisionResult}},
-            openapi_extra=json_body(DecisionBody),
+            openapi_extra=request_body(DecisionBody),
         )
         async def decide(request: Request) -> JSONResponse:
-            return await self._answer(request, self.decide)
+            return await self.reply(request, lambda body: self.decide(request, body))
 
         @router.post(
             "/decide/shared",
             summary="Many decisions over one state, one batch",
             responses={200: {"model": SharedResponse}},
-            openapi_extra=json_body(SharedDecisionsBody),
+            openapi_extra=request_body(SharedDecisionsBody),
         )
         async def decide_shared(request: Request) -> JSONResponse:
-            return await self._answer(request, self.decide_shared)
+            return await self.reply(request, lambda body: self.decide_shared(request, body))
 
         return router
-
-
-REQUEST_MODELS = (DecisionBody, SharedDecisionsBody)

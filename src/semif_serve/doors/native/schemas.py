@@ -18,7 +18,7 @@ from pydantic import (
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE
 from semif_serve.http.errors import ServiceError, invalid
-from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object
+from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
 MAX_OPTIONS = NATIVE_ALPHABET_SIZE
 SYSTEM_ONE_PATH = "/v1/systemone"
@@ -46,19 +46,7 @@ def _check_state(state: Any) -> Any:
             raise ValueError("state must not be empty")
     else:
         raise ValueError("state must be a string, object or array")
-    _check_finite(state, "state")
-    return state
-
-
-def _check_finite(value: Any, path: str) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{path} holds {value!r}; the state must serialise as finite JSON")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_finite(item, f"{path}.{key}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_finite(item, f"{path}[{i}]")
+    return require_finite(state, "state", "the state")
 
 
 class OptionBody(BaseModel):
@@ -184,7 +172,7 @@ def parse_body(model: type[Body], body: bytes) -> Body:
         raise invalid(field_path(first["loc"]), message) from None
 
 
-# -- responses (declared for the published schema; the routes build them as SemIf dicts) -------
+# -- responses (the routes build their replies as these models) ----------------------------------
 
 
 class ErrorDetail(BaseModel):
@@ -212,8 +200,8 @@ class ModelInfo(BaseModel):
     device: str
     torch_version: str
     transformers_version: str
-    serving_config: str | None = None
     demo: str | None = None
+    serving_config: str | None = None
 
 
 class NativeResult(BaseModel):

@@ -3,15 +3,15 @@
 Map each typed question (noul, choice, score) onto the decision core's options, ask every
 question of a request (in every ordering) as one shared batch, and map the outcome back to
 System One answers, or a domain error through `SYSTEMONE_ERRORS`, the one table of this door.
-Every error on these paths is rendered by `render_systemone_error` in TypeSafe's shapes.
+Every error on these paths, whoever raises it (admission, routing, the door), is rendered by
+`SystemOneDoor.render` in TypeSafe's shapes.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from semif_serve import __version__
 from semif_serve.domain.numerics import argmax
+from semif_serve.domain.orderings import CORE_ORDERINGS, NO_ORDERINGS
 from semif_serve.domain.prompt import PROMPT_VERSION
 from semif_serve.domain.types import (
     AnswerBoundary,
@@ -36,31 +37,37 @@ from semif_serve.domain.types import (
     TooManyTokens,
     UnknownWorkload,
 )
-from semif_serve.doors.native.api import BEARER, json_body
+from semif_serve.doors.base import (
+    BEARER,
+    DecisionDoor,
+    ErrorRule,
+    Limits,
+    error_responses,
+    request_body,
+)
 from semif_serve.doors.systemone.schemas import (
-    CORE_ORDERINGS,
     MAX_OPTIONS,
     MODELS_PATH,
-    NO_ORDERINGS,
     SYSTEMONE_PATH,
+    ChoiceAnswer,
     ChoiceQuestion,
+    ModelEntry,
     ModelList,
+    NoulAnswer,
     NoulQuestion,
+    ScoreAnswer,
     ScoreQuestion,
+    SemIfBlock,
     SystemOneRequest,
     SystemOneResponse,
     SystemOneValidationError,
     TypeSafeError,
     TypeSafeValidationError,
-    orderings_policy,
+    Usage,
     parse_request,
-    parse_type_map,
 )
-from semif_serve.http.errors import ServiceError, internal
-from semif_serve.service.core import outcome_record
+from semif_serve.http.errors import ServiceError
 from semif_serve.service.startup import Service
-
-log = logging.getLogger("semif_serve.systemone")
 
 # The names a Jev client sends; the loaded model answers them when SEMIF_SYSTEMONE_ALLOW_ALIASES.
 ALIASES = ("jev-latest", "jev-preview")
@@ -77,41 +84,32 @@ NOUL_OPTIONS = ("true", "false")  # `true` in slot A
 # -- errors ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SystemOneErrorRule:
-    """How System One answers one domain error: status and TypeSafe `error_type`."""
-
-    status: int
-    error_type: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    when: str = ""
-
-
-SYSTEMONE_ERRORS: dict[type[DecisionError], SystemOneErrorRule] = {
-    TooManyOptions: SystemOneErrorRule(
+SYSTEMONE_ERRORS: dict[type[DecisionError], ErrorRule] = {
+    TooManyOptions: ErrorRule(
         400, "api_usage_error", when="more options than the loaded tokenizer's answer codes"
     ),
-    TooManyRows: SystemOneErrorRule(
+    TooManyRows: ErrorRule(
         413, "request_too_large", when="questions × orderings over SEMIF_SYSTEMONE_MAX_ROWS"
     ),
-    TooManyTokens: SystemOneErrorRule(
+    TooManyTokens: ErrorRule(
         413,
         "request_too_large",
         when="a prompt over SEMIF_SYSTEMONE_MAX_INPUT_TOKENS; the message gives the need",
     ),
-    TooLargeForMemory: SystemOneErrorRule(
+    TooLargeForMemory: ErrorRule(
         413, "request_too_large", when="one row alone needs more memory than the cap leaves"
     ),
-    UnknownWorkload: SystemOneErrorRule(
-        400, "api_usage_error", when="`x_workload` is not in the calibration file"
-    ),
-    AnswerBoundary: SystemOneErrorRule(
+    UnknownWorkload: ErrorRule(400, "api_usage_error", when="`x_workload` is not in the calibration file"),
+    AnswerBoundary: ErrorRule(
         400, "api_usage_error", when="appending an answer code would change this prompt's tokenisation"
     ),
-    OutOfMemory: SystemOneErrorRule(
-        503, "overloaded_error", {"Retry-After": "1"}, when="the forward ran out of device memory; released"
+    OutOfMemory: ErrorRule(
+        503,
+        "overloaded_error",
+        headers={"Retry-After": "1"},
+        when="the forward ran out of device memory; released",
     ),
-    EngineFailure: SystemOneErrorRule(500, "internal_error", when="an unexpected engine failure"),
+    EngineFailure: ErrorRule(500, "internal_error", when="an unexpected engine failure"),
 }
 
 # Errors raised outside the core (admission, routing, the door) by native code -> TypeSafe type.
@@ -130,18 +128,7 @@ HTTP_ERROR_TYPES = {
     "internal_error": "internal_error",
 }
 # The door's own refusal, outside the core.
-UNKNOWN_MODEL = SystemOneErrorRule(
-    400, "api_usage_error", when="`model` is neither the loaded model nor an alias"
-)
-
-
-def systemone_error(exc: DecisionError, question_ids: list[str]) -> ServiceError:
-    """The System One answer to a domain error; the message names the question where known."""
-    rule = next(SYSTEMONE_ERRORS[kind] for kind in type(exc).__mro__ if kind in SYSTEMONE_ERRORS)
-    where = ""
-    if exc.question is not None and exc.question < len(question_ids):
-        where = f"question {question_ids[exc.question]!r}: "
-    return ServiceError(rule.status, rule.error_type, where + exc.message, None, dict(rule.headers))
+UNKNOWN_MODEL = ErrorRule(400, "api_usage_error", when="`model` is neither the loaded model nor an alias")
 
 
 def systemone_body(error: ServiceError) -> tuple[int, dict[str, Any]]:
@@ -153,26 +140,6 @@ def systemone_body(error: ServiceError) -> tuple[int, dict[str, Any]]:
         return 422, {"detail": [{"loc": ["body"], "msg": error.message, "type": kind}]}
     error_type = HTTP_ERROR_TYPES.get(error.code, error.code)
     return error.status, {"detail": {"error_type": error_type, "message": error.message}}
-
-
-def render_systemone_error(
-    error: ServiceError, request_id: str | None = None
-) -> tuple[int, dict[str, str], bytes]:
-    """Any ServiceError on a System One path (`/v1/...`) as (status, headers, body bytes) in
-    TypeSafe's shapes; admission calls it for the errors it raises before the app runs."""
-    status, body = systemone_body(error)
-    headers = dict(error.headers)
-    if "Retry-After" in headers:
-        # TypeSafe's clients read the finer `retry-after-ms` first.
-        headers["retry-after-ms"] = str(round(float(headers["Retry-After"]) * 1000))
-    if request_id is not None:
-        headers["X-Request-ID"] = request_id
-    response = JSONResponse(body, status_code=status, headers=headers)
-    return (
-        status,
-        {k.decode("latin-1"): v.decode("latin-1") for k, v in response.raw_headers},
-        bytes(response.body),
-    )
 
 
 # -- mapping questions onto the core --------------------------------------------------------------
@@ -251,47 +218,47 @@ def score_confidence(probabilities: list[float]) -> float:
     return min(1.0, max(0.0, 1 - sum(p * abs(i - k) for i, p in enumerate(probabilities)) / spread))
 
 
-def semif_block(answer: QuestionOutcome) -> dict[str, Any]:
+def semif_block(answer: QuestionOutcome) -> SemIfBlock:
     """`x_semif`: the native readout of the caller's order, and how the answer was combined."""
     native = answer.readouts[0]
     combined = answer.combined
     calibrated = answer.calibrated
-    return {
-        "prompt_sha256": native.prompt_sha256,
-        "prompt_version": PROMPT_VERSION,
-        "input_tokens": native.input_tokens,
-        "option_logits": dict(zip(native.option_ids, native.option_logits, strict=True)),
-        "orderings": combined.mode if combined is not None else NO_ORDERINGS,
-        "rows": len(answer.readouts),
-        "agreement": combined.agreement if combined is not None else 1.0,
-        "workload": calibrated.workload if calibrated is not None else None,
-        "temperature": calibrated.temperature if calibrated is not None else None,
-    }
+    return SemIfBlock(
+        prompt_sha256=native.prompt_sha256,
+        prompt_version=PROMPT_VERSION,
+        input_tokens=native.input_tokens,
+        option_logits=dict(zip(native.option_ids, native.option_logits, strict=True)),
+        orderings=combined.mode if combined is not None else NO_ORDERINGS,
+        rows=len(answer.readouts),
+        agreement=combined.agreement if combined is not None else 1.0,
+        workload=calibrated.workload if calibrated is not None else None,
+        temperature=calibrated.temperature if calibrated is not None else None,
+    )
 
 
-def answer_dict(kind: str, answer: QuestionOutcome) -> dict[str, Any]:
+def answer_body(kind: str, answer: QuestionOutcome) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
     """One System One answer from the core's outcome."""
     probabilities = final_probabilities(answer)
     names = [o.id for o in answer.question.options]
     if kind == "noul":
-        return {"type": "noul", "noul": probabilities[0], "x_semif": semif_block(answer)}
+        return NoulAnswer(type="noul", noul=probabilities[0], x_semif=semif_block(answer))
     by_name = dict(zip(names, probabilities, strict=True))
     if kind == "choice":
-        return {
-            "type": "choice",
-            "choice": names[argmax(probabilities)],
-            "probabilities": by_name,
-            "confidence": choice_confidence(probabilities),
-            "x_semif": semif_block(answer),
-        }
-    return {
-        "type": "score",
-        "score": expected_score(probabilities),
-        "legend": {o.id: o.description for o in answer.question.options},
-        "probabilities": by_name,
-        "confidence": score_confidence(probabilities),
-        "x_semif": semif_block(answer),
-    }
+        return ChoiceAnswer(
+            type="choice",
+            choice=names[argmax(probabilities)],
+            probabilities=by_name,
+            confidence=choice_confidence(probabilities),
+            x_semif=semif_block(answer),
+        )
+    return ScoreAnswer(
+        type="score",
+        score=expected_score(probabilities),
+        legend={o.id: o.description for o in answer.question.options},
+        probabilities=by_name,
+        confidence=score_confidence(probabilities),
+        x_semif=semif_block(answer),
+    )
 
 
 def evaluated_tokens(outcome: DecisionOutcome) -> int:
@@ -313,32 +280,39 @@ def release_date(service: Service) -> str:
     return datetime.fromtimestamp(config.stat().st_mtime, UTC).date().isoformat()
 
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: {"model": TypeSafeError, "description": "missing, malformed or wrong bearer token"},
-    400: {"model": TypeSafeError, "description": "unknown model, or a question the answer codes cannot read"},
-    413: {"model": TypeSafeError, "description": "the body, a prompt or the rows pass a limit"},
-    422: {"model": TypeSafeValidationError, "description": "a field breaks a rule"},
-    429: {"model": TypeSafeError, "description": "too many requests in progress; retry-after"},
-    503: {"model": TypeSafeError, "description": "out of device memory, or draining; retry-after"},
-}
+# TypeSafe's bodies for the published error responses (422 is FastAPI's own shape).
+PUBLISHED_ERRORS = error_responses(
+    TypeSafeError,
+    {
+        400: (TypeSafeError, "unknown model, a question the answer codes cannot read, or a corrupt body"),
+        422: (TypeSafeValidationError, "a field breaks a rule"),
+    },
+)
 
 
-class SystemOneDoor:
+class SystemOneDoor(DecisionDoor):
     """TypeSafe's System One over the decision core."""
 
     path_prefix = "/v1/"
     protected_paths = frozenset({SYSTEMONE_PATH, MODELS_PATH})
+    request_models = (SystemOneRequest,)
+    errors = SYSTEMONE_ERRORS
+    request_id_headers = (b"x-typesafe-request-id",)  # what TypeSafe's SDKs read
 
     def __init__(self, service: Service) -> None:
-        self.service = service
+        super().__init__(service)
         settings = service.settings
-        self.policy = Policy(
-            orderings_policy(settings.systemone_orderings), parse_type_map(settings.systemone_workloads)
-        )
-        identity = service.engine.identity
+        self.policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
+        identity = service.core.identity
         self.model_name = f"{identity.source}@{identity.revision}"
-        self.max_options = min(MAX_OPTIONS, service.engine.codec.capacity)
+        self.max_options = min(MAX_OPTIONS, service.core.capacity)
         self.release_date = release_date(service)
+
+    @property
+    def limits(self) -> Limits:
+        """System One's bounds: the operator's token and row caps, the tokenizer's answer codes."""
+        settings = self.service.settings
+        return Limits(settings.systemone_max_input_tokens, self.max_options, settings.systemone_max_rows)
 
     def accepts(self, model: str) -> bool:
         """Whether a request naming `model` is served: the real name, or an alias when allowed."""
@@ -347,112 +321,92 @@ class SystemOneDoor:
         )
 
     def render(self, error: ServiceError, request: Request) -> Response:
-        """Any error on `/v1/...` in TypeSafe's shapes, with the request id."""
-        status, headers, body = render_systemone_error(error, getattr(request.state, "request_id", None))
-        headers.pop("content-length", None)
-        return Response(body, status_code=status, headers=headers)
+        """Any error on `/v1/...` in TypeSafe's shapes: `retry-after-ms` beside `Retry-After`
+        (TypeSafe's clients read the finer one first); the request id headers are stamped by
+        the request context."""
+        status, body = systemone_body(error)
+        headers = dict(error.headers)
+        if "Retry-After" in headers:
+            headers["retry-after-ms"] = str(round(float(headers["Retry-After"]) * 1000))
+        return JSONResponse(body, status_code=status, headers=headers)
 
-    def models(self) -> dict[str, Any]:
+    def refusal(self, exc: DecisionError, rule: ErrorRule, shared: bool, ids: Sequence[str]) -> ServiceError:
+        """The TypeSafe error for a domain error; the message names the question where known."""
+        where = ""
+        if exc.question is not None and exc.question < len(ids):
+            where = f"question {ids[exc.question]!r}: "
+        return ServiceError(rule.status, rule.code, where + exc.message, None, dict(rule.headers))
+
+    def models(self) -> ModelList:
         """`GET /v1/models`: the loaded model's real identity first, then the aliases it answers."""
-        identity = self.service.engine.identity
+        identity = self.service.core.identity
         demo = " Random demo weights: the answers carry no meaning." if identity.demo else ""
-        real = {
-            "name": self.model_name,
-            "description": (
+        real = ModelEntry(
+            name=self.model_name,
+            description=(
                 f"{identity.source} at revision {identity.revision} ({identity.dtype}), read by SemIf's "
                 f"option-logit readout in one forward pass (semif-serve {__version__}); up to "
                 f"{self.max_options} options.{demo}"
             ),
-            "release_date": self.release_date,
-            "x_source": identity.source,
-            "x_revision": identity.revision,
-            "x_max_options": self.max_options,
-            "x_answer_codes": self.service.engine.codec.capacity,
-            "x_max_input_tokens": self.service.settings.systemone_max_input_tokens,
-        }
+            release_date=self.release_date,
+            x_source=identity.source,
+            x_revision=identity.revision,
+            x_max_options=self.max_options,
+            x_answer_codes=self.service.core.capacity,
+            x_max_input_tokens=self.service.settings.systemone_max_input_tokens,
+        )
         aliases = [
-            {
-                "name": alias,
-                "description": f"Alias of {self.model_name}.",
-                "release_date": self.release_date,
-                "x_alias_of": self.model_name,
-            }
+            ModelEntry(
+                name=alias,
+                description=f"Alias of {self.model_name}.",
+                release_date=self.release_date,
+                x_alias_of=self.model_name,
+            )
             for alias in (ALIASES if self.service.settings.systemone_allow_aliases else ())
         ]
-        return {"models": [real, *aliases]}
+        return ModelList(models=[real, *aliases])
 
-    async def answer(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
+    async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
         """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
-        request = parse_request(body, self.max_options)
-        if not self.accepts(request.model):
+        parsed = parse_request(body, self.max_options)
+        if not self.accepts(parsed.model):
+            aliases = (
+                f" (aliases: {', '.join(ALIASES)})" if self.service.settings.systemone_allow_aliases else ""
+            )
             raise ServiceError(
                 UNKNOWN_MODEL.status,
-                UNKNOWN_MODEL.error_type,
-                f"unknown model {request.model!r}; this server serves {self.model_name!r}"
-                + (
-                    f" (aliases: {', '.join(ALIASES)})"
-                    if self.service.settings.systemone_allow_aliases
-                    else ""
-                ),
+                UNKNOWN_MODEL.code,
+                f"unknown model {parsed.model!r}; this server serves {self.model_name!r}{aliases}",
             )
-        ids = list(request.questions)
-        questions = [to_question(qid, q, self.policy) for qid, q in request.questions.items()]
-        outcome = await self._ask(request, questions, ids)
-        record.update(outcome_record(outcome))
+        questions = [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]
+        outcome = await self.ask(request, parsed.state, questions, shared=True, limits=self.limits)
         answers = {
-            qid: answer_dict(request.questions[qid].type, answer)
-            for qid, answer in zip(ids, outcome.questions, strict=True)
+            qid: answer_body(parsed.questions[qid].type, answer)
+            for qid, answer in zip(parsed.questions, outcome.questions, strict=True)
         }
-        return {
-            "model": self.model_name,
-            "answers": answers,
-            "usage": {"input_tokens": evaluated_tokens(outcome), "output_tokens": 0},
-        }
-
-    async def _ask(
-        self, request: SystemOneRequest, questions: list[Question], ids: list[str]
-    ) -> DecisionOutcome:
-        settings = self.service.settings
-        try:
-            return await self.service.core.decide(
-                request.state,
-                questions,
-                shared=True,
-                max_input_tokens=settings.systemone_max_input_tokens,
-                max_options=self.max_options,
-                max_rows=settings.systemone_max_rows,
-            )
-        except DecisionError as exc:
-            raise systemone_error(exc, ids) from None
+        return SystemOneResponse(
+            model=self.model_name,
+            answers=answers,
+            usage=Usage(input_tokens=evaluated_tokens(outcome), output_tokens=0),
+        )
 
     def router(self) -> APIRouter:
         """`POST /v1/systemone` and `GET /v1/models`, declared for the published schema."""
-        router = APIRouter(dependencies=[Security(BEARER)], responses=ERROR_RESPONSES)
+        router = APIRouter(dependencies=[Security(BEARER)], responses=PUBLISHED_ERRORS)
 
         @router.post(
             SYSTEMONE_PATH,
             summary="System One: noul, choice and score questions over one state, one batch",
             responses={200: {"model": SystemOneResponse}},
-            openapi_extra=json_body(SystemOneRequest),
+            openapi_extra=request_body(SystemOneRequest),
         )
         async def systemone(request: Request) -> JSONResponse:
-            body = await request.body()
-            record = request.state.log if hasattr(request.state, "log") else {}
-            try:
-                return JSONResponse(await self.answer(body, record))
-            except ServiceError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a failure building the reply is a 500 in TypeSafe's shape
-                log.error("failed to build the response: %s", type(exc).__name__)
-                raise internal() from None
+            return await self.reply(request, lambda body: self.answer(request, body))
 
         @router.get(
             MODELS_PATH, summary="The loaded model and its aliases", responses={200: {"model": ModelList}}
         )
         async def models() -> JSONResponse:
-            return JSONResponse(self.models())
+            return JSONResponse(self.models().model_dump(mode="json", exclude_unset=True))
 
         return router
-
-
-REQUEST_MODELS = (SystemOneRequest,)

@@ -4,7 +4,6 @@ the published schema declares."""
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -17,34 +16,15 @@ from pydantic import (
     model_validator,
 )
 
-from semif_serve.domain.orderings import MAX_ALL_OPTIONS
-from semif_serve.domain.types import Ordering
+from semif_serve.domain.orderings import ALLOWED_ORDERINGS, MAX_ALL_OPTIONS, OrderingName
 from semif_serve.http.errors import ServiceError
-from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object
+from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
 SYSTEMONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
 MAX_OPTIONS = 255  # System One's own cap; the loaded tokenizer's answer codes may cap lower
 MIN_OPTIONS = 2
 MAX_LEVELS = 10
-ANSWER_TYPES = ("noul", "choice", "score")
-NO_ORDERINGS = "none"
-# Which orderings each answer type may be asked in: score levels keep their order (reversal only).
-ALLOWED_ORDERINGS: dict[str, tuple[str, ...]] = {
-    "noul": (NO_ORDERINGS, "rotations", "reversal"),
-    "choice": (NO_ORDERINGS, "rotations", "shifts", "reversal", "all"),
-    "score": (NO_ORDERINGS, "reversal"),
-}
-OrderingName = Literal["none", "rotations", "shifts", "reversal", "all"]
-# The core's orderings for each name (`none`: asked once, in the caller's order).
-CORE_ORDERINGS: dict[str, Ordering | None] = {
-    NO_ORDERINGS: None,
-    "rotations": "rotations",
-    "shifts": "shifts",
-    "reversal": "reversal",
-    "all": "all",
-}
-
 # Text is a string, or structured data (rendered as JSON text, insertion order kept).
 Text = str | dict[str, Any] | list[Any]
 
@@ -55,20 +35,6 @@ class SystemOneValidationError(ServiceError):
     def __init__(self, detail: list[dict[str, Any]]) -> None:
         super().__init__(422, "validation_error", detail[0]["msg"] if detail else "invalid request")
         self.detail = detail
-
-
-def _require_finite(value: Any) -> Any:
-    """Structured text must serialise as finite JSON (no NaN/Infinity anywhere inside)."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            raise ValueError(f"{item!r} is not finite JSON")
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return value
 
 
 def _check_ordering(kind: str, value: str | None, options: int) -> None:
@@ -89,8 +55,8 @@ class _Question(BaseModel):
 
     @field_validator("instructions")
     @classmethod
-    def _finite(cls, value: Text | None) -> Text | None:
-        return _require_finite(value)
+    def _finite(cls, value: Text | None, info: ValidationInfo) -> Text | None:
+        return require_finite(value, info.field_name or "text", "text")
 
 
 class NoulCriteria(BaseModel):
@@ -102,8 +68,8 @@ class NoulCriteria(BaseModel):
 
     @field_validator("true", "false")
     @classmethod
-    def _finite(cls, value: Text | None) -> Text | None:
-        return _require_finite(value)
+    def _finite(cls, value: Text | None, info: ValidationInfo) -> Text | None:
+        return require_finite(value, info.field_name or "text", "text")
 
 
 class NoulQuestion(_Question):
@@ -131,7 +97,7 @@ class ChoiceQuestion(_Question):
         if not MIN_OPTIONS <= len(criteria) <= limit:
             why = "" if limit == MAX_OPTIONS else " (the answer codes of the loaded tokenizer)"
             raise ValueError(f"a choice has {MIN_OPTIONS} to {limit} options{why}, not {len(criteria)}")
-        return _require_finite(criteria)
+        return require_finite(criteria, "criteria", "text")
 
     @model_validator(mode="after")
     def _orderings(self) -> ChoiceQuestion:
@@ -159,7 +125,7 @@ class ScoreQuestion(_Question):
     def _levels(cls, levels: list[Text]) -> list[Text]:
         if not MIN_OPTIONS <= len(levels) <= MAX_LEVELS:
             raise ValueError(f"a score has {MIN_OPTIONS} to {MAX_LEVELS} levels, not {len(levels)}")
-        return _require_finite(levels)
+        return require_finite(levels, "criteria", "text")
 
     @model_validator(mode="after")
     def _orderings(self) -> ScoreQuestion:
@@ -180,8 +146,8 @@ class SystemOneRequest(BaseModel):
 
     @field_validator("state")
     @classmethod
-    def _finite(cls, value: Text) -> Text:
-        return _require_finite(value)
+    def _finite(cls, value: Text, info: ValidationInfo) -> Text:
+        return require_finite(value, info.field_name or "text", "text")
 
     @field_validator("questions")
     @classmethod
@@ -207,35 +173,6 @@ def parse_request(body: bytes, max_options: int) -> SystemOneRequest:
         errors = exc.errors(include_input=False, include_url=False, include_context=False)
         detail = [{"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in errors]
         raise SystemOneValidationError(detail) from None
-
-
-# -- the operator's per-type maps (SEMIF_SYSTEMONE_ORDERINGS, SEMIF_SYSTEMONE_WORKLOADS) ------------
-
-
-def parse_type_map(text: str) -> dict[str, str]:
-    """`"noul=a,choice=b"` -> `{"noul": "a", "choice": "b"}`; every key an answer type, once."""
-    mapping: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        kind, sep, value = (s.strip() for s in item.partition("="))
-        if not sep or not value:
-            raise ValueError(f"{item!r} is not <type>=<value>")
-        if kind not in ANSWER_TYPES:
-            raise ValueError(f"{kind!r} is not an answer type ({', '.join(ANSWER_TYPES)})")
-        if kind in mapping:
-            raise ValueError(f"{kind!r} appears more than once")
-        mapping[kind] = value
-    return mapping
-
-
-def orderings_policy(text: str) -> dict[str, str]:
-    """Every answer type's default orderings: `none`, or `<type>=<mode>,...` (a type left out: none)."""
-    if text.strip() == NO_ORDERINGS:
-        return dict.fromkeys(ANSWER_TYPES, NO_ORDERINGS)
-    policy = dict.fromkeys(ANSWER_TYPES, NO_ORDERINGS) | parse_type_map(text)
-    for kind, mode in policy.items():
-        if mode not in ALLOWED_ORDERINGS[kind]:
-            raise ValueError(f"{kind}={mode} is not allowed (allowed: {', '.join(ALLOWED_ORDERINGS[kind])})")
-    return policy
 
 
 # -- responses (declared for the published schema) ----------------------------------------------
@@ -300,12 +237,17 @@ class SystemOneResponse(BaseModel):
 
 
 class ModelEntry(BaseModel):
-    """One model name a request may use: the loaded model, or an alias of it."""
+    """One model name a request may use: the loaded model (with its `x_` limits), or an alias of it."""
 
-    model_config = ConfigDict(extra="allow")
     name: str
     description: str
     release_date: str
+    x_source: str | None = None
+    x_revision: str | None = None
+    x_max_options: int | None = None
+    x_answer_codes: int | None = None
+    x_max_input_tokens: int | None = None
+    x_alias_of: str | None = None
 
 
 class ModelList(BaseModel):
