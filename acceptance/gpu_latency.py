@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from semif_serve.http.server import LoopbackServer
-
 from .common import (
     EXIT_ERROR,
     EXIT_GATE_FAILED,
@@ -55,6 +53,7 @@ from .common import (
     write_result,
 )
 from .latency import measure_latency, print_latency
+from .server import LoopbackServer
 from .workloads import (
     LATENCY_CASES,
     binary_criteria,

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from semif_serve.domain.numerics import GIB, MIB
-from semif_serve.http.server import LoopbackServer
 
 from .common import (
     EXIT_GATE_FAILED,
@@ -51,6 +50,7 @@ from .gpu_latency import (
     service_settings,
     write_random_checkpoint,
 )
+from .server import LoopbackServer
 from .workloads import filler, fit_words, prefix_tokens_probe
 
 LARGE_REQUEST = (1960, 24)  # (prefix tokens, rows): a burst well past the release margin

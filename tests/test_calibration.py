@@ -17,7 +17,16 @@ from semif_serve.domain.calibration import (
     load_calibration,
 )
 from semif_serve.domain.numerics import top_label_ece as expected_calibration_error
-from semif_serve.tools.calibration_fit import calibration_report, fit_temperature, group_folds, run_calibrate
+from semif_serve.tools.calibration_fit import calibration_report, fit_temperature, group_folds
+from semif_serve.tools.cli import main
+
+
+def run_calibrate(argv: list[str]) -> int:
+    """`semif-serve calibrate ARGV` through the real command line; argparse's exits become the status."""
+    try:
+        return main(["calibrate", *argv])
+    except SystemExit as exc:  # argparse exits on --help (0) and on bad arguments (2)
+        return exc.code if isinstance(exc.code, int) else 2
 
 
 def write(tmp_path: Path, text: str, name: str = "calibration.json") -> Path:
@@ -498,45 +507,6 @@ def test_a_well_fitted_workload_prints_no_warning(tmp_path: Path, capsys: pytest
 # --- the reliability diagram --------------------------------------------------------------
 
 
-def decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]], dict[str, str]]:
-    """A minimal PNG reader written from the specification: 8-bit RGB, no interlace, filter 0.
-
-    Returns width, height, rows of pixels and the tEXt chunks; checks every chunk's CRC.
-    """
-    import struct
-    import zlib
-
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, texts, header = 8, b"", {}, None
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat += body
-        elif kind == b"tEXt":
-            key, value = body.split(b"\x00", 1)
-            texts[key.decode("latin-1")] = value.decode("latin-1")
-        pos += 12 + length
-        if kind == b"IEND":
-            break
-    assert header is not None
-    width, height, depth, color_type, _, _, interlace = header
-    assert (depth, color_type, interlace) == (8, 2, 0)
-    raw = zlib.decompress(idat)
-    stride = 1 + 3 * width
-    assert len(raw) == stride * height
-    rows = []
-    for y in range(height):
-        line = raw[y * stride : (y + 1) * stride]
-        assert line[0] == 0, "this reader handles filter type 0 only"
-        rows.append([tuple(line[1 + 3 * x : 4 + 3 * x]) for x in range(width)])
-    return width, height, rows, texts
-
-
 def bin_accuracies_by_hand(gold: Path, preds: Path, temperature: float) -> dict[int, float]:
     labels = {}
     for line in gold.read_text().splitlines():
@@ -552,31 +522,50 @@ def bin_accuracies_by_hand(gold: Path, preds: Path, temperature: float) -> dict[
 
 
 def test_plot_writes_a_png_whose_bars_are_the_bin_accuracies_before_and_after(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from semif_serve.tools.reliability_plot import BAR, PLOT, plot_origin
+    from PIL import Image
 
+    from semif_serve.tools import reliability_plot
+
+    drawn = []
+    real = reliability_plot.reliability_figure
+
+    def spy(*args):
+        drawn.append(real(*args))
+        return drawn[-1]
+
+    monkeypatch.setattr(reliability_plot, "reliability_figure", spy)
     gold, preds, _ = write_fixtures(tmp_path, n=900, t_true=2.0, seed=21)
     out, plot = tmp_path / "report.json", tmp_path / "reliability.png"
     argv = ["--gold", str(gold), "--predictions", str(preds), "--json", str(out), "--plot", str(plot)]
     assert run_calibrate(argv) == 0
     capsys.readouterr()
     report = json.loads(out.read_text())
-    width, height, pixels, texts = decode_png(plot.read_bytes())
-    assert (width, height) == (len(pixels[0]), len(pixels))
+    with Image.open(plot) as image:
+        assert image.format == "PNG" and image.width > 400 and image.height > 200
+        texts = image.text
     assert f"ECE {report['ece_before']:.4f}" in texts["Title"]
     assert f"ECE {report['ece_after']:.4f}" in texts["Title"]
-    for panel, temperature in enumerate([1.0, report["temperature"]]):
+    (figure,) = drawn
+    for axes, temperature in zip(figure.axes, [1.0, report["temperature"]], strict=True):
         expected = bin_accuracies_by_hand(gold, preds, temperature)
-        x0, y0 = plot_origin(panel)
-        for b in range(10):
-            column = [pixels[y][x0 + round((b + 0.5) * PLOT / 10)] for y in range(y0, y0 + PLOT + 1)]
-            bar = [i for i, rgb in enumerate(column) if rgb == BAR]
-            if b not in expected:
-                assert bar == [], (panel, b)
-                continue
-            height_px = PLOT - bar[0] if bar else 0  # the bar's top row, counted up from the x axis
-            assert abs(height_px - expected[b] * PLOT) <= 2, (panel, b, height_px, expected[b])
+        bars = {round(bar.get_x() * 10): bar.get_height() for bar in axes.patches}
+        assert set(bars) == set(expected)
+        for b, accuracy in expected.items():
+            assert bars[b] == pytest.approx(accuracy, abs=1e-9), (temperature, b)
+
+
+def test_plot_without_matplotlib_exits_2_saying_how_to_get_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # an import of it now fails
+    gold, preds, _ = write_fixtures(tmp_path, n=60, t_true=1.0, seed=2)
+    argv = ["--gold", str(gold), "--predictions", str(preds), "--plot", str(tmp_path / "x.png")]
+    assert run_calibrate(argv) == 2
+    assert "--extra plot" in capsys.readouterr().err
 
 
 def test_plot_to_an_unwritable_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,7 @@ from semif_serve.domain.types import (
 )
 from semif_serve.doors.native.api import native_error
 from semif_serve.engine.loader import CheckpointError, load_model
+from semif_serve.engine.runner import TorchEngine
 from semif_serve.service.startup import Service, checkpoint_spec, load_engine
 from semif_serve.tools.demo import write_checkpoint
 

@@ -150,3 +150,18 @@ def test_a_wrong_key_raises_the_sdks_authentication_error(server):
             client.system_one(state=STATE, questions={"refund": Noul(instructions="Money back?")})
     assert refused.value.status == 401
     assert "not-the-token" not in str(refused.value)
+
+
+def test_the_sdk_reads_the_request_id_of_answers_and_of_refusals(server):
+    seen: list[httpx2.Response] = []
+    hooks = {"response": [seen.append]}
+    with TypeSafeClient(
+        api_key=TOKEN, base_url=server.url, http_client=httpx2.Client(event_hooks=hooks)
+    ) as c:
+        result = c.system_one(state=STATE, questions={"refund": Noul(instructions="Money back?")})
+    assert result.request_id == seen[-1].headers["x-request-id"]
+    with TypeSafeClient(api_key="not-the-token", base_url=server.url) as client:
+        with pytest.raises(TypeSafeAuthenticationError) as refused:
+            client.system_one(state=STATE, questions={"refund": Noul(instructions="Money back?")})
+    assert refused.value.request_id is not None
+    assert f"request_id={refused.value.request_id}" in str(refused.value)

@@ -158,8 +158,9 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))
-    for door in all_doors:
-        api.include_router(door.router())
+    routers = [door.router() for door in all_doors]
+    for router in routers:
+        api.include_router(router)
 
     @api.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
@@ -226,7 +227,8 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
 
     api.mount(DOCS_ASSETS, StaticFiles(directory=_swagger_assets()), name="docs-assets")
     # Metric and log labels: every declared route of the app and its doors; any other path is "other".
-    routes = {route.path for route in api.routes if isinstance(route, APIRoute)}
+    declared = [*api.routes, *(route for router in routers for route in router.routes)]
+    routes = {route.path for route in declared if isinstance(route, APIRoute)}
 
     def id_headers(path: str) -> tuple[bytes, ...]:
         return (REQUEST_ID_HEADER, *door_of(all_doors, path).request_id_headers)

@@ -7,12 +7,12 @@ A door declares its paths, its routes and request models, its one table from dom
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,7 +27,8 @@ from semif_serve.service.startup import Service
 log = logging.getLogger("semif_serve.doors")
 
 BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
-Reply = TypeVar("Reply", bound=BaseModel)
+# A route's work: parse the body, ask the core, build the reply model.
+Build = Callable[[Request, bytes], Awaitable[BaseModel]]
 
 # Every status a door may answer besides 200, and why (a door adds its own words per status).
 ERROR_STATUSES: dict[int, str] = {
@@ -84,6 +85,11 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI request body of a route that parses `model` itself (to keep its own 4xx)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def json_reply(reply: BaseModel) -> JSONResponse:
+    """A reply model as JSON, in its fields' order; fields the door left unset are left out."""
+    return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
 
 
 def error_responses(
@@ -147,19 +153,46 @@ class DecisionDoor(ABC):
         request.state.record = RequestRecord.of(outcome)
         return outcome
 
-    async def reply(self, request: Request, build: Callable[[bytes], Awaitable[BaseModel]]) -> JSONResponse:
-        """Read the body, build the reply model and send it as JSON (fields left unset are left
-        out); any failure that is not a refusal is a 500 in the door's shape, logged by name."""
+    async def reply(self, request: Request, build: Build) -> JSONResponse:
+        """Read the body, build the reply model and send it as JSON; any failure that is not a
+        refusal is a 500 in the door's shape, logged by name."""
         body = await request.body()
         try:
-            reply = await build(body)
+            reply = await build(request, body)
         except ServiceError:
             raise
         except Exception as exc:  # noqa: BLE001 - a failure building the reply is a 500, the service stays up
             detail = f" ({exc})" if isinstance(exc, NoErrorRule) else ""
             log.error("failed to build the response: %s%s", type(exc).__name__, detail)
             raise internal() from None
-        return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+        return json_reply(reply)
+
+    def add_post(
+        self,
+        router: APIRouter,
+        path: str,
+        *,
+        name: str,
+        summary: str,
+        body: type[BaseModel],
+        reply: type[BaseModel],
+        build: Build,
+    ) -> None:
+        """Declare `POST path`: the route parses `body` itself (keeping the door's own 4xx) and
+        answers `reply`; both are published in the OpenAPI schema."""
+
+        async def endpoint(request: Request) -> JSONResponse:
+            return await self.reply(request, build)
+
+        router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            name=name,
+            summary=summary,
+            responses={200: {"model": reply}},
+            openapi_extra=request_body(body),
+        )
 
 
 def door_of(doors: Sequence[DecisionDoor], path: str) -> DecisionDoor:

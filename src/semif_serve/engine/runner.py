@@ -209,8 +209,8 @@ class TorchEngine:
             state_prefix = self.codec.state_prefix(state, prompts[0])
             prefix = shared_token_prefix(state_prefix, prompts)
             state_tokens = min(len(state_prefix), len(prefix))
-            width = max(len(p.ids) for p in prompts) - len(prefix)
-            self._rows_that_fit(len(prefix), width)
+            widest = max(range(len(prompts)), key=lambda i: len(prompts[i].ids))
+            self._rows_that_fit(len(prefix), len(prompts[widest].ids) - len(prefix), widest)
         return PreparedRows(
             engine=self,
             prompts=prompts,
@@ -349,15 +349,15 @@ class TorchEngine:
             1, self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, self.prefill_chunk_tokens)
         )
 
-    def _rows_that_fit(self, n_prefix: int, width: int) -> None:
-        """Refuse a request whose single row cannot fit under the headroom."""
+    def _rows_that_fit(self, n_prefix: int, width: int, widest: int) -> None:
+        """Refuse a request whose widest row (at position `widest`) cannot fit under the headroom."""
         if self.headroom_bytes is None:
             return
         chunk = self.prefill_chunk_tokens
         if self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, chunk) == 0:
             need = self.estimate.prefill_bytes(n_prefix, chunk) + self.estimate.row_bytes(n_prefix, width)
             refusal = TooLargeForMemory(need, self.headroom_bytes)
-            refusal.row = 0
+            refusal.row = widest
             raise refusal
 
     def _readout(self, last_logits: Any, n_options: int) -> tuple[list[float], list[float]]:

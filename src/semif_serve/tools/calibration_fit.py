@@ -14,7 +14,7 @@ from typing import Any
 from semif_serve.domain.calibration import T_MAX, T_MIN, calibrated_probabilities
 from semif_serve.domain.numerics import argmax, top_label_bins, top_label_ece
 from semif_serve.domain.orderings import MODES
-from semif_serve.tools.reliability_plot import Panel, write_reliability_png
+from semif_serve.tools.reliability_plot import Panel, PlotUnavailable, write_reliability_png
 
 PROB_FLOOR = 1e-12  # upstream floors the gold probability so one confident miss stays finite
 GOLDEN_ITERATIONS = 60
@@ -348,17 +348,7 @@ def calibrate(args: argparse.Namespace) -> int:
         if args.plot is not None:
             _plot(args.plot, rows, report)
             print(f"wrote the reliability diagram to {args.plot}", file=sys.stderr)
-    except OSError as exc:
+    except (OSError, PlotUnavailable) as exc:
         print(f"semif-serve calibrate: error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def run_calibrate(argv: list[str]) -> int:
-    """`semif-serve calibrate ARGV` through the real command line; argparse's exits become the status."""
-    from semif_serve.tools.cli import main
-
-    try:
-        return main(["calibrate", *argv])
-    except SystemExit as exc:  # argparse exits on --help (0) and on bad arguments (2)
-        return exc.code if isinstance(exc.code, int) else 2

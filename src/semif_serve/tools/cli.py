@@ -48,14 +48,13 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
 
 def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
     """Validate everything, load and warm up the engine, then bind the port; fail closed."""
+    from semif_serve.app import create_app
     from semif_serve.domain.calibration import CalibrationFileError
     from semif_serve.domain.types import ConfigurationError, DecisionError
     from semif_serve.engine.loader import CheckpointError
     from semif_serve.http.logs import configure_logging
     from semif_serve.service.settings import load_settings
     from semif_serve.service.startup import Service
-
-    from .app import create_app
 
     configure_logging()
     try:

@@ -38,7 +38,6 @@ from semif_serve.doors.base import (
     ErrorRule,
     Limits,
     error_responses,
-    request_body,
     rule_for,
 )
 from semif_serve.doors.native.schemas import (
@@ -253,22 +252,22 @@ class NativeDoor(DecisionDoor):
         """`POST /decide` and `POST /decide/shared`, declared for the published schema."""
         router = APIRouter(dependencies=[Security(BEARER)], responses=error_responses(ErrorEnvelope))
 
-        @router.post(
+        self.add_post(
+            router,
             "/decide",
+            name="decide",
             summary="One decision",
-            responses={200: {"model": DecisionResult}},
-            openapi_extra=request_body(DecisionBody),
+            body=DecisionBody,
+            reply=DecisionResult,
+            build=self.decide,
         )
-        async def decide(request: Request) -> JSONResponse:
-            return await self.reply(request, lambda body: self.decide(request, body))
-
-        @router.post(
+        self.add_post(
+            router,
             "/decide/shared",
+            name="decide_shared",
             summary="Many decisions over one state, one batch",
-            responses={200: {"model": SharedResponse}},
-            openapi_extra=request_body(SharedDecisionsBody),
+            body=SharedDecisionsBody,
+            reply=SharedResponse,
+            build=self.decide_shared,
         )
-        async def decide_shared(request: Request) -> JSONResponse:
-            return await self.reply(request, lambda body: self.decide_shared(request, body))
-
         return router

@@ -6,14 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE

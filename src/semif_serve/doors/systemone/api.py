@@ -19,31 +19,18 @@ from fastapi import APIRouter, Request, Security
 from fastapi.responses import JSONResponse, Response
 
 from semif_serve import __version__
+from semif_serve.domain import types as domain
 from semif_serve.domain.numerics import argmax
 from semif_serve.domain.orderings import CORE_ORDERINGS, NO_ORDERINGS
 from semif_serve.domain.prompt import PROMPT_VERSION
-from semif_serve.domain.types import (
-    AnswerBoundary,
-    DecisionError,
-    DecisionOutcome,
-    EngineFailure,
-    Option,
-    OutOfMemory,
-    Question,
-    QuestionOutcome,
-    TooLargeForMemory,
-    TooManyOptions,
-    TooManyRows,
-    TooManyTokens,
-    UnknownWorkload,
-)
+from semif_serve.domain.types import DecisionError, DecisionOutcome, Option, Question, QuestionOutcome
 from semif_serve.doors.base import (
     BEARER,
     DecisionDoor,
     ErrorRule,
     Limits,
     error_responses,
-    request_body,
+    json_reply,
 )
 from semif_serve.doors.systemone.schemas import (
     MAX_OPTIONS,
@@ -85,31 +72,33 @@ NOUL_OPTIONS = ("true", "false")  # `true` in slot A
 
 
 SYSTEMONE_ERRORS: dict[type[DecisionError], ErrorRule] = {
-    TooManyOptions: ErrorRule(
+    domain.TooManyOptions: ErrorRule(
         400, "api_usage_error", when="more options than the loaded tokenizer's answer codes"
     ),
-    TooManyRows: ErrorRule(
+    domain.TooManyRows: ErrorRule(
         413, "request_too_large", when="questions × orderings over SEMIF_SYSTEMONE_MAX_ROWS"
     ),
-    TooManyTokens: ErrorRule(
+    domain.TooManyTokens: ErrorRule(
         413,
         "request_too_large",
         when="a prompt over SEMIF_SYSTEMONE_MAX_INPUT_TOKENS; the message gives the need",
     ),
-    TooLargeForMemory: ErrorRule(
+    domain.TooLargeForMemory: ErrorRule(
         413, "request_too_large", when="one row alone needs more memory than the cap leaves"
     ),
-    UnknownWorkload: ErrorRule(400, "api_usage_error", when="`x_workload` is not in the calibration file"),
-    AnswerBoundary: ErrorRule(
+    domain.UnknownWorkload: ErrorRule(
+        400, "api_usage_error", when="`x_workload` is not in the calibration file"
+    ),
+    domain.AnswerBoundary: ErrorRule(
         400, "api_usage_error", when="appending an answer code would change this prompt's tokenisation"
     ),
-    OutOfMemory: ErrorRule(
+    domain.OutOfMemory: ErrorRule(
         503,
         "overloaded_error",
         headers={"Retry-After": "1"},
         when="the forward ran out of device memory; released",
     ),
-    EngineFailure: ErrorRule(500, "internal_error", when="an unexpected engine failure"),
+    domain.EngineFailure: ErrorRule(500, "internal_error", when="an unexpected engine failure"),
 }
 
 # Errors raised outside the core (admission, routing, the door) by native code -> TypeSafe type.
@@ -394,19 +383,20 @@ class SystemOneDoor(DecisionDoor):
         """`POST /v1/systemone` and `GET /v1/models`, declared for the published schema."""
         router = APIRouter(dependencies=[Security(BEARER)], responses=PUBLISHED_ERRORS)
 
-        @router.post(
+        self.add_post(
+            router,
             SYSTEMONE_PATH,
+            name="systemone",
             summary="System One: noul, choice and score questions over one state, one batch",
-            responses={200: {"model": SystemOneResponse}},
-            openapi_extra=request_body(SystemOneRequest),
+            body=SystemOneRequest,
+            reply=SystemOneResponse,
+            build=self.answer,
         )
-        async def systemone(request: Request) -> JSONResponse:
-            return await self.reply(request, lambda body: self.answer(request, body))
 
         @router.get(
             MODELS_PATH, summary="The loaded model and its aliases", responses={200: {"model": ModelList}}
         )
         async def models() -> JSONResponse:
-            return JSONResponse(self.models().model_dump(mode="json", exclude_unset=True))
+            return json_reply(self.models())
 
         return router
