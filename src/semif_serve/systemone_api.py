@@ -266,6 +266,10 @@ def semif_block(answer: QuestionOutcome) -> dict[str, Any]:
         "agreement": combined.agreement if combined is not None else 1.0,
         "workload": calibrated.workload if calibrated is not None else None,
         "temperature": calibrated.temperature if calibrated is not None else None,
+        "readings": [
+            {"order": list(r.option_ids), "probabilities": dict(zip(r.option_ids, r.probabilities, strict=True))}
+            for r in answer.readouts
+        ],
     }
 
 
@@ -292,6 +296,12 @@ def answer_dict(kind: str, answer: QuestionOutcome) -> dict[str, Any]:
         "confidence": score_confidence(probabilities),
         "x_semif": semif_block(answer),
     }
+
+
+def timing_block(outcome: DecisionOutcome) -> dict[str, Any]:
+    """`x_timing`: how the batch ran (prefill fresh, extended or cached; merging) and its seconds."""
+    batch = outcome.timing.as_dict() if outcome.timing is not None else {}
+    return {**batch, "forward_seconds": outcome.forward_seconds, "total_seconds": outcome.total_seconds}
 
 
 def evaluated_tokens(outcome: DecisionOutcome) -> int:
@@ -407,6 +417,7 @@ class SystemOneDoor:
             "model": self.model_name,
             "answers": answers,
             "usage": {"input_tokens": evaluated_tokens(outcome), "output_tokens": 0},
+            "x_timing": timing_block(outcome),
         }
 
     async def _ask(

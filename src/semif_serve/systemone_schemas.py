@@ -20,6 +20,7 @@ from pydantic import (
 from .domain import Ordering
 from .errors import ServiceError
 from .json_body import INVALID_JSON, BodyError, decode_json_object
+from .native_schemas import TimingBody
 from .orderings import MAX_ALL_OPTIONS
 
 SYSTEMONE_PATH = "/v1/systemone"
@@ -241,6 +242,13 @@ def orderings_policy(text: str) -> dict[str, str]:
 # -- responses (declared for the published schema) ----------------------------------------------
 
 
+class Reading(BaseModel):
+    """One ordering's native readout: the order the options were asked in, and their probabilities."""
+
+    order: list[str]
+    probabilities: dict[str, float]
+
+
 class SemIfBlock(BaseModel):
     """`x_semif`: how one answer was read (native readout of the caller's order, orderings, T)."""
 
@@ -253,6 +261,7 @@ class SemIfBlock(BaseModel):
     agreement: float
     workload: str | None
     temperature: float | None
+    readings: list[Reading]
 
 
 class NoulAnswer(BaseModel):
@@ -291,12 +300,20 @@ class Usage(BaseModel):
     output_tokens: int
 
 
+class BatchTimingBlock(TimingBody):
+    """`x_timing`: how the request's batch ran, and its forward and end-to-end seconds."""
+
+    forward_seconds: float
+    total_seconds: float
+
+
 class SystemOneResponse(BaseModel):
-    """The model that answered (its real identity), one answer per question id, and usage."""
+    """The model that answered (its real identity), one answer per question id, usage, and timing."""
 
     model: str
     answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer]
     usage: Usage
+    x_timing: BatchTimingBlock
 
 
 class ModelEntry(BaseModel):
