@@ -267,7 +267,10 @@ def semif_block(answer: QuestionOutcome) -> dict[str, Any]:
         "workload": calibrated.workload if calibrated is not None else None,
         "temperature": calibrated.temperature if calibrated is not None else None,
         "readings": [
-            {"order": list(r.option_ids), "probabilities": dict(zip(r.option_ids, r.probabilities, strict=True))}
+            {
+                "order": list(r.option_ids),
+                "probabilities": dict(zip(r.option_ids, r.probabilities, strict=True)),
+            }
             for r in answer.readouts
         ],
     }
