@@ -24,6 +24,7 @@ from .errors import HTTP_ERRORS, ServiceError, internal
 from .native_api import REQUEST_MODELS, NativeDoor
 from .native_schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
 from .observability import Metrics, RequestContext
+from .playground import playground_router
 from .prompt import PROMPT_VERSION
 from .startup import Service
 from .status import StatusSnapshot, take_snapshot
@@ -161,6 +162,7 @@ def create_app(service: Service, doors: Sequence[Door] | None = None) -> Request
     metrics.watch(lambda: take_snapshot(service, admission))
     for door in all_doors:
         api.include_router(door.router())
+    api.include_router(playground_router())
 
     @api.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
