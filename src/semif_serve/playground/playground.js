@@ -158,7 +158,9 @@
     const select = byId("model");
     const current = select.value;
     const names = reply.data.models.map((m) => m.name);
-    select.replaceChildren(...reply.data.models.map((m) => el("option", { value: m.name, title: m.description, text: m.name })));
+    const about = Object.fromEntries(reply.data.models.map((m) => [m.name, m.description]));
+    const described = (m) => (m.x_alias_of && about[m.x_alias_of] ? `${m.description} ${about[m.x_alias_of]}` : m.description);
+    select.replaceChildren(...reply.data.models.map((m) => el("option", { value: m.name, title: described(m), text: m.name })));
     select.value = names.includes(current) ? current : names.includes(DEFAULT_MODEL) ? DEFAULT_MODEL : names[0];
     describeModel();
     status.textContent = `Token accepted: ${names.length} model names.`;
@@ -299,7 +301,7 @@
     const facts = el("dl", { class: "facts" });
     const fact = (term, ...value) => facts.append(el("dt", { text: term }), el("dd", {}, ...value));
     if (answer.confidence !== undefined) fact("confidence", num("confidence", answer.confidence));
-    fact("orderings", num("orderings", 0, semif.orderings), " · ", num("rows", 0, String(semif.rows)), " rows");
+    fact("orderings", num("orderings", 0, semif.orderings), " · ", num("rows", 0, String(semif.rows)), semif.rows === 1 ? " row" : " rows");
     fact("agreement", num("agreement", semif.agreement));
     fact("workload", num("workload", 0, semif.workload === null ? "none" : semif.workload));
     fact("temperature", num("temperature", 0, semif.temperature === null ? "none (1)" : String(semif.temperature)));
