@@ -302,7 +302,7 @@ def answer_dict(kind: str, answer: QuestionOutcome) -> dict[str, Any]:
 
 
 def timing_block(outcome: DecisionOutcome) -> dict[str, Any]:
-    """`x_timing`: how the batch ran (prefill fresh, extended or cached; merging) and its seconds."""
+    """`x_timing`: how the batch ran (prefill fresh, extended or cached; merging) and the engine's seconds."""
     batch = outcome.timing.as_dict() if outcome.timing is not None else {}
     return {**batch, "forward_seconds": outcome.forward_seconds, "total_seconds": outcome.total_seconds}
 

@@ -317,7 +317,7 @@
       { class: "footer" },
       el("span", {}, "tokens evaluated ", num("input_tokens", 0, String(data.usage.input_tokens))),
       el("span", {}, "prefill ", num("prefill", 0, timing.prefill || "unknown")),
-      el("span", {}, "service time ", num("total_ms", 0, seconds === undefined ? "unknown" : `${(seconds * 1000).toFixed(1)} ms`)),
+      el("span", { title: "x_timing.total_seconds: tokenizing and forwards, without queueing" }, "engine time ", num("total_ms", 0, seconds === undefined ? "unknown" : `${(seconds * 1000).toFixed(1)} ms`)),
       el("span", {}, "round trip ", num("round_trip_ms", 0, `${milliseconds.toFixed(1)} ms`)),
       el("span", {}, "model ", num("model", 0, data.model)),
     );
