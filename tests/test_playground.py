@@ -244,6 +244,12 @@ def test_the_page_names_no_other_origin_and_has_no_inline_script_or_style():
     assert not re.search(r"\s(style|on[a-z]+)=", html)
 
 
+def test_the_page_script_never_logs_or_stores_anything():
+    script = (ASSETS / "playground.js").read_text()
+    for name in ("console.", "localStorage", "sessionStorage", "indexedDB", "document.cookie", "location.hash"):
+        assert name not in script, name
+
+
 def test_the_page_script_passes_node_check():
     node = shutil.which("node")
     if node is None:
