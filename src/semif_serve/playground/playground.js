@@ -290,6 +290,10 @@
       finals = names.map((n) => answer.probabilities[n]);
       card.append(el("p", { class: "answer" }, "answer ", el("strong", { class: "num", dataset: { field: "choice" }, text: answer.choice })));
       names.forEach((n, k) => bars.append(bar(`bar:${n}`, n, finals[k])));
+    } else if (answer.type !== "score") {
+      // An answer type this page does not draw yet: shown as the service sent it.
+      card.append(el("pre", { class: "raw", text: pretty(answer) }));
+      return card;
     } else {
       names = Object.keys(answer.probabilities);
       finals = names.map((n) => answer.probabilities[n]);
@@ -443,6 +447,21 @@
     button.disabled = true;
     results.setAttribute("aria-busy", "true");
     status.textContent = "Running…";
+    try {
+      results.replaceChildren(...(await columnsFor(planned)));
+      results.className = `results cols-${planned.length}`;
+      status.textContent = "Done.";
+    } catch (exc) {
+      results.replaceChildren(errorBox({ title: "The page could not draw the reply", items: [String(exc.message)] }));
+      status.textContent = "Failed.";
+    } finally {
+      results.removeAttribute("aria-busy");
+      button.disabled = false;
+      document.body.dataset.runs = String(Number(document.body.dataset.runs || 0) + 1);
+    }
+  }
+
+  async function columnsFor(planned) {
     const columns = [];
     for (const request of planned) {
       const reply = await call("POST", SYSTEMONE_PATH, request.body);
@@ -456,12 +475,7 @@
       column.append(copyPanel(request.body, request.label));
       columns.push(column);
     }
-    results.className = `results cols-${columns.length}`;
-    results.replaceChildren(...columns);
-    results.removeAttribute("aria-busy");
-    button.disabled = false;
-    status.textContent = "Done.";
-    document.body.dataset.runs = String(Number(document.body.dataset.runs || 0) + 1);
+    return columns;
   }
 
   // -- setting up the page ---------------------------------------------------------------------------
