@@ -218,12 +218,12 @@
 
   // -- drawing the answers --------------------------------------------------------------------------
 
-  function bar(field, label, p, title) {
+  function bar(field, label, p, title, top) {
     const fill = el("span", { class: "fill" });
     fill.style.width = `${Math.max(0, Math.min(1, p)) * 100}%`;
     return el(
       "li",
-      { class: "bar-row", dataset: { option: label } },
+      { class: top ? "bar-row top" : "bar-row", dataset: { option: label } },
       el("span", { class: "bar-label", title: title || label, text: label }),
       el("span", { class: "track", "aria-hidden": "true" }, fill),
       num(field, p),
@@ -289,7 +289,7 @@
       names = Object.keys(answer.probabilities);
       finals = names.map((n) => answer.probabilities[n]);
       card.append(el("p", { class: "answer" }, "answer ", el("strong", { class: "num", dataset: { field: "choice" }, text: answer.choice })));
-      names.forEach((n, k) => bars.append(bar(`bar:${n}`, n, finals[k])));
+      names.forEach((n, k) => bars.append(bar(`bar:${n}`, n, finals[k], n, n === answer.choice)));
     } else if (answer.type !== "score") {
       // An answer type this page does not draw yet: shown as the service sent it.
       card.append(el("pre", { class: "raw", text: pretty(answer) }));
