@@ -481,7 +481,7 @@ def test_a_bad_request_is_422_in_fastapis_shape_naming_the_field(app, body, loc,
 
 def test_unknown_top_level_fields_are_ignored(app):
     body = ask(app, {"q": {"type": "noul"}}, temperature=0.2, metadata={"a": 1})
-    assert set(body) == {"model", "answers", "usage"}
+    assert set(body) == {"model", "answers", "usage", "x_timing"}
 
 
 def test_an_unknown_path_under_v1_is_404_in_typesafes_shape(app):

@@ -28,6 +28,7 @@ from semif_serve.http.admission import Admission, ASGIApp
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.errors import HTTP_ERRORS, ServiceError, internal
 from semif_serve.http.observability import REQUEST_ID_HEADER, Metrics, RequestContext
+from semif_serve.playground import playground_router
 from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot, take_snapshot
 
@@ -158,7 +159,7 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))
-    routers = [door.router() for door in all_doors]
+    routers = [*(door.router() for door in all_doors), playground_router()]
     for router in routers:
         api.include_router(router)
 

@@ -104,6 +104,22 @@ def error_responses(
     return published
 
 
+class TimingBody(BaseModel):
+    """How a shared-path batch ran."""
+
+    prefix_tokens: int
+    prefill_seconds: float
+    replicate_seconds: float
+    suffix_forward_seconds: float
+    batch_size: int
+    true_suffix_tokens: int
+    padded_suffix_tokens: int
+    forward_batches: int
+    merged_requests: int
+    prefill: str
+    prefill_shared: bool
+
+
 class DecisionDoor(ABC):
     """An HTTP surface over the decision core: routes, request models and one error table."""
 

@@ -80,7 +80,8 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
             f"\nsemif-serve demo (random weights) on http://{settings.host}:{settings.port}\n"
             f"token: {settings.token()}\n"
             f"try:   curl -s -H 'Authorization: Bearer {settings.token()}' "
-            f"http://{settings.host}:{settings.port}/health\n",
+            f"http://{settings.host}:{settings.port}/health\n"
+            f"page:  http://{settings.host}:{settings.port}/playground (paste the token)\n",
             flush=True,
         )
     from semif_serve.http.server import run_server

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE
+from semif_serve.doors.base import TimingBody
 from semif_serve.http.errors import ServiceError, invalid
 from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
@@ -234,22 +235,6 @@ class CombinedBody(BaseModel):
     agreement: float
     spread: float
     calibrated: CalibratedBody | None = None
-
-
-class TimingBody(BaseModel):
-    """How a shared-path batch ran."""
-
-    prefix_tokens: int
-    prefill_seconds: float
-    replicate_seconds: float
-    suffix_forward_seconds: float
-    batch_size: int
-    true_suffix_tokens: int
-    padded_suffix_tokens: int
-    forward_batches: int
-    merged_requests: int
-    prefill: str
-    prefill_shared: bool
 
 
 class DecisionResult(NativeResult):

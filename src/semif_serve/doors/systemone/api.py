@@ -36,12 +36,14 @@ from semif_serve.doors.systemone.schemas import (
     MAX_OPTIONS,
     MODELS_PATH,
     SYSTEMONE_PATH,
+    BatchTimingBlock,
     ChoiceAnswer,
     ChoiceQuestion,
     ModelEntry,
     ModelList,
     NoulAnswer,
     NoulQuestion,
+    Reading,
     ScoreAnswer,
     ScoreQuestion,
     SemIfBlock,
@@ -222,6 +224,13 @@ def semif_block(answer: QuestionOutcome) -> SemIfBlock:
         agreement=combined.agreement if combined is not None else 1.0,
         workload=calibrated.workload if calibrated is not None else None,
         temperature=calibrated.temperature if calibrated is not None else None,
+        readings=[
+            Reading(
+                order=list(r.option_ids),
+                probabilities=dict(zip(r.option_ids, r.probabilities, strict=True)),
+            )
+            for r in answer.readouts
+        ],
     )
 
 
@@ -247,6 +256,16 @@ def answer_body(kind: str, answer: QuestionOutcome) -> NoulAnswer | ChoiceAnswer
         probabilities=by_name,
         confidence=score_confidence(probabilities),
         x_semif=semif_block(answer),
+    )
+
+
+def timing_block(outcome: DecisionOutcome) -> BatchTimingBlock:
+    """`x_timing`: how the batch ran (prefill fresh, extended or cached; merging) and the engine's seconds."""
+    assert outcome.timing is not None  # System One always runs the shared path, which times its batch
+    return BatchTimingBlock(
+        **outcome.timing.as_dict(),
+        forward_seconds=outcome.forward_seconds,
+        total_seconds=outcome.total_seconds,
     )
 
 
@@ -377,6 +396,7 @@ class SystemOneDoor(DecisionDoor):
             model=self.model_name,
             answers=answers,
             usage=Usage(input_tokens=evaluated_tokens(outcome), output_tokens=0),
+            x_timing=timing_block(outcome),
         )
 
     def router(self) -> APIRouter:

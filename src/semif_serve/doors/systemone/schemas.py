@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from semif_serve.domain.orderings import ALLOWED_ORDERINGS, MAX_ALL_OPTIONS, OrderingName
+from semif_serve.doors.base import TimingBody
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
@@ -178,6 +179,13 @@ def parse_request(body: bytes, max_options: int) -> SystemOneRequest:
 # -- responses (declared for the published schema) ----------------------------------------------
 
 
+class Reading(BaseModel):
+    """One ordering's native readout: the order the options were asked in, and their probabilities."""
+
+    order: list[str]
+    probabilities: dict[str, float]
+
+
 class SemIfBlock(BaseModel):
     """`x_semif`: how one answer was read (native readout of the caller's order, orderings, T)."""
 
@@ -190,6 +198,7 @@ class SemIfBlock(BaseModel):
     agreement: float
     workload: str | None
     temperature: float | None
+    readings: list[Reading]
 
 
 class NoulAnswer(BaseModel):
@@ -228,12 +237,20 @@ class Usage(BaseModel):
     output_tokens: int
 
 
+class BatchTimingBlock(TimingBody):
+    """`x_timing`: how the request's batch ran, and its forward and end-to-end seconds."""
+
+    forward_seconds: float
+    total_seconds: float
+
+
 class SystemOneResponse(BaseModel):
-    """The model that answered (its real identity), one answer per question id, and usage."""
+    """The model that answered (its real identity), one answer per question id, usage, and timing."""
 
     model: str
     answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer]
     usage: Usage
+    x_timing: BatchTimingBlock
 
 
 class ModelEntry(BaseModel):
