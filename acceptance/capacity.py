@@ -11,7 +11,10 @@ from typing import Any
 from .common import Client, ServiceCallError
 from .workloads import binary_criteria
 
-MEMORY_REFUSALS = {(503, "out_of_memory"): "out_of_memory", (413, "too_large_for_memory"): "too_large_for_memory"}
+MEMORY_REFUSALS = {
+    (503, "out_of_memory"): "out_of_memory",
+    (413, "too_large_for_memory"): "too_large_for_memory",
+}
 
 
 @dataclass

@@ -87,7 +87,9 @@ def pip_download_command(requirements: list[str], dest: Path, python_version: st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dest", type=Path, default=ROOT / ".whl", help="folder for the wheels (default .whl)")
+    parser.add_argument(
+        "--dest", type=Path, default=ROOT / ".whl", help="folder for the wheels (default .whl)"
+    )
     parser.add_argument("--python-version", default="3.12", help="the lent machine's Python (default 3.12)")
     parser.add_argument(
         "--without-kernels", action="store_true", help="leave out flash-linear-attention (reference kernels)"
@@ -97,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     names = SERVICE_WHEELS + (() if args.without_kernels else KERNEL_WHEELS)
     versions = locked_versions(args.lock, names)
     args.dest.mkdir(parents=True, exist_ok=True)
-    stale = [w for w in args.dest.glob("*.whl") if not any(_is_wheel_of(w, n, v) for n, v in versions.items())]
+    stale = [
+        w for w in args.dest.glob("*.whl") if not any(_is_wheel_of(w, n, v) for n, v in versions.items())
+    ]
     for wheel in stale:
         print(f"removing {wheel.name}: not in the list", file=sys.stderr)
         wheel.unlink()
@@ -106,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     wheels = sorted(args.dest.glob("*.whl"))
     unmatched = [n for n, v in versions.items() if not any(_is_wheel_of(w, n, v) for w in wheels)]
     if unmatched or len(wheels) != len(versions):
-        raise SystemExit(f"expected one wheel per package, got {[w.name for w in wheels]}; missing {unmatched}")
+        raise SystemExit(
+            f"expected one wheel per package, got {[w.name for w in wheels]}; missing {unmatched}"
+        )
     total = sum(w.stat().st_size for w in wheels)
     for wheel in wheels:
         print(wheel.name)

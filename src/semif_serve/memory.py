@@ -181,7 +181,9 @@ class MemoryEstimate:
         # transformers' sdpa_attention_forward calls repeat_kv whenever a mask is passed: keys and
         # values of one layer copied from kv_heads to attention heads (GQA only without a mask).
         groups = config.num_attention_heads // config.num_key_value_heads
-        self.sdpa_copy_per_token = 2 * config.num_attention_heads * head_dim * element_bytes if groups > 1 else 0
+        self.sdpa_copy_per_token = (
+            2 * config.num_attention_heads * head_dim * element_bytes if groups > 1 else 0
+        )
         key_dim = getattr(config, "linear_num_key_heads", 0) * getattr(config, "linear_key_head_dim", 0)
         v_heads = getattr(config, "linear_num_value_heads", 0)
         v_dim = getattr(config, "linear_value_head_dim", 0)
