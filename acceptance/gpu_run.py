@@ -85,6 +85,7 @@ from .workloads import (
 )
 
 EXIT_HARD_LIMIT = 3
+ROOT = Path(__file__).resolve().parents[1]
 REVISION = "random-weights-qwen3.5-4b-geometry-v2"
 SPEC_LATENCY_SERVER_MS = (35, 92, 78, 81, 158)  # 0.1.3 on fv-ml1, server-side medians
 SPEC_CAPACITY = {140: 63, 520: 51, 1960: 26, 3900: 16}  # 0.1.3 on fv-ml1: hints and comparison
@@ -680,9 +681,8 @@ class GpuRun:
         self.needs("service")
         import asyncio
 
-        root = str(Path(__file__).resolve().parents[1])
-        if root not in sys.path:
-            sys.path.insert(0, root)
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
         from bench.batching import measure
 
         measured = asyncio.run(measure(self.service, quick=True))
@@ -926,7 +926,9 @@ def run_preflight(shape: str, device: Device, timeout: float = PREFLIGHT_TIMEOUT
         ]
         started = time.monotonic()
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT
+            )
         except subprocess.TimeoutExpired:
             return {"passed": False, "error": f"timed out after {timeout:.0f} s"}
         seconds = time.monotonic() - started

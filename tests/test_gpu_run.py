@@ -279,3 +279,12 @@ def test_the_kernel_is_read_from_what_transformers_bound_not_from_what_is_instal
 def test_this_machine_binds_the_reference_kernels():
     assert set(bound_kernels().values()) == {"reference"}
     assert not fast_linear_attention(bound_kernels())
+
+
+def test_a_preflight_that_cannot_run_its_kernel_reports_why_instead_of_raising():
+    from acceptance.gpu_run import run_preflight
+
+    # A real child process, as on the GPU; here it has no CUDA device, so its check must fail cleanly.
+    found = run_preflight("demo", Device(cuda=None, tensor_device="cuda"), timeout=300)
+    assert found["passed"] is False
+    assert found["error"] and "seconds" in found
