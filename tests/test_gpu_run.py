@@ -288,3 +288,42 @@ def test_a_preflight_that_cannot_run_its_kernel_reports_why_instead_of_raising()
     found = run_preflight("demo", Device(cuda=None, tensor_device="cuda"), timeout=300)
     assert found["passed"] is False
     assert found["error"] and "seconds" in found
+
+
+FAKE_FLA = """
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False):
+    raise RuntimeError("the planted kernel ran")
+
+
+fused_recurrent_gated_delta_rule = chunk_gated_delta_rule
+"""
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["bound", "fallback"])
+def test_the_fallback_binds_transformers_reference_code_even_where_fla_imports(tmp_path, blocked):
+    import subprocess
+    from pathlib import Path
+
+    package = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "fla", tmp_path / "fla" / "ops"):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(FAKE_FLA)
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import json, sys; from acceptance.kernels import block_kernel_packages, bound_kernels; "
+        + ("block_kernel_packages(); " if blocked else "")
+        + "print(json.dumps(bound_kernels()))"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}:{root}:{root / 'src'}", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    bound = json.loads(done.stdout.strip().splitlines()[-1])
+    planted = "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
+    if blocked:
+        assert set(bound.values()) == {"reference"}
+    else:
+        assert bound["chunk_gated_delta_rule"] == planted == bound["fused_recurrent_gated_delta_rule"]
+        assert bound["causal_conv1d_fn"] == "reference"
