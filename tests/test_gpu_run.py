@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+import torch
 from cuda_sim import MIB, SimulatedCuda
 
 from acceptance.capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
@@ -327,3 +328,35 @@ def test_the_fallback_binds_transformers_reference_code_even_where_fla_imports(t
     else:
         assert bound["chunk_gated_delta_rule"] == planted == bound["fused_recurrent_gated_delta_rule"]
         assert bound["causal_conv1d_fn"] == "reference"
+
+
+@pytest.mark.parametrize(
+    "fraction,device,error",
+    [
+        (1, 0, TypeError),  # torch wants a float: an int fraction fails on the card
+        (1.5, 0, ValueError),
+        (-0.1, 0, ValueError),
+        (0.5, 1, AssertionError),  # one card: index 1 is out of range
+        (0.5, "cpu", ValueError),
+        (0.5, 0.0, ValueError),
+    ],
+)
+def test_the_simulated_card_refuses_what_torch_cuda_refuses(fraction, device, error):
+    cuda = SimulatedCuda()
+    with pytest.raises(error):
+        cuda.set_per_process_memory_fraction(fraction, device)
+    cuda.set_per_process_memory_fraction(0.5, "cuda:0")
+    assert cuda.limit == cuda.properties.total_memory // 2
+
+
+def test_the_simulated_allocator_returns_cached_blocks_before_it_fails():
+    cuda = SimulatedCuda(total_memory=100 * MIB)
+    cuda.set_per_process_memory_fraction(0.5, 0)
+    cuda.allocate(30 * MIB)
+    cuda.free(30 * MIB)
+    assert (cuda.allocated, cuda.reserved) == (0, 30 * MIB)  # kept as cache
+    cuda.allocate(40 * MIB)  # fits once the cache is given back
+    assert cuda.reserved == 40 * MIB
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        cuda.allocate(11 * MIB)
+    assert cuda.out_of_memory_events == 1
