@@ -1,5 +1,5 @@
 """Starting a real semif-serve on a loopback port, for the tests, the benchmarks and
-`gpu_latency`: in a thread of this process, or as a child process (its own GIL and RSS)."""
+`gpu_run`: in a thread of this process, or as a child process (its own GIL and RSS)."""
 
 from __future__ import annotations
 

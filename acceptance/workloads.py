@@ -1,4 +1,4 @@
-"""Synthetic decisions of a chosen size, shared by `latency`, `gpu_latency` and the benchmarks.
+"""Synthetic decisions of a chosen size, shared by `latency`, `gpu_run` and the benchmarks.
 
 States are deterministic filler text whose token count is fitted against the live service
 (its `input_tokens` or `timing.prefix_tokens`), so a "~2,000-token state" means 2,000 tokens

@@ -1,6 +1,7 @@
 """The acceptance commands against a real demo service over loopback HTTP, with fixtures this
 file generates; each parity gate is shown to fail on a perturbed reference; the pure parts of
-the statistics, the state fitting, `gpu_latency` and the bench table on hand-made inputs."""
+the statistics, the state fitting and the bench table on hand-made inputs (the GPU run's parts:
+tests/test_gpu_run.py)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,6 @@ from semif_serve.domain.numerics import expected_calibration_error
 
 ROOT = Path(__file__).resolve().parents[1]
 from acceptance.common import Client, Gate, Outcome, ServiceCallError, format_table, read_jsonl, write_jsonl  # noqa: E402
-from acceptance.gpu_latency import (  # noqa: E402
-    CapacityProbe,
-    Deadline,
-    capacity_decisions,
-    capacity_gates,
-    find_capacity,
-    run_tables,
-    service_settings,
-    write_random_checkpoint,
-)
 from acceptance.parity import negative_control_verdict, rotate_descriptions  # noqa: E402
 from acceptance.server import LoopbackServer  # noqa: E402
 from acceptance.workloads import filler, fit_words  # noqa: E402
@@ -428,98 +419,7 @@ def test_format_table_aligns_numbers_right():
     assert lines[0].startswith("name") and lines[2].endswith("  1.5") and lines[3].endswith("12.25 ms")
 
 
-# -- gpu_latency's pure parts and the bench table -----------------------------------------
-
-
-@pytest.mark.parametrize("capacity,hint", [(40, 63), (100, 63), (63, 63), (1, 16), (0, 16), (2000, 63)])
-def test_find_capacity_brackets_and_bisects(capacity, hint):
-    search = find_capacity(lambda n: n <= capacity, hint=hint, limit=1024)
-    assert search.fits == min(capacity, 1024) and search.complete
-    assert search.capped == (capacity >= 1024)
-    if not search.capped:
-        assert search.first_failure == search.fits + 1
-    assert len(search.probes) <= 16
-
-
-def test_find_capacity_stops_at_the_deadline():
-    budget = iter([True, True, False])
-    search = find_capacity(lambda n: n <= 40, hint=63, limit=1024, keep_going=lambda: next(budget))
-    assert not search.complete and search.fits == 31 and search.first_failure == 63
-
-
-def test_gpu_helpers():
-    decisions = capacity_decisions(120)
-    assert len({d["id"] for d in decisions}) == 120 and all(len(d["options"]) == 2 for d in decisions)
-    settings = service_settings()
-    assert settings["device"] == "cuda" and settings["vram_cap_gib"] == 12.0 and settings["max_rows"] >= 64
-    deadline = Deadline(100.0)
-    assert deadline.allows(50) and not deadline.allows(200) and deadline.left() <= 100
-
-
-class FakeShared:
-    """A /decide/shared stand-in: splits past 5 rows, runs out of memory past 10."""
-
-    def decide_shared(self, state, decisions):
-        n = len(decisions)
-        if n > 10:
-            raise ServiceCallError(503, "out_of_memory", "split it")
-        return {"timing": {"forward_batches": 1 if n <= 5 else 2}}, 0.01
-
-
-def test_capacity_probe_counts_splits_and_out_of_memory():
-    strict = CapacityProbe(FakeShared(), "s", split_counts=False)
-    assert find_capacity(strict, hint=8, limit=64).fits == 5
-    lenient = CapacityProbe(FakeShared(), "s", split_counts=True)
-    assert find_capacity(lenient, hint=8, limit=64).fits == 10
-    assert lenient.out_of_memory >= 1 and (8, "split into 2") in lenient.outcomes
-    row = {"complete": True, "estimate_out_of_memory": 0, "one_forward_rows": 5, "max_rows": 10}
-    assert all(g.passed for g in capacity_gates([row]))
-    assert not all(g.passed for g in capacity_gates([{**row, "estimate_out_of_memory": 1}]))
-    assert not all(
-        g.passed for g in capacity_gates([row, {"target_prefix_tokens": 3900, "skipped": "deadline"}])
-    )
-
-
-def test_gpu_latency_tables_run_against_the_cpu_demo(live, service, capsys):
-    out = run_tables(
-        service,
-        live["url"],
-        TOKEN,
-        runs=1,
-        requests=1,
-        deadline=Deadline(120),
-        capacity_targets=(140,),
-        max_rows=6,
-        long_state_tokens=300,
-    )
-    assert len(out["latency"]["rows"]) == 5 and all(r["requests"] == 1 for r in out["latency"]["rows"])
-    (capacity,) = out["capacity"]
-    assert abs(capacity["prefix_tokens"] - 140) <= 10
-    assert (capacity["max_rows"], capacity["capped_by_max_rows"], capacity["one_forward_rows"]) == (
-        6,
-        True,
-        6,
-    )
-    assert capacity["estimate_out_of_memory"] == 0
-    printed = capsys.readouterr().out
-    assert "rows in one forward" in printed and "server median ms" in printed
-
-
-def test_random_checkpoint_writer_builds_a_loadable_bf16_model(tmp_path):
-    from conftest import make_settings
-
-    from semif_serve.domain.types import PromptRow
-    from semif_serve.service.startup import load_engine
-    from semif_serve.tools.demo import DEMO_SHAPE
-
-    directory = write_random_checkpoint(tmp_path / "m", DEMO_SHAPE, device="cpu")
-    assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
-    marker = json.loads((directory / "DEMO.json").read_text())
-    assert marker["random_weights"] is True and marker["parameters"] > 0
-    settings = make_settings(directory, model_revision=marker["revision"], dtype="bfloat16")
-    engine = load_engine(settings)
-    scored = engine.score("A state", [PromptRow("Q?", ("Yes.", "No."))], shared=False, max_input_tokens=4096)
-    assert sum(scored.rows[0].probabilities) == pytest.approx(1.0)
+# -- the bench table -----------------------------------------------------------------------
 
 
 def test_bench_table_has_one_row_per_measurement():
@@ -580,24 +480,6 @@ def test_bench_table_has_one_row_per_measurement():
     assert "9.0x" in rows[0][1] and "70 tok/row" in rows[1][0] and "10.0x" in rows[1][1]
     assert "+15.0%" in rows[4][1] and "16 clients" in rows[5][0]
     assert bench.table_rows({}) == []
-
-
-def test_the_gpu_memory_gates_pass_a_release_and_fail_a_leak():
-    from acceptance.gpu_memory import memory_gates
-
-    healthy = {
-        "baseline_gib": 7.85,
-        "margin_gib": 0.5,
-        "after_large_gib": 7.9,
-        "after_oom_gib": 7.85,
-        "forced_oom": "503 out_of_memory",
-        "next_request": "answered",
-    }
-    assert all(g.passed for g in memory_gates(healthy))
-    leaked = {**healthy, "after_oom_gib": 11.9}
-    assert [g.name for g in memory_gates(leaked) if not g.passed] == ["back to baseline after OOM"]
-    kept = {**healthy, "after_large_gib": 12.6, "forced_oom": "500 internal_error"}
-    assert {g.name for g in memory_gates(kept) if not g.passed} == {"burst given back", "forced OOM is 503"}
 
 
 @pytest.mark.parametrize("mode", ["single", "rotations"])

@@ -117,9 +117,11 @@ def test_every_engine_failure_releases_but_a_refused_request_does_not():
         cuda_oom(""),
         cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB"),
         RuntimeError("CUDA error: out of memory"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
         MemoryError(),
     ],
-    ids=["empty-oom", "oom", "runtime-error", "host"],
+    ids=["empty-oom", "oom", "runtime-error", "cublas-alloc", "cudnn-alloc", "host"],
 )
 def test_every_kind_of_out_of_memory_maps_to_503(exc):
     memory = SimulatedMemory()
@@ -133,6 +135,19 @@ def test_every_kind_of_out_of_memory_maps_to_503(exc):
     answer = native_error(failure.value, shared=False)
     assert (answer.status, answer.code) == (503, "out_of_memory")
     assert worker.out_of_memory_events == 1
+
+
+def test_a_cublas_error_that_is_not_an_allocation_failure_stays_a_500():
+    worker = EngineWorker(ReleasePolicy(SimulatedMemory(), 0))
+
+    def job():
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`")
+
+    with pytest.raises(DecisionError) as failure:
+        worker.run_now(job)
+    answer = native_error(failure.value, shared=False)
+    assert (answer.status, answer.code) == (500, "internal_error")
+    assert worker.out_of_memory_events == 0
 
 
 def test_the_failed_forwards_memory_is_unreachable_before_the_release_runs():
@@ -266,3 +281,67 @@ def test_a_failure_while_building_the_response_is_a_500_envelope_and_the_service
     monkeypatch.undo()
     assert post(app, "/decide", decision()).status_code == 200
     assert torch.is_grad_enabled()  # the engine left global torch state alone
+
+
+# -- the estimate against what transformers allocates ------------------------------------------
+
+
+def test_the_estimate_counts_the_key_value_copies_sdpa_makes_when_a_mask_is_passed(engine, monkeypatch):
+    from transformers.integrations import sdpa_attention
+
+    from semif_serve.engine.memory import MemoryEstimate
+    from semif_serve.engine.state_cache import StateCache, logits_over, prefill
+
+    copies: list[int] = []
+    repeat_kv = sdpa_attention.repeat_kv
+
+    def recording(hidden, n_rep):
+        out = repeat_kv(hidden, n_rep)
+        if out is not hidden:
+            copies.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", recording)
+    model = engine.model
+    assert model.config._attn_implementation == "sdpa"
+    prefix = list(range(1000, 1040))
+    stored = StateCache(1 << 30).put(prefix, prefill(model, prefix))  # one chunk, no mask: GQA, no copy
+    assert copies == []
+    rows, width = 3, 7
+    logits_over(model, stored.fork(rows), len(prefix), [list(range(5, 5 + width))] * rows, engine.pad_id)
+    full_layers = model.config.layer_types.count("full_attention")
+    assert len(copies) == 2 * full_layers  # keys and values, in every full-attention layer
+    per_layer = max(copies[i] + copies[i + 1] for i in range(0, len(copies), 2))
+    estimate = MemoryEstimate(model.config, next(model.parameters()).element_size())
+    assert estimate.sdpa_copy_per_token * (len(prefix) + width) * rows == per_layer
+    without_copies = estimate.row_bytes(len(prefix), width) - int(
+        estimate.SAFETY * estimate.sdpa_copy_per_token * (len(prefix) + width)
+    )
+    assert estimate.row_bytes(len(prefix), width) > without_copies
+
+
+def test_the_documented_capacity_table_is_what_the_estimate_gives():
+    import re
+    from pathlib import Path
+
+    from transformers import Qwen3_5TextConfig
+
+    from semif_serve.engine.memory import MemoryEstimate
+    from semif_serve.tools.demo import QWEN35_4B_SHAPE
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text(encoding="utf-8")
+    documented = re.findall(r"^\| ~[\d,]+ \| ([\d,]+) \| (\d+) \| (\d+) \| (\d+) \| \d+ \|$", text, re.M)
+    assert len(documented) == 4
+    floor, budget, width, chunk = 7.85 * GIB, 1 * GIB, 43, 2048  # as the table's heading says
+    estimate = MemoryEstimate(Qwen3_5TextConfig(**QWEN35_4B_SHAPE.text_config(248320)), 2)
+    copies = estimate.sdpa_copy_per_token
+
+    def rows(headroom: float, prefix: int, sdpa_copies: bool) -> int:
+        estimate.sdpa_copy_per_token = copies if sdpa_copies else 0
+        return estimate.rows_per_forward(int(headroom), prefix, width, chunk)
+
+    for prefix, without_budget, with_budget, now in documented:
+        prefix = int(prefix.replace(",", ""))
+        assert rows(12 * GIB - floor, prefix, sdpa_copies=False) == int(without_budget)
+        assert rows(12 * GIB - floor - budget, prefix, sdpa_copies=False) == int(with_budget)
+        assert rows(12 * GIB - floor - budget, prefix, sdpa_copies=True) == int(now)

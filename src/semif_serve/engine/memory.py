@@ -158,11 +158,14 @@ class ReleasePolicy:
 class MemoryEstimate:
     """Bytes a shared-path forward needs, from the model's geometry (see docs/memory.md).
 
-    per row  = cache_per_token * (prefix + width) + state_per_row + act_per_token * width
-               + logits_per_row
-    prefill  = 2 * (cache_per_token * prefix + state_per_row) + act_per_token * min(prefix, chunk)
+    per row  = (cache_per_token + sdpa_copy_per_token) * (prefix + width) + state_per_row
+               + act_per_token * width + logits_per_row
+    prefill  = 2 * (cache_per_token * prefix + state_per_row) + sdpa_copy_per_token * prefix
+               + act_per_token * min(prefix, chunk)
     Each is multiplied by SAFETY, because the allocator rounds and fragments. Attention
     scores are not counted: the cap exists only on CUDA, where SDPA does not materialise them.
+    `sdpa_copy_per_token`: with a mask (every suffix forward, every prefill chunk after the
+    first) transformers' SDPA path repeats one layer's keys and values over the query heads.
     """
 
     SAFETY = 1.25
@@ -175,6 +178,12 @@ class MemoryEstimate:
         n_linear = len(layer_types) - n_full
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache_per_token = n_full * 2 * config.num_key_value_heads * head_dim * element_bytes
+        # transformers' sdpa_attention_forward calls repeat_kv whenever a mask is passed: keys and
+        # values of one layer copied from kv_heads to attention heads (GQA only without a mask).
+        groups = config.num_attention_heads // config.num_key_value_heads
+        self.sdpa_copy_per_token = (
+            2 * config.num_attention_heads * head_dim * element_bytes if groups > 1 else 0
+        )
         key_dim = getattr(config, "linear_num_key_heads", 0) * getattr(config, "linear_key_head_dim", 0)
         v_heads = getattr(config, "linear_num_value_heads", 0)
         v_dim = getattr(config, "linear_value_head_dim", 0)
@@ -191,7 +200,7 @@ class MemoryEstimate:
     def row_bytes(self, prefix_tokens: int, width: int) -> int:
         """Estimated bytes one more row adds to a suffix forward."""
         raw = (
-            self.cache_per_token * (prefix_tokens + width)
+            (self.cache_per_token + self.sdpa_copy_per_token) * (prefix_tokens + width)
             + self.state_per_row
             + self.act_per_token * width
             + self.logits_per_row
@@ -200,9 +209,14 @@ class MemoryEstimate:
 
     def prefill_bytes(self, prefix_tokens: int, chunk_tokens: int | None = None) -> int:
         """Estimated bytes of prefilling the state prefix once, `chunk_tokens` per forward (None:
-        all at once): the state, the copy a growing cache makes, one chunk's activations."""
+        all at once): the state, the copy a growing cache makes, a later chunk's SDPA key/value
+        copy, one chunk's activations."""
         step = min(prefix_tokens, chunk_tokens) if chunk_tokens else prefix_tokens
-        raw = 2 * (self.cache_per_token * prefix_tokens + self.state_per_row) + self.act_per_token * step
+        raw = (
+            2 * (self.cache_per_token * prefix_tokens + self.state_per_row)
+            + self.sdpa_copy_per_token * prefix_tokens
+            + self.act_per_token * step
+        )
         return int(raw * self.SAFETY)
 
     def rows_per_forward(

@@ -23,8 +23,13 @@ log = logging.getLogger("semif_serve.worker")
 T = TypeVar("T")
 
 
+# How cuBLAS and cuDNN report a failed workspace or handle allocation (a RuntimeError, not an OOM).
+_ALLOCATION_FAILURES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA OOM (whatever its message), a RuntimeError saying 'out of memory', or a host MemoryError."""
+    """CUDA OOM (whatever its message), a RuntimeError saying 'out of memory' or carrying a cuBLAS
+    or cuDNN allocation failure (CUBLAS_STATUS_ALLOC_FAILED), or a host MemoryError."""
     if isinstance(exc, MemoryError):
         return True
     try:
@@ -34,7 +39,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
             return True
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(failure in message for failure in _ALLOCATION_FAILURES)
 
 
 def classify_failure(exc: BaseException) -> DecisionError:

@@ -1,0 +1,362 @@
+"""acceptance/gpu_run.py end to end on the CPU: the tiny checkpoint's geometry on a simulated CUDA
+device (tests/cuda_sim.py), so a Python error cannot first appear on a lent GPU; its pure parts on
+hand-made inputs; and which kernel transformers bound, read through transformers' own decorator."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from cuda_sim import MIB, SimulatedCuda
+
+from acceptance.capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
+from acceptance.common import ServiceCallError
+from acceptance.gpu_run import (
+    Device,
+    GpuRun,
+    RunOptions,
+    capacity_gates,
+    compare_readouts,
+    memory_gates,
+)
+from acceptance.kernels import bound_kernels, fast_linear_attention
+
+
+class SimulatedDevice(Device):
+    """The run's device on the CPU: tensors on "cpu", torch.cuda's calls on a simulated card."""
+
+    def __init__(self, cuda: SimulatedCuda) -> None:
+        super().__init__(cuda, "cpu", simulated=True)
+
+    def adopt(self, model) -> None:
+        self.cuda.track(model)
+
+
+def expected_boundary(cuda: SimulatedCuda, weights: int, prefix: int, width: int) -> int:
+    """The simulated card's own limit: rows whose suffix forward fits beside the weights."""
+    return (cuda.limit - weights) // cuda.forward_bytes(1, prefix, width)
+
+
+def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
+    cuda = SimulatedCuda(row_bytes=MIB, token_bytes=8 * 1024)
+    out = tmp_path / "gpu-run.json"
+    options = RunOptions(
+        out=out,
+        shape="demo",
+        vram_cap_gib=0.25,
+        state_cache_mib=8,
+        runs=1,
+        requests=2,
+        burst=(1960, 8),
+        forced_oom_room_mib=16,
+        capacity_tokens=(140, 3900),  # the shortest and the longest state: the test stays under a minute
+        deadline_s=600,
+        hard_limit_s=3600,
+    )
+    status = GpuRun(options, SimulatedDevice(cuda)).run()
+    result = json.loads(out.read_text())
+    phases = result["phases"]
+    failed = {
+        name: p.get("traceback", p.get("reason")) for name, p in phases.items() if p["status"] != "done"
+    }
+    assert not failed, failed
+    assert list(phases) == [
+        "environment",
+        "kernel",
+        "service",
+        "parity",
+        "memory",
+        "latency",
+        "capacity",
+        "batching",
+    ]
+    assert result["simulated_device"] is True and result["environment"]["gpu"] == "Simulated NVIDIA H200"
+    assert set(result["environment"]["kernels_bound"].values()) == {"reference"}
+    assert phases["kernel"]["max_relative_error"] == 0.0  # the reference against itself
+
+    service = phases["service"]
+    assert service["cap_fraction"] == pytest.approx(0.25 / 141)
+    assert service["max_batch_rows"] >= 1024
+    weights = round(service["weights_gib"] * 1024**3)
+
+    parity = phases["parity"]["rows"]
+    assert {r["target_tokens"] for r in parity} == {115, 1900, 3200}
+    assert all(r["same_hash"] for r in parity)
+    assert max(r["prefill_chunks"] for r in parity) == 2
+
+    memory = phases["memory"]
+    assert memory["forced_oom"] == "503 out_of_memory" and memory["oom_events"] == 1
+    assert memory["next_request"] == "answered"
+    assert cuda.fraction == pytest.approx(0.25 / 141)  # the cap is back after the forced OOM
+
+    latency = phases["latency"]["rows"]
+    assert [r["spec_0_1_3_server_ms"] for r in latency] == [35, 92, 78, 81, 158]
+    assert all(r["requests"] == 2 and not r["errors"] for r in latency)
+
+    rows = {r["target_prefix_tokens"]: r for r in phases["capacity"]["rows"]}
+    assert list(rows) == [140, 3900]
+    for row in rows.values():
+        boundary = expected_boundary(cuda, weights, row["prefix_tokens"], row["suffix_width"])
+        assert row["max_rows"] == boundary and row["complete"]
+        assert row["first_failure"] == boundary + 1 and row["first_failure_outcome"] == "out_of_memory"
+        # The estimate knows nothing of the simulated card: where it allows more than fits, the run says so.
+        too_many = row["estimate_rows"] > boundary
+        assert row["estimate_at_its_rows"] == ("out_of_memory" if too_many else "ok")
+    assert rows[140]["max_rows"] > 64  # the batcher's row bound was raised past the boundary
+    assert phases["batching"]["prefills_for_8_clients"] == 1
+    gates = {(g["phase"], g["name"]): g["passed"] for g in result["gates"]}
+    assert gates[("capacity", "boundary is an OOM")] is True
+    assert gates[("capacity", "estimate never OOMs")] is not any(
+        r["estimate_rows"] > r["max_rows"] for r in rows.values()
+    )
+    assert gates[("memory", "forced OOM is 503")] and gates[("run", "every phase ran")]
+    assert status == (0 if all(gates.values()) else 1)
+    printed = capsys.readouterr().out
+    assert "OOM boundary" in printed and "spec 0.1.3 ms" in printed and "gates" in printed
+
+
+# -- the pure parts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity,hint", [(40, 63), (100, 63), (63, 63), (1, 16), (0, 16), (2000, 63)])
+def test_find_capacity_brackets_and_bisects(capacity, hint):
+    search = find_capacity(lambda n: n <= capacity, hint=hint, limit=1024)
+    assert search.fits == min(capacity, 1024) and search.complete
+    assert search.capped == (capacity >= 1024)
+    if not search.capped:
+        assert search.first_failure == search.fits + 1
+    assert len(search.probes) <= 16
+
+
+def test_find_capacity_stops_at_the_deadline():
+    budget = iter([True, True, False])
+    search = find_capacity(lambda n: n <= 40, hint=63, limit=1024, keep_going=lambda: next(budget))
+    assert not search.complete and search.fits == 31 and search.first_failure == 63
+
+
+def test_capacity_decisions_and_the_deadline():
+    decisions = capacity_decisions(120)
+    assert len({d["id"] for d in decisions}) == 120 and all(len(d["options"]) == 2 for d in decisions)
+    deadline = Deadline(100.0)
+    assert deadline.allows(50) and not deadline.allows(200) and deadline.left() <= 100
+
+
+class FakeShared:
+    """A /decide/shared stand-in: one forward up to 5 rows, split up to 10, out of memory past 10."""
+
+    def decide_shared(self, state, decisions):
+        n = len(decisions)
+        if n > 10:
+            raise ServiceCallError(503, "out_of_memory", "split it")
+        timing = {
+            "forward_batches": 1 if n <= 5 else 2,
+            "prefix_tokens": 140,
+            "batch_size": n,
+            "padded_suffix_tokens": 43 * n,
+        }
+        return {"timing": timing}, 0.01
+
+
+def capacity_row(**overrides):
+    row = {
+        "target_prefix_tokens": 140,
+        "complete": True,
+        "capped_by_max_rows": False,
+        "first_failure_outcome": "out_of_memory",
+        "estimate_out_of_memory": 0,
+        "estimate_refusals": 0,
+        "estimate_rows": 5,
+        "max_rows": 10,
+    }
+    return {**row, **overrides}
+
+
+def test_capacity_probe_counts_splits_and_out_of_memory():
+    strict = CapacityProbe(FakeShared(), "s", split_counts=False)
+    assert find_capacity(strict, hint=8, limit=64).fits == 5
+    assert strict.suffix_width == 43 and strict.prefix_tokens == 140
+    lenient = CapacityProbe(FakeShared(), "s", split_counts=True)
+    assert find_capacity(lenient, hint=8, limit=64).fits == 10
+    assert lenient.count("out_of_memory") >= 1 and (8, "split into 2") in lenient.outcomes
+
+
+@pytest.mark.parametrize(
+    "change,failing",
+    [
+        ({}, set()),
+        ({"estimate_out_of_memory": 1}, {"estimate never OOMs"}),
+        ({"estimate_rows": 11}, {"estimate within the boundary"}),
+        ({"first_failure_outcome": "split into 2"}, {"boundary is an OOM"}),
+        ({"capped_by_max_rows": True, "first_failure_outcome": None}, {"boundary is an OOM"}),
+        ({"estimate_refusals": 2}, {"estimate refuses nothing that fits"}),
+        ({"complete": False}, {"capacity measured"}),
+    ],
+)
+def test_each_capacity_gate_fails_on_its_own_defect(change, failing):
+    gates = capacity_gates([capacity_row(**change)])
+    assert {g.name for g in gates if not g.passed} == failing
+
+
+def test_a_skipped_state_size_fails_the_capacity_table():
+    gates = capacity_gates([capacity_row(), {"target_prefix_tokens": 3900, "skipped": "deadline"}])
+    assert [g.name for g in gates if not g.passed] == ["capacity measured"]
+
+
+def test_the_memory_gates_pass_a_release_and_fail_a_leak():
+    healthy = {
+        "baseline_gib": 8.85,
+        "margin_gib": 0.5,
+        "after_burst_gib": 8.9,
+        "after_oom_gib": 7.85,
+        "forced_oom": "503 out_of_memory",
+        "next_request": "answered",
+    }
+    assert all(g.passed for g in memory_gates(healthy))
+    leaked = {**healthy, "after_oom_gib": 11.9}
+    assert [g.name for g in memory_gates(leaked) if not g.passed] == ["back to baseline after OOM"]
+    kept = {**healthy, "after_burst_gib": 12.6, "forced_oom": "500 internal_error"}
+    assert {g.name for g in memory_gates(kept) if not g.passed} == {"burst given back", "forced OOM is 503"}
+
+
+def result(probabilities, sha="abc"):
+    return {"probabilities": probabilities, "prompt_sha256": sha}
+
+
+def test_direct_and_shared_readouts_are_compared_by_hash_top_choice_and_gap():
+    same = compare_readouts(result([0.7, 0.3]), result([0.68, 0.32]))
+    assert same["same_hash"] and same["same_top"] and not same["tie"]
+    assert same["max_gap"] == pytest.approx(0.02)
+    tie = compare_readouts(result([0.505, 0.495]), result([0.49, 0.51]))
+    assert not tie["same_top"] and tie["tie"]
+    real = compare_readouts(result([0.8, 0.2]), result([0.3, 0.7], sha="other"))
+    assert not real["same_top"] and not real["tie"] and not real["same_hash"]
+
+
+# -- which kernel transformers bound ------------------------------------------------------------
+
+
+def test_the_kernel_is_read_from_what_transformers_bound_not_from_what_is_installed(monkeypatch):
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    # A kernel package as transformers imports it (fla.ops.gated_delta_rule.chunk_gated_delta_rule).
+    fla, ops, rule = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule"))
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False):
+        return "kernel"
+
+    chunk_gated_delta_rule.__module__ = rule.__name__
+    chunk_gated_delta_rule.__qualname__ = "chunk_gated_delta_rule"
+    rule.chunk_gated_delta_rule, ops.gated_delta_rule, fla.ops = chunk_gated_delta_rule, rule, ops
+    for module in (fla, ops, rule):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # installed or not: it fails to import
+
+    def reference_rule(query, key, value, g, beta, initial_state=None, output_final_state=False):
+        return "reference"
+
+    def reference_conv(hidden_states, weight, bias=None, activation=None):
+        return "reference"
+
+    modeling = types.SimpleNamespace(
+        torch_chunk_gated_delta_rule=use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(
+            reference_rule
+        ),
+        causal_conv1d_fn=use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")(
+            reference_conv
+        ),
+        torch_recurrent_gated_delta_rule=reference_rule,  # not a transformers wrapper
+    )
+    bound = bound_kernels(modeling)
+    assert bound["chunk_gated_delta_rule"] == "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
+    assert bound["causal_conv1d_fn"] == "reference"
+    assert bound["fused_recurrent_gated_delta_rule"] == "unknown"
+    assert fast_linear_attention(bound)
+    assert modeling.torch_chunk_gated_delta_rule(1, 2, 3, g=4, beta=5) == "kernel"  # what runs, as read
+
+
+def test_this_machine_binds_the_reference_kernels():
+    assert set(bound_kernels().values()) == {"reference"}
+    assert not fast_linear_attention(bound_kernels())
+
+
+def test_a_preflight_that_cannot_run_its_kernel_reports_why_instead_of_raising():
+    from acceptance.gpu_run import run_preflight
+
+    # A real child process, as on the GPU; here it has no CUDA device, so its check must fail cleanly.
+    found = run_preflight("demo", Device(cuda=None, tensor_device="cuda"), timeout=300)
+    assert found["passed"] is False
+    assert found["error"] and "seconds" in found
+
+
+FAKE_FLA = """
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False):
+    raise RuntimeError("the planted kernel ran")
+
+
+fused_recurrent_gated_delta_rule = chunk_gated_delta_rule
+"""
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["bound", "fallback"])
+def test_the_fallback_binds_transformers_reference_code_even_where_fla_imports(tmp_path, blocked):
+    import subprocess
+    from pathlib import Path
+
+    package = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "fla", tmp_path / "fla" / "ops"):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(FAKE_FLA)
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import json, sys; from acceptance.kernels import block_kernel_packages, bound_kernels; "
+        + ("block_kernel_packages(); " if blocked else "")
+        + "print(json.dumps(bound_kernels()))"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}:{root}:{root / 'src'}", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    bound = json.loads(done.stdout.strip().splitlines()[-1])
+    planted = "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
+    if blocked:
+        assert set(bound.values()) == {"reference"}
+    else:
+        assert bound["chunk_gated_delta_rule"] == planted == bound["fused_recurrent_gated_delta_rule"]
+        assert bound["causal_conv1d_fn"] == "reference"
+
+
+@pytest.mark.parametrize(
+    "fraction,device,error",
+    [
+        (1, 0, TypeError),  # torch wants a float: an int fraction fails on the card
+        (1.5, 0, ValueError),
+        (-0.1, 0, ValueError),
+        (0.5, 1, AssertionError),  # one card: index 1 is out of range
+        (0.5, "cpu", ValueError),
+        (0.5, 0.0, ValueError),
+    ],
+)
+def test_the_simulated_card_refuses_what_torch_cuda_refuses(fraction, device, error):
+    cuda = SimulatedCuda()
+    with pytest.raises(error):
+        cuda.set_per_process_memory_fraction(fraction, device)
+    cuda.set_per_process_memory_fraction(0.5, "cuda:0")
+    assert cuda.limit == cuda.properties.total_memory // 2
+
+
+def test_the_simulated_allocator_returns_cached_blocks_before_it_fails():
+    cuda = SimulatedCuda(total_memory=100 * MIB)
+    cuda.set_per_process_memory_fraction(0.5, 0)
+    cuda.allocate(30 * MIB)
+    cuda.free(30 * MIB)
+    assert (cuda.allocated, cuda.reserved) == (0, 30 * MIB)  # kept as cache
+    cuda.allocate(40 * MIB)  # fits once the cache is given back
+    assert cuda.reserved == 40 * MIB
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        cuda.allocate(11 * MIB)
+    assert cuda.out_of_memory_events == 1
