@@ -419,9 +419,12 @@ def test_dockerfile_layers_and_runtime():
         if instruction == "ARG":
             name, _, value = args.partition("=")
             global_args[name] = value.strip('"')
-    base = final[0][1].split()[0]
-    for name, value in global_args.items():
-        base = base.replace(f"${{{name}}}", value)
+    # Substituted until nothing changes: a base's default may name other ARGs (BUILDER_IMAGE).
+    base, previous = final[0][1].split()[0], ""
+    while base != previous:
+        previous = base
+        for name, value in global_args.items():
+            base = base.replace(f"${{{name}}}", value)
     assert re.fullmatch(r"nvidia/cuda:12\.8\.\d+-(runtime|base)-ubuntu\d+\.\d+", base), base
 
     # uv: frozen, no dev, dependencies before the source, EXTRAS passed on every sync.
