@@ -116,7 +116,7 @@ done
 "$DOCKER" inspect -f 'user={{.Config.User}} read_only_root={{.HostConfig.ReadonlyRootfs}} security_opt={{.HostConfig.SecurityOpt}} cap_drop={{.HostConfig.CapDrop}}' "$NAME"
 
 step "from inside the container: GET /health, POST /v1/systemone"
-"$DOCKER" exec -e PORT="$PORT" "$NAME" python - <<'PY'
+"$DOCKER" exec -i -e PORT="$PORT" "$NAME" python - <<'PY'
 import json, os, urllib.request as r
 base = "http://127.0.0.1:%s" % os.environ["PORT"]
 health = json.load(r.urlopen(base + "/health", timeout=10))
