@@ -1,0 +1,260 @@
+"""State affinity across replicas, measured: N demo replicas (real `semif-serve demo` processes,
+each on its own loopback port) behind the gateway's HAProxy config, S states x Q questions over
+C clients.
+
+    uv run python bench/multi_replica.py                       # N=3, S=48, Q=4, C=6
+    uv run python bench/multi_replica.py --states 96 --cache-mib 2
+
+Reports, per routing mode, the state reuse (state-cache hits / lookups, summed over the replicas'
+/health; ideal (Q-1)/Q: every state's first question prefills, the rest reuse it) and the
+requests per replica (max/mean). Modes, all through the same gateway:
+  header     each request carries X-SemIf-State-Key (hex SHA-256 of the state)
+  body       no header: the gateway hashes the JSON body's "state"
+  leastconn  gzip bodies: the gateway cannot read the state, so least connections
+Then: the share of states that move to another replica when one replica stops (ideal: the
+1/N it held, and no other), and the requests lost (any answer but 200, or no answer) while that
+replica drains under load (SIGTERM in the middle of a run). Not in CI: a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from gateway import REPLICA_HEADER, STATE_KEY_HEADER, Gateway, free_port, state_key  # noqa: E402
+
+TOKEN = "bench-multi-replica-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+QUESTIONS = [
+    "Did the deployment succeed?",
+    "Is a rollback needed?",
+    "Should the on-call engineer be paged?",
+    "Was the customer affected?",
+    "Is the incident still open?",
+    "Did the canary pass?",
+]
+OPTIONS = [{"id": "yes", "description": "Yes."}, {"id": "no", "description": "No."},
+           {"id": "unclear", "description": "It is unclear."}]
+
+
+def make_state(rng: random.Random, tag: str) -> str:
+    """A ~150-word incident report; each one distinct from the first token on."""
+    words = ("service latency error rollback canary zone deploy alert pager database cache queue "
+             "timeout retry region replica upgrade config certificate node disk memory").split()
+    body = " ".join(rng.choice(words) for _ in range(150))
+    return f"Report {tag}: {body}."
+
+
+class Replica:
+    """One `semif-serve demo` process on a loopback port."""
+
+    def __init__(self, index: int, cache_mib: int, demo_dir: Path, logs: Path) -> None:
+        self.index = index
+        self.port = free_port()
+        env = {**os.environ, "SEMIF_PORT": str(self.port), "SEMIF_API_TOKEN": TOKEN,
+               "SEMIF_STATE_CACHE_MIB": str(cache_mib), "SEMIF_DEMO_DIR": str(demo_dir),
+               "SEMIF_SHUTDOWN_GRACE_SECONDS": "30"}
+        self.log = (logs / f"replica{index}.log").open("wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "semif_serve.cli", "demo"], env=env,
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, seconds: float = 300) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"replica {self.index} exited"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"replica {self.index} not ready")
+
+    def cache(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()["state_cache"]
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+
+def request(client: httpx.Client, url: str, state: str, question: str, mode: str, rid: str):
+    body = {"id": rid, "state": state, "question": question, "options": OPTIONS}
+    headers = dict(AUTH)
+    if mode == "header":
+        headers[STATE_KEY_HEADER] = state_key(state)
+    if mode == "leastconn":
+        content = gzip.compress(json.dumps(body).encode())
+        headers.update({"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    else:
+        content = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    try:
+        response = client.post(f"{url}/decide", content=content, headers=headers, timeout=120)
+    except httpx.HTTPError as exc:
+        return None, type(exc).__name__
+    return response.headers.get(REPLICA_HEADER), response.status_code
+
+
+def workload(states: list[str], questions: int, rng: random.Random) -> list[tuple[str, str]]:
+    """Q rounds; each round asks every state its next question, in a new random order."""
+    jobs = []
+    for q in range(questions):
+        order = states[:]
+        rng.shuffle(order)
+        jobs.extend((state, QUESTIONS[q % len(QUESTIONS)]) for state in order)
+    return jobs
+
+
+def run(gateway: Gateway, jobs, mode: str, clients: int, on_progress=None):
+    """Send `jobs` over `clients` connections; the (replica, status) of each, in order."""
+    results = []
+
+    def worker(chunk):
+        with httpx.Client() as client:
+            for n, (state, question) in chunk:
+                results.append(request(client, gateway.url, state, question, mode, f"r{n}"))
+                if on_progress:
+                    on_progress(len(results))
+
+    # Clients take jobs round-robin, so each state's questions come from different clients.
+    chunks = [[(n, job) for n, job in enumerate(jobs) if n % clients == c] for c in range(clients)]
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(worker, chunks))
+    return results
+
+
+def totals(replicas) -> tuple[int, int]:
+    caches = [r.cache() for r in replicas if r.process.poll() is None]
+    return sum(c["hits"] for c in caches), sum(c["misses"] for c in caches)
+
+
+def placement(gateway: Gateway, states: list[str]) -> dict[str, str]:
+    with httpx.Client() as client:
+        placed = {}
+        for state in states:
+            response = client.get(f"{gateway.url}/health", headers={STATE_KEY_HEADER: state_key(state)}, timeout=10)
+            placed[state] = response.headers[REPLICA_HEADER]
+    return placed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--states", type=int, default=48)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--cache-mib", type=int, default=1, help="SEMIF_STATE_CACHE_MIB of each replica")
+    parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+
+    from semif_serve.cli import ensure_demo_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="semif-multi-"))
+    demo_dir = ensure_demo_checkpoint(work / "demo-model")
+    replicas = [Replica(i, args.cache_mib, demo_dir, work) for i in range(args.replicas)]
+    report: dict = {"replicas": args.replicas, "states": args.states, "questions": args.questions,
+                    "clients": args.clients, "cache_mib": args.cache_mib,
+                    "ideal_reuse": (args.questions - 1) / args.questions, "modes": {}}
+    try:
+        for replica in replicas:
+            replica.wait_ready()
+        with Gateway([r.port for r in replicas], work) as gateway:
+            time.sleep(5)  # the first health checks (rise 2, every 2 s)
+            probe = make_state(rng, "probe")
+            request(httpx.Client(), gateway.url, probe, QUESTIONS[0], "header", "probe")
+            cached = [r.cache() for r in replicas]
+            per_state = max(c["bytes"] for c in cached) / max(1, max(c["entries"] for c in cached))
+            report["state_bytes"] = per_state
+            report["states_per_cache"] = int(args.cache_mib * 2**20 // per_state) if per_state else None
+            print(f"one state: {per_state / 1024:.0f} KiB; a {args.cache_mib} MiB cache holds "
+                  f"{report['states_per_cache']} of the {args.states} states", flush=True)
+
+            for mode in ("header", "body", "leastconn"):
+                states = [make_state(rng, f"{mode}-{i}") for i in range(args.states)]
+                hits0, misses0 = totals(replicas)
+                started = time.monotonic()
+                results = run(gateway, workload(states, args.questions, rng), mode, args.clients)
+                seconds = time.monotonic() - started
+                hits, misses = totals(replicas)
+                lookups = (hits - hits0) + (misses - misses0)
+                per_replica = Counter(server.split("/")[1] for server, status in results if status == 200)
+                counts = [per_replica.get(f"semif{i}", 0) for i in range(args.replicas)]
+                reuse = (hits - hits0) / lookups if lookups else 0.0
+                report["modes"][mode] = {
+                    "reuse": reuse, "reuse_of_ideal": reuse / report["ideal_reuse"],
+                    "requests_per_replica": counts,
+                    "max_over_mean": max(counts) / statistics.mean(counts) if sum(counts) else None,
+                    "failed": sum(1 for _, status in results if status != 200),
+                    "seconds": seconds,
+                }
+                print(mode, json.dumps(report["modes"][mode]), flush=True)
+
+            # One replica stops while a header-mode run is under way.
+            states = [make_state(rng, f"drain-{i}") for i in range(args.states)]
+            before = placement(gateway, states)
+            jobs = workload(states, args.questions, rng)
+            victim = replicas[-1]
+            stopped_at = {}
+
+            def stop_midway(done: int) -> None:
+                if done >= len(jobs) // 3 and not stopped_at:
+                    stopped_at["request"] = done
+                    victim.stop()
+
+            results = run(gateway, jobs, "header", args.clients, on_progress=stop_midway)
+            victim.process.wait(timeout=60)
+            time.sleep(5)
+            after = placement(gateway, states)
+            moved = [s for s in states if after[s] != before[s]]
+            held = [s for s in states if before[s] == f"by_state/semif{victim.index}"]
+            failures = Counter(str(status) for _, status in results if status != 200)
+            report["stop"] = {
+                "stopped_after_requests": stopped_at.get("request"),
+                "requests": len(results),
+                "lost": sum(failures.values()),
+                "lost_by_status": dict(failures),
+                "victim_exit_code": victim.process.returncode,
+                "states_moved_share": len(moved) / len(states),
+                "states_held_by_stopped_share": len(held) / len(states),
+                "moved_only_from_stopped": set(moved) == set(held),
+            }
+            print("stop", json.dumps(report["stop"]), flush=True)
+    finally:
+        for replica in replicas:
+            replica.stop()
+        for replica in replicas:
+            try:
+                replica.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
