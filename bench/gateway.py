@@ -46,8 +46,14 @@ def free_port() -> int:
 class Gateway:
     """haproxy in the foreground on a loopback port, in front of `ports`; stops on exit."""
 
-    def __init__(self, ports: Sequence[int], workdir: Path, max_queue: int = 32, balance: int = 125,
-                 haproxy: str = "haproxy") -> None:
+    def __init__(
+        self,
+        ports: Sequence[int],
+        workdir: Path,
+        max_queue: int = 32,
+        balance: int = 125,
+        haproxy: str = "haproxy",
+    ) -> None:
         self.port = free_port()
         self.config = workdir / "haproxy.cfg"
         self.config.write_text(config_with_servers(ports), encoding="utf-8")
@@ -66,15 +72,24 @@ class Gateway:
         return f"http://127.0.0.1:{self.port}"
 
     def check(self) -> subprocess.CompletedProcess:
-        return subprocess.run([self.haproxy, "-c", "-f", str(self.config)], env=self.env,
-                              capture_output=True, text=True, timeout=30)
+        return subprocess.run(
+            [self.haproxy, "-c", "-f", str(self.config)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
 
     def __enter__(self) -> Gateway:
         checked = self.check()
         assert checked.returncode == 0, checked.stdout + checked.stderr
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen([self.haproxy, "-db", "-f", str(self.config)], env=self.env,
-                                            stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [self.haproxy, "-db", "-f", str(self.config)],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 20
         while True:
             assert self.process.poll() is None, self.log.read_text()

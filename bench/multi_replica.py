@@ -5,9 +5,12 @@ C clients.
     uv run python bench/multi_replica.py                       # N=3, S=48, Q=4, C=6
     uv run python bench/multi_replica.py --states 96 --cache-mib 2
 
-Reports, per routing mode, the state reuse (state-cache hits / lookups, summed over the replicas'
-/health; ideal (Q-1)/Q: every state's first question prefills, the rest reuse it) and the
-requests per replica (max/mean). Modes, all through the same gateway:
+Each request is a /decide/shared with one question about one state. Reports, per routing mode,
+the state reuse: the share of requests whose state came from the replica's state cache
+(`timing.prefill` "cached" or "extended": stored, at most the question left to prefill) rather
+than a fresh prefill; ideal (Q-1)/Q, every state's first question prefills and the rest reuse
+it. Also the replicas' own /health state_cache counters (exact hits count only a repeated
+state + question) and the requests per replica (max/mean). Modes, all through the same gateway:
   header     each request carries X-SemIf-State-Key (hex SHA-256 of the state)
   body       no header: the gateway hashes the JSON body's "state"
   leastconn  gzip bodies: the gateway cannot read the state, so least connections
@@ -49,14 +52,19 @@ QUESTIONS = [
     "Is the incident still open?",
     "Did the canary pass?",
 ]
-OPTIONS = [{"id": "yes", "description": "Yes."}, {"id": "no", "description": "No."},
-           {"id": "unclear", "description": "It is unclear."}]
+OPTIONS = [
+    {"id": "yes", "description": "Yes."},
+    {"id": "no", "description": "No."},
+    {"id": "unclear", "description": "It is unclear."},
+]
 
 
 def make_state(rng: random.Random, tag: str) -> str:
     """A ~150-word incident report; each one distinct from the first token on."""
-    words = ("service latency error rollback canary zone deploy alert pager database cache queue "
-             "timeout retry region replica upgrade config certificate node disk memory").split()
+    words = (
+        "service latency error rollback canary zone deploy alert pager database cache queue "
+        "timeout retry region replica upgrade config certificate node disk memory"
+    ).split()
     body = " ".join(rng.choice(words) for _ in range(150))
     return f"Report {tag}: {body}."
 
@@ -67,12 +75,21 @@ class Replica:
     def __init__(self, index: int, cache_mib: int, demo_dir: Path, logs: Path) -> None:
         self.index = index
         self.port = free_port()
-        env = {**os.environ, "SEMIF_PORT": str(self.port), "SEMIF_API_TOKEN": TOKEN,
-               "SEMIF_STATE_CACHE_MIB": str(cache_mib), "SEMIF_DEMO_DIR": str(demo_dir),
-               "SEMIF_SHUTDOWN_GRACE_SECONDS": "30"}
+        env = {
+            **os.environ,
+            "SEMIF_PORT": str(self.port),
+            "SEMIF_API_TOKEN": TOKEN,
+            "SEMIF_STATE_CACHE_MIB": str(cache_mib),
+            "SEMIF_DEMO_DIR": str(demo_dir),
+            "SEMIF_SHUTDOWN_GRACE_SECONDS": "30",
+        }
         self.log = (logs / f"replica{index}.log").open("wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "semif_serve.cli", "demo"], env=env,
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "semif_serve.cli", "demo"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     @property
     def url(self) -> str:
@@ -99,7 +116,7 @@ class Replica:
 
 
 def request(client: httpx.Client, url: str, state: str, question: str, mode: str, rid: str):
-    body = {"id": rid, "state": state, "question": question, "options": OPTIONS}
+    body = {"state": state, "decisions": [{"id": rid, "question": question, "options": OPTIONS}]}
     headers = dict(AUTH)
     if mode == "header":
         headers[STATE_KEY_HEADER] = state_key(state)
@@ -110,10 +127,11 @@ def request(client: httpx.Client, url: str, state: str, question: str, mode: str
         content = json.dumps(body).encode()
         headers["Content-Type"] = "application/json"
     try:
-        response = client.post(f"{url}/decide", content=content, headers=headers, timeout=120)
+        response = client.post(f"{url}/decide/shared", content=content, headers=headers, timeout=120)
     except httpx.HTTPError as exc:
-        return None, type(exc).__name__
-    return response.headers.get(REPLICA_HEADER), response.status_code
+        return None, type(exc).__name__, None
+    prefill = response.json()["timing"]["prefill"] if response.status_code == 200 else None
+    return response.headers.get(REPLICA_HEADER), response.status_code, prefill
 
 
 def workload(states: list[str], questions: int, rng: random.Random) -> list[tuple[str, str]]:
@@ -127,7 +145,7 @@ def workload(states: list[str], questions: int, rng: random.Random) -> list[tupl
 
 
 def run(gateway: Gateway, jobs, mode: str, clients: int, on_progress=None):
-    """Send `jobs` over `clients` connections; the (replica, status) of each, in order."""
+    """Send `jobs` over `clients` connections; the (replica, status, prefill) of each."""
     results = []
 
     def worker(chunk):
@@ -153,7 +171,9 @@ def placement(gateway: Gateway, states: list[str]) -> dict[str, str]:
     with httpx.Client() as client:
         placed = {}
         for state in states:
-            response = client.get(f"{gateway.url}/health", headers={STATE_KEY_HEADER: state_key(state)}, timeout=10)
+            response = client.get(
+                f"{gateway.url}/health", headers={STATE_KEY_HEADER: state_key(state)}, timeout=10
+            )
             placed[state] = response.headers[REPLICA_HEADER]
     return placed
 
@@ -165,6 +185,7 @@ def main() -> int:
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--cache-mib", type=int, default=1, help="SEMIF_STATE_CACHE_MIB of each replica")
+    parser.add_argument("--balance", type=int, default=125, help="the gateway's hash-balance-factor")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
@@ -175,13 +196,20 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="semif-multi-"))
     demo_dir = ensure_demo_checkpoint(work / "demo-model")
     replicas = [Replica(i, args.cache_mib, demo_dir, work) for i in range(args.replicas)]
-    report: dict = {"replicas": args.replicas, "states": args.states, "questions": args.questions,
-                    "clients": args.clients, "cache_mib": args.cache_mib,
-                    "ideal_reuse": (args.questions - 1) / args.questions, "modes": {}}
+    report: dict = {
+        "replicas": args.replicas,
+        "states": args.states,
+        "questions": args.questions,
+        "clients": args.clients,
+        "cache_mib": args.cache_mib,
+        "balance": args.balance,
+        "ideal_reuse": (args.questions - 1) / args.questions,
+        "modes": {},
+    }
     try:
         for replica in replicas:
             replica.wait_ready()
-        with Gateway([r.port for r in replicas], work) as gateway:
+        with Gateway([r.port for r in replicas], work, balance=args.balance) as gateway:
             time.sleep(5)  # the first health checks (rise 2, every 2 s)
             probe = make_state(rng, "probe")
             request(httpx.Client(), gateway.url, probe, QUESTIONS[0], "header", "probe")
@@ -189,8 +217,11 @@ def main() -> int:
             per_state = max(c["bytes"] for c in cached) / max(1, max(c["entries"] for c in cached))
             report["state_bytes"] = per_state
             report["states_per_cache"] = int(args.cache_mib * 2**20 // per_state) if per_state else None
-            print(f"one state: {per_state / 1024:.0f} KiB; a {args.cache_mib} MiB cache holds "
-                  f"{report['states_per_cache']} of the {args.states} states", flush=True)
+            print(
+                f"one state: {per_state / 1024:.0f} KiB; a {args.cache_mib} MiB cache holds "
+                f"{report['states_per_cache']} of the {args.states} states",
+                flush=True,
+            )
 
             for mode in ("header", "body", "leastconn"):
                 states = [make_state(rng, f"{mode}-{i}") for i in range(args.states)]
@@ -200,14 +231,18 @@ def main() -> int:
                 seconds = time.monotonic() - started
                 hits, misses = totals(replicas)
                 lookups = (hits - hits0) + (misses - misses0)
-                per_replica = Counter(server.split("/")[1] for server, status in results if status == 200)
+                per_replica = Counter(server.split("/")[1] for server, status, _ in results if status == 200)
                 counts = [per_replica.get(f"semif{i}", 0) for i in range(args.replicas)]
-                reuse = (hits - hits0) / lookups if lookups else 0.0
+                prefills = Counter(prefill for _, status, prefill in results if status == 200)
+                reuse = (prefills["cached"] + prefills["extended"]) / max(1, sum(prefills.values()))
                 report["modes"][mode] = {
-                    "reuse": reuse, "reuse_of_ideal": reuse / report["ideal_reuse"],
+                    "reuse": reuse,
+                    "reuse_of_ideal": reuse / report["ideal_reuse"],
+                    "prefill": dict(prefills),
+                    "cache_hits_of_lookups": (hits - hits0) / lookups if lookups else None,
                     "requests_per_replica": counts,
                     "max_over_mean": max(counts) / statistics.mean(counts) if sum(counts) else None,
-                    "failed": sum(1 for _, status in results if status != 200),
+                    "failed": sum(1 for _, status, _ in results if status != 200),
                     "seconds": seconds,
                 }
                 print(mode, json.dumps(report["modes"][mode]), flush=True)
@@ -230,7 +265,7 @@ def main() -> int:
             after = placement(gateway, states)
             moved = [s for s in states if after[s] != before[s]]
             held = [s for s in states if before[s] == f"by_state/semif{victim.index}"]
-            failures = Counter(str(status) for _, status in results if status != 200)
+            failures = Counter(str(status) for _, status, _ in results if status != 200)
             report["stop"] = {
                 "stopped_after_requests": stopped_at.get("request"),
                 "requests": len(results),

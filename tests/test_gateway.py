@@ -20,11 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from conftest import TOKEN, decision
 
 from semif_serve.app import create_app
 from semif_serve.server import server_config
-
-from conftest import TOKEN, decision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from gateway import REPLICA_HEADER, STATE_KEY_HEADER, Gateway, state_key  # noqa: E402
@@ -129,8 +128,11 @@ def test_the_state_in_an_uncompressed_body_routes_exactly_as_the_header_does(gat
     assert by_body == by_header
     # System One bodies carry the state at the same place.
     for state in STATES[:3] + STATES[-2:]:
-        body = {"model": "jev-latest", "state": state,
-                "questions": {"ok": {"type": "noul", "instructions": "Did it pass?"}}}
+        body = {
+            "model": "jev-latest",
+            "state": state,
+            "questions": {"ok": {"type": "noul", "instructions": "Did it pass?"}},
+        }
         response = httpx.post(f"{gateway.url}/v1/systemone", json=body, headers=AUTH, timeout=30)
         assert response.status_code == 200, response.text
         assert response.headers[REPLICA_HEADER] == by_header[state]
@@ -149,8 +151,12 @@ def test_requests_without_a_readable_state_go_to_the_least_loaded_replica(gatewa
     assert models.status_code == 200
     assert models.headers[REPLICA_HEADER].startswith("least_load/")
     body = gzip.compress(json.dumps(decision(state=STATES[0])).encode())
-    compressed = httpx.post(f"{gateway.url}/decide", content=body, timeout=30,
-                            headers={**AUTH, "Content-Encoding": "gzip", "Content-Type": "application/json"})
+    compressed = httpx.post(
+        f"{gateway.url}/decide",
+        content=body,
+        timeout=30,
+        headers={**AUTH, "Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
     assert compressed.status_code == 200, compressed.text
     assert compressed.headers[REPLICA_HEADER].startswith("least_load/")
 

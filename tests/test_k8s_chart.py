@@ -34,7 +34,9 @@ KUBERNETES = ("1.29.0", "1.33.0")
 VALUE_SETS = {
     "default": {},
     "hostpath-fixed": yaml.safe_load((CHART / "ci" / "hostpath-fixed-values.yaml").read_text()),
-    "image-volume-monitored": yaml.safe_load((CHART / "ci" / "image-volume-monitored-values.yaml").read_text()),
+    "image-volume-monitored": yaml.safe_load(
+        (CHART / "ci" / "image-volume-monitored-values.yaml").read_text()
+    ),
 }
 CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor"}
 IN_CI = bool(os.environ.get("CI"))
@@ -95,11 +97,17 @@ def test_the_strict_validation_rejects_a_misspelt_field():
 
 
 def validate_custom(objects: list[dict]) -> list[dict]:
-    required_tool(shutil.which("node") is not None and (CRD_VALIDATOR / "node_modules").is_dir(),
-                  "node with tests/k8s_crds/node_modules (npm ci)")
+    required_tool(
+        shutil.which("node") is not None and (CRD_VALIDATOR / "node_modules").is_dir(),
+        "node with tests/k8s_crds/node_modules (npm ci)",
+    )
     run = subprocess.run(
         ["node", str(CRD_VALIDATOR / "validate.mjs")],
-        input=json.dumps(objects), capture_output=True, text=True, timeout=60, check=True,
+        input=json.dumps(objects),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     return json.loads(run.stdout)
 
@@ -176,7 +184,9 @@ def test_each_replica_gets_one_gpu_a_read_only_model_the_token_as_a_file_and_pro
     # The token: a Secret file, never an env value.
     assert "SEMIF_API_TOKEN" not in env
     assert env["SEMIF_API_TOKEN_FILE"].startswith(mounts["token"]["mountPath"] + "/")
-    assert volumes["token"]["secret"]["secretName"] == values.get("token", {}).get("existingSecret", "semif-api-token")
+    assert volumes["token"]["secret"]["secretName"] == values.get("token", {}).get(
+        "existingSecret", "semif-api-token"
+    )
     # Every SEMIF_* variable is a real setting with a valid value.
     from semif_serve.settings import Settings, env_name
 
@@ -218,7 +228,9 @@ def test_every_container_runs_non_root_on_a_read_only_root_without_privilege_esc
 def test_every_pdb_and_service_selects_pods_the_chart_renders():
     for set_name in VALUE_SETS:
         objects = rendered(set_name)
-        pod_labels = [o["spec"]["template"]["metadata"]["labels"] for o in objects if o["kind"] == "Deployment"]
+        pod_labels = [
+            o["spec"]["template"]["metadata"]["labels"] for o in objects if o["kind"] == "Deployment"
+        ]
         for obj in objects:
             selector = None
             if obj["kind"] == "Service":
@@ -227,10 +239,15 @@ def test_every_pdb_and_service_selects_pods_the_chart_renders():
                 selector = obj["spec"]["selector"]["matchLabels"]
             if selector is None:
                 continue
-            targets = pod_labels if obj["kind"] != "ServiceMonitor" else [
-                s["metadata"]["labels"] for s in objects if s["kind"] == "Service"
-            ]
-            assert any(selector.items() <= labels.items() for labels in targets), (set_name, obj["metadata"]["name"])
+            targets = (
+                pod_labels
+                if obj["kind"] != "ServiceMonitor"
+                else [s["metadata"]["labels"] for s in objects if s["kind"] == "Service"]
+            )
+            assert any(selector.items() <= labels.items() for labels in targets), (
+                set_name,
+                obj["metadata"]["name"],
+            )
 
 
 def test_keda_scales_the_deployment_on_a_metric_the_service_exports(client):
@@ -247,7 +264,10 @@ def test_keda_scales_the_deployment_on_a_metric_the_service_exports(client):
     # Scaling down waits longer than the startup probe allows a replica to take to load.
     startup = deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
     behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= startup["periodSeconds"] * startup["failureThreshold"]
+    assert (
+        behavior["scaleDown"]["stabilizationWindowSeconds"]
+        >= startup["periodSeconds"] * startup["failureThreshold"]
+    )
 
 
 def test_the_gateway_config_the_chart_renders_passes_haproxy_check(tmp_path):
@@ -259,11 +279,20 @@ def test_the_gateway_config_the_chart_renders_passes_haproxy_check(tmp_path):
     gateway = one(objects, "Deployment", f"{RELEASE}-semif-serve-gateway")["spec"]["template"]["spec"]
     (container,) = gateway["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["SEMIF_GATEWAY_REPLICAS"] == f"{RELEASE}-semif-serve-replicas.{NAMESPACE}.svc.cluster.local:8032"
-    assert int(env["SEMIF_GATEWAY_SLOTS"]) >= VALUE_SETS["image-volume-monitored"]["autoscaling"]["maxReplicas"]
+    assert (
+        env["SEMIF_GATEWAY_REPLICAS"] == f"{RELEASE}-semif-serve-replicas.{NAMESPACE}.svc.cluster.local:8032"
+    )
+    assert (
+        int(env["SEMIF_GATEWAY_SLOTS"]) >= VALUE_SETS["image-volume-monitored"]["autoscaling"]["maxReplicas"]
+    )
     (tmp_path / "haproxy.cfg").write_text(config)
-    check = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], env={**os.environ, **env},
-                           capture_output=True, text=True, timeout=30)
+    check = subprocess.run(
+        [haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -286,8 +315,19 @@ CHECKOV_WAIVED = {
     "CKV2_K8S_6": "a NetworkPolicy: the cluster's network policy is the operator's, not the chart's",
 }
 # What must pass: non-root, read-only root, no privilege escalation, no privileged, capabilities.
-CHECKOV_REQUIRED = {"CKV_K8S_23", "CKV_K8S_22", "CKV_K8S_20", "CKV_K8S_16", "CKV_K8S_37", "CKV_K8S_28",
-                    "CKV_K8S_40", "CKV_K8S_38", "CKV_K8S_11", "CKV_K8S_13", "CKV_K8S_31"}
+CHECKOV_REQUIRED = {
+    "CKV_K8S_23",
+    "CKV_K8S_22",
+    "CKV_K8S_20",
+    "CKV_K8S_16",
+    "CKV_K8S_37",
+    "CKV_K8S_28",
+    "CKV_K8S_40",
+    "CKV_K8S_38",
+    "CKV_K8S_11",
+    "CKV_K8S_13",
+    "CKV_K8S_31",
+}
 
 
 def test_checkov_finds_no_security_failure_in_any_value_set(tmp_path):
@@ -299,7 +339,9 @@ def test_checkov_finds_no_security_failure_in_any_value_set(tmp_path):
         (tmp_path / f"{set_name}.yaml").write_text(yaml.safe_dump_all(docs))
     run = subprocess.run(
         [checkov, "-d", str(tmp_path), "--framework", "kubernetes", "-o", "json", "--compact"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     report = json.loads(run.stdout)
     reports = report if isinstance(report, list) else [report]

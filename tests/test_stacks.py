@@ -535,6 +535,11 @@ def test_multi_stack_haproxy_gateway_serves_the_charts_config_over_every_replica
     haproxy = shutil.which("haproxy")
     if haproxy is None:
         pytest.skip("haproxy is not installed")
-    check = subprocess.run([haproxy, "-c", "-f", str(chart_config)], env={**os.environ, **env},
-                           capture_output=True, text=True, timeout=30)
+    check = subprocess.run(
+        [haproxy, "-c", "-f", str(chart_config)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
