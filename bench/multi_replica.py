@@ -3,7 +3,7 @@ each on its own loopback port) behind the gateway's HAProxy config, S states x Q
 C clients.
 
     uv run python bench/multi_replica.py                       # N=3, S=48, Q=4, C=6
-    uv run python bench/multi_replica.py --states 96 --cache-mib 2
+    uv run python bench/multi_replica.py --states 96 --cache-mib 4
 
 Each request is a /decide/shared with one question about one state. Reports, per routing mode,
 the state reuse: the share of requests whose state came from the replica's state cache
@@ -145,15 +145,17 @@ def workload(states: list[str], questions: int, rng: random.Random) -> list[tupl
 
 
 def run(gateway: Gateway, jobs, mode: str, clients: int, on_progress=None):
-    """Send `jobs` over `clients` connections; the (replica, status, prefill) of each."""
-    results = []
+    """Send `jobs` over `clients` connections; the (replica, status, prefill) of each, in job order."""
+    results: list = [None] * len(jobs)
+    done = [0]
 
     def worker(chunk):
         with httpx.Client() as client:
             for n, (state, question) in chunk:
-                results.append(request(client, gateway.url, state, question, mode, f"r{n}"))
+                results[n] = request(client, gateway.url, state, question, mode, f"r{n}")
+                done[0] += 1
                 if on_progress:
-                    on_progress(len(results))
+                    on_progress(done[0])
 
     # Clients take jobs round-robin, so each state's questions come from different clients.
     chunks = [[(n, job) for n, job in enumerate(jobs) if n % clients == c] for c in range(clients)]
@@ -184,7 +186,9 @@ def main() -> int:
     parser.add_argument("--states", type=int, default=48)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--clients", type=int, default=6)
-    parser.add_argument("--cache-mib", type=int, default=1, help="SEMIF_STATE_CACHE_MIB of each replica")
+    parser.add_argument(
+        "--cache-mib", type=int, default=2, help="SEMIF_STATE_CACHE_MIB of each replica (between S/N and S states)"
+    )
     parser.add_argument("--balance", type=int, default=125, help="the gateway's hash-balance-factor")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -211,10 +215,11 @@ def main() -> int:
             replica.wait_ready()
         with Gateway([r.port for r in replicas], work, balance=args.balance) as gateway:
             time.sleep(5)  # the first health checks (rise 2, every 2 s)
-            probe = make_state(rng, "probe")
-            request(httpx.Client(), gateway.url, probe, QUESTIONS[0], "header", "probe")
-            cached = [r.cache() for r in replicas]
-            per_state = max(c["bytes"] for c in cached) / max(1, max(c["entries"] for c in cached))
+            # One state's bytes: what one fresh request adds to its replica's cache (the warm-up
+            # leaves smaller entries of its own there).
+            before = sum(r.cache()["bytes"] for r in replicas)
+            request(httpx.Client(), gateway.url, make_state(rng, "probe"), QUESTIONS[0], "header", "probe")
+            per_state = sum(r.cache()["bytes"] for r in replicas) - before
             report["state_bytes"] = per_state
             report["states_per_cache"] = int(args.cache_mib * 2**20 // per_state) if per_state else None
             print(
@@ -227,18 +232,25 @@ def main() -> int:
                 states = [make_state(rng, f"{mode}-{i}") for i in range(args.states)]
                 hits0, misses0 = totals(replicas)
                 started = time.monotonic()
-                results = run(gateway, workload(states, args.questions, rng), mode, args.clients)
+                jobs = workload(states, args.questions, rng)
+                results = run(gateway, jobs, mode, args.clients)
                 seconds = time.monotonic() - started
                 hits, misses = totals(replicas)
                 lookups = (hits - hits0) + (misses - misses0)
                 per_replica = Counter(server.split("/")[1] for server, status, _ in results if status == 200)
                 counts = [per_replica.get(f"semif{i}", 0) for i in range(args.replicas)]
                 prefills = Counter(prefill for _, status, prefill in results if status == 200)
+                # States whose questions were not all answered by one replica (bounded load spilled them).
+                served_by: dict[str, set] = {}
+                for (state, _), (server, _, _) in zip(jobs, results, strict=True):
+                    served_by.setdefault(state, set()).add(server)
+                spread = sum(1 for servers in served_by.values() if len(servers) > 1) / len(served_by)
                 reuse = (prefills["cached"] + prefills["extended"]) / max(1, sum(prefills.values()))
                 report["modes"][mode] = {
                     "reuse": reuse,
                     "reuse_of_ideal": reuse / report["ideal_reuse"],
                     "prefill": dict(prefills),
+                    "states_on_several_replicas": spread,
                     "cache_hits_of_lookups": (hits - hits0) / lookups if lookups else None,
                     "requests_per_replica": counts,
                     "max_over_mean": max(counts) / statistics.mean(counts) if sum(counts) else None,

@@ -350,3 +350,26 @@ def test_checkov_finds_no_security_failure_in_any_value_set(tmp_path):
     unexpected = sorted(f for f in failed if f[0] not in CHECKOV_WAIVED)
     assert not unexpected, unexpected
     assert CHECKOV_REQUIRED <= passed, sorted(CHECKOV_REQUIRED - passed)
+
+
+def test_the_chart_serves_the_pinned_revision_and_the_image_of_this_version():
+    from semif_serve import __version__
+    from semif_serve.env_template import DEPLOYMENT_VALUES
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == __version__
+    env = {
+        e["name"]: e.get("value")
+        for e in server_deployment(rendered("default"))["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    revision = DEPLOYMENT_VALUES["model_revision"]
+    assert env["SEMIF_MODEL_REVISION"] == revision
+    assert env["SEMIF_MODEL_PATH"].endswith(f"/snapshots/{revision}")
+
+
+def test_helm_lint_finds_no_error_in_the_chart():
+    report = helm.lint(str(CHART))
+    assert report["total_charts_linted"] == 1
+    assert report["errors"] == []
+    # Severity 1 is INFO (an icon is recommended); warnings (2) and errors (3+) fail.
+    assert all(m["severity"] <= 1 for m in report["messages"]), report["messages"]
