@@ -51,7 +51,7 @@ class Gateway:
         ports: Sequence[int],
         workdir: Path,
         max_queue: int = 32,
-        balance: int = 125,
+        balance: int = 200,
         haproxy: str = "haproxy",
     ) -> None:
         self.port = free_port()

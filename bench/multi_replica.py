@@ -187,7 +187,7 @@ def main() -> int:
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--cache-mib", type=int, default=2, help="each replica's SEMIF_STATE_CACHE_MIB")
-    parser.add_argument("--balance", type=int, default=125, help="the gateway's hash-balance-factor")
+    parser.add_argument("--balance", type=int, default=200, help="the gateway's hash-balance-factor")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
