@@ -26,6 +26,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -269,6 +270,7 @@ def main() -> int:
                     stopped_at["request"] = done
                     victim.stop()
 
+            log_mark = len(gateway.log.read_bytes())
             results = run(gateway, jobs, "header", args.clients, on_progress=stop_midway)
             victim.process.wait(timeout=60)
             time.sleep(5)
@@ -276,11 +278,15 @@ def main() -> int:
             moved = [s for s in states if after[s] != before[s]]
             held = [s for s in states if before[s] == f"by_state/semif{victim.index}"]
             failures = Counter(str(status) for _, status, _ in results if status != 200)
+            # HAProxy's log marks a request it resent to another replica with "+N" retries.
+            log_tail = gateway.log.read_bytes()[log_mark:].decode(errors="replace")
+            resent = len(re.findall(r" \d+/\d+/\d+/\d+/\+\d+ .*POST /decide/shared", log_tail))
             report["stop"] = {
                 "stopped_after_requests": stopped_at.get("request"),
                 "requests": len(results),
                 "lost": sum(failures.values()),
                 "lost_by_status": dict(failures),
+                "resent_to_another_replica": resent,
                 "victim_exit_code": victim.process.returncode,
                 "states_moved_share": len(moved) / len(states),
                 "states_held_by_stopped_share": len(held) / len(states),
