@@ -206,10 +206,10 @@ def test_each_replica_gets_one_gpu_a_read_only_model_the_token_as_a_file_and_pro
 
 @pytest.mark.parametrize("set_name", VALUE_SETS)
 def test_every_container_runs_non_root_on_a_read_only_root_without_privilege_escalation(set_name):
-    for obj in rendered(set_name):
-        if obj["kind"] != "Deployment":
-            continue
-        pod = obj["spec"]["template"]["spec"]
+    pods = [o["spec"]["template"]["spec"] for o in rendered(set_name) if o["kind"] == "Deployment"]
+    pods += [o["spec"] for o in rendered(set_name) if o["kind"] == "Pod"]
+    assert len(pods) >= 2
+    for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] >= 10000
         assert pod["automountServiceAccountToken"] is False
