@@ -214,3 +214,22 @@ def test_when_a_replica_stops_only_its_states_move(replicas, gateway):
     moved = {s for s in STATES if after[s] != before[s]}
     assert moved == {s for s in STATES if before[s] == "by_state/semif2"}
     assert moved, "no state lived on the stopped replica"
+
+
+def test_a_body_near_the_limit_is_read_whole_for_its_state_and_reaches_a_replica(gateway):
+    # ~1 MiB of state: the gateway buffers the whole body (tune.bufsize), hashes its state and
+    # routes it as the header would; the replica, not the gateway, refuses it (the state's length).
+    state = "All zones reported green after the rollout. " * 23000
+    body = json.dumps(decision(state=state)).encode()
+    assert 1_000_000 < len(body) <= 1048576
+    by_header = decide(gateway, state)
+    by_body = httpx.post(
+        f"{gateway.url}/decide",
+        content=body,
+        timeout=60,
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    assert by_body.status_code == by_header.status_code == 422
+    assert by_body.json()["error"]["field"] == "state"
+    assert by_body.headers[REPLICA_HEADER] == by_header.headers[REPLICA_HEADER]
+    assert by_body.headers[REPLICA_HEADER].startswith("by_state/")
