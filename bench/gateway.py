@@ -61,6 +61,7 @@ class Gateway:
         self.env = {
             **os.environ,
             "SEMIF_GATEWAY_PORT": str(self.port),
+            "SEMIF_GATEWAY_OPS_PORT": str(free_port()),
             "SEMIF_GATEWAY_MAX_QUEUE": str(max_queue),
             "SEMIF_GATEWAY_BALANCE": str(balance),
         }
