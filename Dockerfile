@@ -26,11 +26,17 @@
 
 ARG CUDA_VERSION=12.8.1
 ARG UBUNTU=ubuntu24.04
+# The bases: the CUDA images by default. stacks/semif-k8s/build-local-image.sh overrides all three
+# with images made on a machine that cannot pull them (a debootstrapped Debian, a local uv).
+ARG BUILDER_IMAGE=nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU}
+ARG RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
+ARG UV_IMAGE=ghcr.io/astral-sh/uv:0.13.9
 
-FROM ghcr.io/astral-sh/uv:0.13.9 AS uv
+FROM ${UV_IMAGE} AS uv
 
 # ---------------------------------------------------------------- builder
-FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS builder
+# hadolint ignore=DL3006
+FROM ${BUILDER_IMAGE} AS builder
 
 # g++ for the causal-conv1d host code (nvcc's host compiler); the devel image ships nvcc only.
 # hadolint ignore=DL3008
@@ -41,8 +47,11 @@ RUN apt-get update \
 COPY --from=uv /uv /usr/local/bin/uv
 
 ARG PYTHON_VERSION=3.12
+# only-managed: uv's own CPython under /opt/python (copied to the runtime). only-system: the
+# base's python3 (a base without internet access to uv's Python builds; the runtime base has it too).
+ARG UV_PYTHON_PREFERENCE=only-managed
 ENV UV_PYTHON_INSTALL_DIR=/opt/python \
-    UV_PYTHON_PREFERENCE=only-managed \
+    UV_PYTHON_PREFERENCE=${UV_PYTHON_PREFERENCE} \
     UV_PYTHON=${PYTHON_VERSION} \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
@@ -50,7 +59,8 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/python \
     PATH=/app/.venv/bin:${PATH}
 
 WORKDIR /app
-RUN uv python install "${PYTHON_VERSION}"
+RUN mkdir -p /opt/python \
+ && if [ "${UV_PYTHON_PREFERENCE}" != only-system ]; then uv python install "${PYTHON_VERSION}"; fi
 
 ARG EXTRAS="--extra kernels"
 ARG CAUSAL_CONV1D_FORCE_BUILD=FALSE
@@ -82,7 +92,8 @@ RUN --mount=type=cache,target=/root/.cache/uv \
  && case "${EXTRAS}" in *kernels*) python -c "import causal_conv1d" ;; *) ;; esac
 
 # ---------------------------------------------------------------- runtime
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
+# hadolint ignore=DL3006
+FROM ${RUNTIME_IMAGE}
 
 # gcc + libc6-dev: triton's run-time C shim (see above). Nothing else.
 # hadolint ignore=DL3008

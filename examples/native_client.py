@@ -4,10 +4,16 @@
 
 SEMIF_URL defaults to the demo's address; SEMIF_API_TOKEN is the bearer token the service
 was started with. Prints one line per decision and exits 1 on an error reply.
+
+Each request carries X-SemIf-State-Key, the hex SHA-256 of its state: a replica ignores it, and
+the gateway in front of several (stacks/semif-k8s) sends every request with the same key to the
+replica that already holds that state prefilled (docs/gateway.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 
@@ -19,27 +25,39 @@ YES_NO = [
 ]
 
 
+def state_key(state: str | dict) -> dict[str, str]:
+    """The routing header for `state`: SHA-256 of a text state's UTF-8 bytes (what the gateway
+    computes from the body itself), or of an object state's canonical JSON (the gateway does not
+    read objects, so there the header is what keeps one state on one replica)."""
+    text = state if isinstance(state, str) else json.dumps(state, sort_keys=True, separators=(",", ":"))
+    return {"X-SemIf-State-Key": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+
+
 def decide(client: httpx.Client) -> dict:
     """One decision, averaged over both orders of its options (read `combined` for anything real)."""
+    state = "Health checks passed in all three zones."
     reply = client.post(
         "/decide",
         json={
             "id": "deploy-1",
-            "state": "Health checks passed in all three zones.",
+            "state": state,
             "question": "Did the deployment succeed?",
             "options": YES_NO,
             "orderings": "rotations",
         },
+        headers=state_key(state),
     )
     return checked(reply)
 
 
 def decide_shared(client: httpx.Client) -> dict:
     """Two decisions over one state: the state is prefilled once and both are scored in one batch."""
+    state = {"ticket": "The invoice PDF is blank since this morning's release."}
     reply = client.post(
         "/decide/shared",
+        headers=state_key(state),
         json={
-            "state": {"ticket": "The invoice PDF is blank since this morning's release."},
+            "state": state,
             "decisions": [
                 {"id": "is-bug", "question": "Is this a software defect?", "options": YES_NO},
                 {

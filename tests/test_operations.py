@@ -115,3 +115,15 @@ def test_every_request_logs_one_json_line_without_the_state_or_the_token(client)
     assert second["status"] == 401
     text = stream.getvalue()
     assert secret_state not in text and TOKEN not in text
+
+
+def test_livez_stays_200_while_draining_when_health_turns_503(client):
+    before = client.get("/livez", auth=False)
+    assert (before.status_code, before.json()) == (200, {"status": "alive"})
+    client.app.admission.draining = True
+    try:
+        assert client.get("/health", auth=False).status_code == 503
+        during = client.get("/livez", auth=False)
+        assert (during.status_code, during.json()) == (200, {"status": "alive"})
+    finally:
+        client.app.admission.draining = False

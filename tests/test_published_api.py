@@ -53,6 +53,7 @@ def test_the_schema_declares_every_route_its_bodies_and_the_bearer_scheme(client
         "/decide",
         "/decide/shared",
         "/health",
+        "/livez",
         "/metrics",
         "/v1/systemone",
         "/v1/models",

@@ -40,6 +40,7 @@ STACK_VARS = {
     "MODEL_REVISION",
     "CONF_HOST_DIR",
     "TOKEN_HOST_FILE",
+    "GATEWAY_PORT",
 }
 INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
 MODEL_TARGET = "/models/qwen3.5-4b"
@@ -419,9 +420,12 @@ def test_dockerfile_layers_and_runtime():
         if instruction == "ARG":
             name, _, value = args.partition("=")
             global_args[name] = value.strip('"')
-    base = final[0][1].split()[0]
-    for name, value in global_args.items():
-        base = base.replace(f"${{{name}}}", value)
+    # Substituted until nothing changes: a base's default may name other ARGs (BUILDER_IMAGE).
+    base, previous = final[0][1].split()[0], ""
+    while base != previous:
+        previous = base
+        for name, value in global_args.items():
+            base = base.replace(f"${{{name}}}", value)
     assert re.fullmatch(r"nvidia/cuda:12\.8\.\d+-(runtime|base)-ubuntu\d+\.\d+", base), base
 
     # uv: frozen, no dev, dependencies before the source, EXTRAS passed on every sync.
@@ -510,3 +514,32 @@ def test_docker_compose_config(path, tmp_path):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_multi_stack_haproxy_gateway_serves_the_charts_config_over_every_replica(tmp_path):
+    compose = load_compose(MULTI)
+    gateway = compose["services"]["haproxy"]
+    chart_config = ROOT / "stacks" / "semif-k8s" / "files" / "haproxy.cfg"
+    mount = mounts(gateway)["/usr/local/etc/haproxy/haproxy.cfg"]
+    assert (MULTI.parent / mount["source"]).resolve() == chart_config and mount["read_only"]
+    env = {k: str(v) for k, v in gateway["environment"].items()}
+    host, _, port = env["SEMIF_GATEWAY_REPLICAS"].partition(":")
+    for name, service in replicas(compose).items():
+        assert host in service["networks"]["default"]["aliases"], name
+        assert port == service["environment"]["SEMIF_PORT"]
+        assert gateway["depends_on"][name]["condition"] == "service_healthy"
+        assert env["SEMIF_GATEWAY_MAX_QUEUE"] == service["environment"]["SEMIF_MAX_QUEUE"]
+    assert int(env["SEMIF_GATEWAY_SLOTS"]) >= len(replicas(compose))
+    assert any(with_defaults(p).split(":")[-1] == env["SEMIF_GATEWAY_PORT"] for p in gateway["ports"])
+    check_logging(gateway)
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.skip("haproxy is not installed")
+    check = subprocess.run(
+        [haproxy, "-c", "-f", str(chart_config)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

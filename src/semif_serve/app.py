@@ -195,6 +195,11 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
         body = health_body(service, take_snapshot(service, admission))
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
+    @api.get("/livez", summary="Liveness: the process answers, draining included")
+    async def livez() -> JSONResponse:
+        # Liveness only: readiness and draining are /health's; a drain must not get the pod restarted.
+        return JSONResponse({"status": "alive"})
+
     @api.get(
         "/metrics",
         summary="Prometheus text",
