@@ -136,10 +136,10 @@ class BodyDecoder:
 
 
 def requested_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The one coding the body is sent in (None for none or `identity`), lower case.
+    """The one coding the body is sent in (None for none or a lone `identity`), lower case.
 
     Raises ValueError naming what was sent when it is a coding we do not inflate or a stack
-    of several codings.
+    of several codings (`identity` in a stack is a stack like any other).
     """
     codings = [
         token.strip().lower()
@@ -147,8 +147,8 @@ def requested_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
         if name.lower() == b"content-encoding"
         for token in value.decode("latin-1").split(",")
     ]
-    codings = [coding for coding in codings if coding and coding != "identity"]
-    if not codings:
+    codings = [coding for coding in codings if coding]
+    if not codings or codings == ["identity"]:
         return None
     if len(codings) > 1 or codings[0] not in DECODERS:
         raise ValueError(", ".join(codings))

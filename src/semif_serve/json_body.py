@@ -2,7 +2,9 @@
 
 Domain-free: any JSON route (native or another door) can use it. It refuses bytes that are
 not UTF-8, malformed JSON, nesting deeper than MAX_DEPTH, integers longer than Python can
-convert, and lone UTF-16 surrogates in any string or key, naming the field where it can.
+convert, lone UTF-16 surrogates in any string or key, and a key that appears twice in one
+object (JSON would keep the last silently: a question or an option would vanish), naming the
+field where it can.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ class BodyError(ValueError):
 
 class _LongInteger(str):
     """The digits of an integer too long to convert; reported with its field after parsing."""
+
+
+class _DuplicateKey(dict):
+    """An object in which `key` appeared more than once; reported with its field after parsing."""
+
+    key: str
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) == len(pairs):
+        return document
+    seen: set[str] = set()
+    twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+    marked = _DuplicateKey(document)
+    marked.key = twice
+    return marked
 
 
 def _parse_int(digits: str) -> int | _LongInteger:
@@ -61,6 +80,12 @@ def _check(document: Any) -> None:
             continue
         if depth >= MAX_DEPTH:
             raise BodyError(INVALID_JSON, f"the JSON nests deeper than {MAX_DEPTH} levels", path)
+        if isinstance(value, _DuplicateKey):
+            raise BodyError(
+                INVALID_VALUE,
+                f"the key {value.key!r} appears more than once in one object; every key must be unique",
+                _child(path, value.key),
+            )
         if isinstance(value, dict):
             for key in value:
                 if LONE_SURROGATE.search(key):
@@ -78,7 +103,7 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise BodyError(INVALID_JSON, f"the request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        document = json.loads(text, parse_int=_parse_int)
+        document = json.loads(text, parse_int=_parse_int, object_pairs_hook=_object)
     except json.JSONDecodeError as exc:
         raise BodyError(
             INVALID_JSON,
