@@ -182,3 +182,171 @@ def test_a_duplicate_key_on_system_one_is_422_in_its_shape_naming_the_key(server
     (item,) = reply.json()["detail"]
     assert item["loc"] == ["body"] and item["type"] == "value_error"
     assert where in item["msg"] and "more than once" in item["msg"]
+
+
+# -- bounded work: rows counted, tokens budgeted, the state encoded once -------------------------
+
+SYSTEM = (  # SemIf's system turn, written out (not imported) for an independent rendering
+    "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
+    "Respond with only its uppercase letter, with no explanation or reasoning."
+)
+
+
+def rendered(tokenizer, state, question: str, descriptions, codes) -> str:
+    user = json.dumps(
+        {
+            "evidence": state,
+            "criterion": question,
+            "options": [{"letter": codes[i], "description": d} for i, d in enumerate(descriptions)],
+        },
+        ensure_ascii=False,
+    )
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+
+
+ODD_STATES = [
+    "plain words",
+    "ends in a space ",
+    'ends in a quote "',
+    "Zoë 数字 😀 \u0301combining",
+    "it's we'll",
+    "\n\t\r",
+    {"k": "v", "n": [1, 2.5, None, False]},
+    [{"a": "b"}, "c", 3],
+    {"": {"": ""}},
+    "x" * 3000,
+]
+
+
+@pytest.mark.parametrize("state", ODD_STATES, ids=[f"state{i}" for i in range(len(ODD_STATES))])
+def test_prompts_encoded_with_the_state_once_equal_each_prompt_encoded_whole(engine, tokenizer, state):
+    from semif_serve.domain import PromptRow
+
+    codec = engine.codec
+    rows = [
+        PromptRow("Did it pass?", ("Yes.", "No.")),
+        PromptRow('\'s \u0301 ünïcode, "quoted" question', (" lead", '"q"', "数字", "x")),
+        PromptRow("", ("a", "b", "c")),
+    ]
+    assert codec.splits_after_state
+    prompts = codec.encode_prompts(state, rows, 100_000)
+    for prompt, row in zip(prompts, rows, strict=True):
+        text = rendered(tokenizer, state, row.question, row.descriptions, codec.codes)
+        assert prompt.text == text
+        assert prompt.ids == tokenizer.encode(text, add_special_tokens=False)
+        assert prompt.head_tokens > 0
+        assert (
+            codec.state_prefix(state, prompt)
+            == tokenizer.encode(
+                text[: prompt.user_offset + len(json.dumps({"evidence": state}, ensure_ascii=False)[:-1])]
+                + ', "criterion": "',
+                add_special_tokens=False,
+            )[:-1]
+        )
+
+
+def test_the_state_is_tokenised_once_per_request_not_once_per_row(engine, monkeypatch):
+    from semif_serve.domain import PromptRow
+
+    codec = engine.codec
+    state = "The deployment log says the zones recovered. " * 200
+    rows = [PromptRow(f"Question {i}?", ("Yes.", "No.")) for i in range(40)]
+    assert codec.splits_after_state  # probed once, before counting
+    encoded: list[int] = []
+    real = type(codec).encode
+    monkeypatch.setattr(codec, "encode", lambda text: encoded.append(len(text)) or real(codec, text))
+    codec.encode_prompts(state, rows, 100_000)
+    assert sum(encoded) < 3 * len(state)  # forty rows, the state's text tokenised about once
+
+
+def rotations_body(questions: int, options: int) -> dict:
+    choice = {
+        "type": "choice",
+        "criteria": {f"o{i}": None for i in range(options)},
+        "x_orderings": "rotations",
+    }
+    return {"model": "jev-latest", "state": "s", "questions": {f"q{i}": choice for i in range(questions)}}
+
+
+def test_a_request_over_the_row_cap_is_refused_before_any_row_is_built(app, service, monkeypatch):
+    import semif_serve.core as core
+
+    def never(*args):
+        raise AssertionError("rows were built for a request over the row cap")
+
+    monkeypatch.setattr(core, "option_orders", never)
+    body = rotations_body(283, 255)  # 72,165 rows
+    reply = asgi_post(app, "/v1/systemone", json.dumps(body).encode())
+    assert reply.status_code == 413, reply.text
+    detail = reply.json()["detail"]
+    assert detail["error_type"] == "request_too_large"
+    assert "72165 rows" in detail["message"] and "256" in detail["message"]
+
+
+def asgi_post(app, path: str, body: bytes):
+    import asyncio
+
+    import httpx
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await c.post(path, content=body, headers={"Authorization": f"Bearer {TOKEN}"})
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def small_budget(engine, checkpoint):
+    from conftest import make_settings
+
+    from semif_serve.startup import Service
+
+    service = Service.start(make_settings(checkpoint, systemone_max_request_tokens=1500), engine=engine)
+    return create_app(service)
+
+
+def test_a_system_one_request_past_its_token_budget_is_413_naming_the_need(small_budget, monkeypatch):
+    # 40 questions of ~60 tokens over a ~100-token state: every row is far under the per-row limit.
+    questions = {
+        f"q{i}": {"type": "noul", "instructions": f"Is statement number {i} true?"} for i in range(40)
+    }
+    body = {"model": "jev-latest", "state": "The invoice was paid twice in March.", "questions": questions}
+    reply = asgi_post(small_budget, "/v1/systemone", json.dumps(body).encode())
+    assert reply.status_code == 413, reply.text
+    detail = reply.json()["detail"]
+    assert detail["error_type"] == "request_too_large"
+    assert "per-request budget of 1500" in detail["message"] and "tokens" in detail["message"]
+    few = {**body, "questions": dict(list(questions.items())[:3])}
+    assert asgi_post(small_budget, "/v1/systemone", json.dumps(few).encode()).status_code == 200
+
+
+def test_the_token_budget_stops_encoding_at_the_first_row_past_it(engine):
+    from semif_serve.domain import PromptRow, TooManyTokens
+
+    codec = engine.codec
+    rows = [PromptRow(f"Is statement number {i} true?", ("Yes.", "No.")) for i in range(200)]
+    one = codec.encode_prompts("state", rows[:1], 100_000)[0]
+    per_row = len(one.ids) - one.head_tokens
+    with pytest.raises(TooManyTokens) as refused:
+        codec.encode_prompts("state", rows, 100_000, max_request_tokens=one.head_tokens + 10 * per_row)
+    import re
+
+    counted = int(re.search(r"(\d+) of 200 rows counted", refused.value.message)[1])
+    assert counted == 11  # refused at the first row past the budget, not after encoding all 200
+    assert "at least" in refused.value.message
+    assert refused.value.question is None  # the request as a whole, not one question
+
+
+def test_the_native_door_has_no_request_budget(engine, checkpoint):
+    from conftest import make_settings
+
+    from semif_serve.startup import Service
+
+    service = Service.start(make_settings(checkpoint, systemone_max_request_tokens=100), engine=engine)
+    body = {"state": "s", "decisions": [decision(id=f"q{i}") for i in range(8)]}
+    reply = asgi_post(create_app(service), "/decide/shared", json.dumps(body).encode())
+    assert reply.status_code == 200, reply.text

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .batching import Group, Job, Part
-from .domain import BatchTiming, DecisionError, PromptRow, TooLargeForMemory
+from .domain import BatchTiming, PromptRow, TooLargeForMemory
 from .memory import CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
 from .numerics import MIB
 from .prompt import EncodedPrompt, PromptCodec
@@ -302,7 +302,15 @@ class TorchEngine:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def score(self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int) -> Readout:
+    def score(
+        self,
+        state: Any,
+        rows: Sequence[PromptRow],
+        *,
+        shared: bool,
+        max_input_tokens: int,
+        max_request_tokens: int | None = None,
+    ) -> Readout:
         """Read rows over one state, alone. `shared=False` with one row runs SemIf's plain
         forward; otherwise the state prefix is prefilled once (or found in the state cache)
         and the rows run in right-padded batches (split where the memory headroom says one
@@ -311,18 +319,31 @@ class TorchEngine:
         Raises TooManyTokens, AnswerBoundary or TooLargeForMemory with `row` set to the
         position of the row concerned.
         """
-        prepared = self.prepare(state, rows, shared=shared, max_input_tokens=max_input_tokens)
+        prepared = self.prepare(
+            state,
+            rows,
+            shared=shared,
+            max_input_tokens=max_input_tokens,
+            max_request_tokens=max_request_tokens,
+        )
         job = prepared.job(0)
         scored = self.run_group(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
         return self.readout(prepared, scored[0])
 
     def prepare(
-        self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int
+        self,
+        state: Any,
+        rows: Sequence[PromptRow],
+        *,
+        shared: bool,
+        max_input_tokens: int,
+        max_request_tokens: int | None = None,
     ) -> PreparedRows:
-        """Encode and check one request's rows and find what they share; refuses (TooManyTokens,
-        AnswerBoundary, TooLargeForMemory, with `row` set) before anything runs."""
+        """Encode (the state once) and check one request's rows and find what they share; refuses
+        (TooManyTokens, for a row or past `max_request_tokens` for the request; AnswerBoundary,
+        TooLargeForMemory; with `row` set) before anything runs."""
         started = time.perf_counter()
-        prompts = [self._encode(state, row, i, max_input_tokens) for i, row in enumerate(rows)]
+        prompts = self.codec.encode_prompts(state, rows, max_input_tokens, max_request_tokens)
         direct = not shared and len(rows) == 1
         prefix: list[int] = []
         state_tokens = 0
@@ -454,13 +475,6 @@ class TorchEngine:
         return self.cache.put(
             ids, prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens)
         )
-
-    def _encode(self, state: Any, row: PromptRow, index: int, max_input_tokens: int) -> EncodedPrompt:
-        try:
-            return self.codec.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
-        except DecisionError as exc:
-            exc.row = index
-            raise
 
     def _rows_per_forward(self, n_prefix: int, width: int) -> int | None:
         """Rows per suffix forward under the headroom (None: no limit); at least one."""

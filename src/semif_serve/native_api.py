@@ -7,6 +7,7 @@ result dicts (keys in upstream's order) or its domain error to a status through
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -232,7 +233,7 @@ class NativeDoor:
 
     async def decide(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """`POST /decide`: one decision; orderings run as one shared batch."""
-        decision = parse_body(DecisionBody, body)
+        decision = await asyncio.to_thread(parse_body, DecisionBody, body)
         outcome = await self._ask(decision.state, [to_question(decision)], shared=False)
         record.update(outcome_record(outcome))
         result = result_dict(outcome.questions[0], outcome, self.service.core.model_info)
@@ -242,7 +243,7 @@ class NativeDoor:
 
     async def decide_shared(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        request = parse_body(SharedDecisionsBody, body)
+        request = await asyncio.to_thread(parse_body, SharedDecisionsBody, body)
         questions = [to_question(d) for d in request.decisions]
         outcome = await self._ask(request.state, questions, shared=True)
         record.update(outcome_record(outcome))

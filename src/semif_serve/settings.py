@@ -96,6 +96,11 @@ class Settings(BaseSettings):
     systemone_max_input_tokens: int = Field(
         32768, ge=1, description="System One: prompt tokens per row (state + the longest question)."
     )
+    systemone_max_request_tokens: int = Field(
+        65536,
+        ge=1,
+        description="System One: tokens per request (the state once, plus every row's tokens after it).",
+    )
     systemone_max_rows: int = Field(
         256, ge=1, description="System One: rows (questions x orderings) per request."
     )

@@ -8,6 +8,7 @@ Every error on these paths is rendered by `render_systemone_error` in TypeSafe's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Mapping
@@ -383,7 +384,7 @@ class SystemOneDoor:
 
     async def answer(self, body: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
-        request = parse_request(body, self.max_options)
+        request = await asyncio.to_thread(parse_request, body, self.max_options)
         if not self.accepts(request.model):
             raise ServiceError(
                 UNKNOWN_MODEL.status,
@@ -421,6 +422,7 @@ class SystemOneDoor:
                 max_input_tokens=settings.systemone_max_input_tokens,
                 max_options=self.max_options,
                 max_rows=settings.systemone_max_rows,
+                max_request_tokens=settings.systemone_max_request_tokens,
             )
         except DecisionError as exc:
             raise systemone_error(exc, ids) from None
