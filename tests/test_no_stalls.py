@@ -350,3 +350,165 @@ def test_the_native_door_has_no_request_budget(engine, checkpoint):
     body = {"state": "s", "decisions": [decision(id=f"q{i}") for i in range(8)]}
     reply = asgi_post(create_app(service), "/decide/shared", json.dumps(body).encode())
     assert reply.status_code == 200, reply.text
+
+
+# -- inflation: bounded per body, off the loop, outside the body deadline ---------------------
+
+
+def empty_frames(coding: str, count: int) -> bytes:
+    """`count` empty gzip members, empty zstd frames, or zstd skippable frames, one after another."""
+    import gzip
+    import struct
+
+    if coding == "gzip":
+        return gzip.compress(b"") * count
+    if coding == "zstd-skippable":
+        return (struct.pack("<II", 0x184D2A50, 0)) * count
+    try:
+        from compression import zstd  # type: ignore[import-not-found]
+    except ImportError:
+        from backports import zstd
+    return zstd.compress(b"") * count
+
+
+@pytest.mark.parametrize("coding", ["gzip", "zstd", "zstd-skippable"])
+def test_a_body_of_thousands_of_empty_frames_is_refused_as_corrupt_naming_the_cap(server, coding):
+    import httpx
+
+    from semif_serve.body_encoding import MAX_MEMBERS
+
+    body = empty_frames(coding, 20_000) + empty_frames(coding.split("-")[0], 1)
+    reply = httpx.post(
+        f"{server.url}/decide",
+        content=body,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Encoding": coding.split("-")[0]},
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_compressed_body"
+    assert f"more than {MAX_MEMBERS}" in error["message"]
+
+
+def test_a_body_of_a_few_frames_is_still_one_body(server):
+    import gzip
+
+    import httpx
+
+    data = json.dumps(decision()).encode()
+    pieces = [gzip.compress(data[i : i + 10]) for i in range(0, len(data), 10)]
+    assert len(pieces) < 64
+    reply = httpx.post(
+        f"{server.url}/decide",
+        content=b"".join(pieces),
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Encoding": "gzip"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+
+
+class Gate:
+    """Holds a wrapped call until released (at most `limit` seconds), to show what else runs meanwhile."""
+
+    def __init__(self, real, limit: float = 8.0) -> None:
+        import threading
+
+        self.real = real
+        self.limit = limit
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.entered.set()
+        self.release.wait(self.limit)
+        return self.real(*args, **kwargs)
+
+
+def health_while_held(server, gate: Gate, path: str, body: bytes, headers: dict) -> tuple[int, int]:
+    """POST `body` in the background; once `gate` holds it, GET /health; (health, POST) statuses."""
+    import threading
+
+    import httpx
+
+    result: dict = {}
+    all_headers = {"Authorization": f"Bearer {TOKEN}", **headers}
+
+    def post():
+        result["post"] = httpx.post(f"{server.url}{path}", content=body, headers=all_headers, timeout=60)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    try:
+        assert gate.entered.wait(20), "the request never reached the held step"
+        try:
+            health = httpx.get(f"{server.url}/health", timeout=3).status_code
+        except httpx.TimeoutException:
+            health = 0
+    finally:
+        gate.release.set()
+        thread.join(60)
+    return health, result["post"].status_code
+
+
+def test_health_answers_while_a_body_is_being_inflated(server, monkeypatch):
+    import gzip
+
+    from semif_serve.body_encoding import BodyDecoder
+
+    gate = Gate(BodyDecoder.decode)
+    monkeypatch.setattr(BodyDecoder, "decode", lambda self, data: gate(self, data))
+    body = gzip.compress(json.dumps(decision()).encode())
+    health, post = health_while_held(server, gate, "/decide", body, {"Content-Encoding": "gzip"})
+    assert health == 200  # the loop was free while the body inflated
+    assert post == 200
+
+
+def test_health_answers_while_a_large_body_is_parsed_and_validated(server, monkeypatch):
+    import semif_serve.systemone_api as systemone_api
+
+    gate = Gate(systemone_api.parse_request)
+    monkeypatch.setattr(systemone_api, "parse_request", gate)
+    body = json.dumps(systemone_body(q=NOUL)).encode()
+    health, post = health_while_held(server, gate, "/v1/systemone", body, {})
+    assert (health, post) == (200, 200)
+
+
+def test_health_answers_while_rows_are_planned(server, monkeypatch):
+    import semif_serve.core as core
+
+    gate = Gate(core.plan_rows)
+    monkeypatch.setattr(core, "plan_rows", gate)
+    body = json.dumps({"state": "s", "decisions": [decision()]}).encode()
+    health, post = health_while_held(server, gate, "/decide/shared", body, {})
+    assert (health, post) == (200, 200)
+
+
+def test_the_body_deadline_counts_the_clients_sending_not_the_servers_inflating(
+    engine, checkpoint, monkeypatch
+):
+    import gzip
+    import time
+
+    from conftest import make_settings
+
+    from semif_serve.body_encoding import BodyDecoder
+    from semif_serve.startup import Service
+
+    real = BodyDecoder.decode
+
+    def slow(self, data):
+        time.sleep(0.4)  # the server's own work, longer than the whole deadline
+        return real(self, data)
+
+    monkeypatch.setattr(BodyDecoder, "decode", slow)
+    service = Service.start(make_settings(checkpoint, body_timeout_seconds=0.3), engine=engine)
+    body = gzip.compress(json.dumps(decision()).encode())
+    with HardenedServer(create_app(service)) as running:
+        head = (
+            f"POST /decide HTTP/1.1\r\nHost: t\r\n{AUTH}Content-Encoding: gzip\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        sock = running.connect(head + body[:10])
+        time.sleep(0.05)
+        sock.sendall(body[10:])
+        status, _, reply = read_response(sock, timeout=30)
+    assert status == 200, reply
