@@ -512,3 +512,61 @@ def test_the_body_deadline_counts_the_clients_sending_not_the_servers_inflating(
         sock.sendall(body[10:])
         status, _, reply = read_response(sock, timeout=30)
     assert status == 200, reply
+
+
+# -- fairness: rounds take turns a group at a time -----------------------------------------------
+
+
+def test_a_small_request_arriving_during_a_heavy_one_runs_after_the_forward_in_progress_not_after_all():
+    import asyncio
+
+    from test_batching import GatedEngine, run, settle, shape
+
+    from semif_serve.batching import Batcher, Bounds, Job
+
+    engine = GatedEngine()
+
+    async def main():
+        batcher = Batcher(engine, Bounds(max_batch_rows=1))
+        heavy = asyncio.create_task(batcher.submit(Job("heavy", None, 0, (5,) * 5, "H")))
+        await asyncio.to_thread(engine.started.wait, 10)
+        tiny = asyncio.create_task(batcher.submit(Job("tiny", None, 0, (3,), "T")))
+        await settle()
+        engine.release.set()
+        results = await asyncio.gather(heavy, tiny)
+        await batcher.close()
+        return results
+
+    heavy, tiny = run(main())
+    assert heavy == [f"H#{i}" for i in range(5)] and tiny == ["T#0"]
+    assert shape(engine.groups) == [
+        [("heavy", 0, 1)],
+        [("tiny", 0, 1)],
+        [("heavy", 1, 2)],
+        [("heavy", 2, 3)],
+        [("heavy", 3, 4)],
+        [("heavy", 4, 5)],
+    ]
+
+
+def test_two_heavy_rounds_take_turns_group_by_group():
+    import asyncio
+
+    from test_batching import GatedEngine, run, settle, shape
+
+    from semif_serve.batching import Batcher, Bounds, Job
+
+    engine = GatedEngine()
+
+    async def main():
+        batcher = Batcher(engine, Bounds(max_batch_rows=1))
+        a = asyncio.create_task(batcher.submit(Job("a", None, 0, (5,) * 3, "A")))
+        await asyncio.to_thread(engine.started.wait, 10)
+        b = asyncio.create_task(batcher.submit(Job("b", None, 0, (5,) * 3, "B")))
+        await settle()
+        engine.release.set()
+        return await asyncio.gather(a, b)
+
+    assert run(main()) == [["A#0", "A#1", "A#2"], ["B#0", "B#1", "B#2"]]
+    order = [g[0][0] for g in shape(engine.groups)]
+    assert order == ["a", "b", "a", "b", "a", "b"]

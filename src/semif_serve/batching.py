@@ -8,12 +8,18 @@ bounds. `Batcher` is the asyncio side: when the engine is free it takes everythi
 (never waiting on purpose), drops cancelled requests before their forward, runs each group on
 the engine thread through `run_group`, and when a merged group fails, retries each request
 alone so that one bad request fails alone.
+
+Fairness: what is taken together is one round of groups; rounds take turns a group at a time,
+and requests that arrive while a group runs form a new round that goes first after it. So a
+small request waits for at most the one forward running when it arrives, never for every
+forward of a heavy request taken before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -240,12 +246,27 @@ class Batcher(Generic[R]):
             self.executor.shutdown(wait=False)
 
     async def _drain(self) -> None:
-        """Run everything queued, then whatever arrived meanwhile, until the queue is empty."""
-        while self._queue:
-            taken, self._queue = self._queue, []
-            live = {p.job.id: p for p in taken if not self._dropped(p)}
-            for group in self._plan(live):
-                await self._run(group, live)
+        """Run the queued rounds a group at a time, taking turns, until nothing is left; what
+        arrives while a group runs becomes a round of its own, next in turn."""
+        rounds: deque[deque[Group]] = deque()
+        live: dict[Hashable, _Pending] = {}
+        current: deque[Group] | None = None
+        while True:
+            if self._queue:
+                taken, self._queue = self._queue, []
+                fresh = {p.job.id: p for p in taken if not self._dropped(p)}
+                live.update(fresh)
+                planned = deque(self._plan(fresh))
+                if planned:
+                    rounds.append(planned)
+            if current:
+                rounds.append(current)  # after the newcomers: a heavy round yields between its groups
+            if not rounds:
+                return
+            current = rounds.popleft()
+            await self._run(current.popleft(), live)
+            for job_id in [i for i, p in live.items() if p.future.done()]:
+                del live[job_id]
 
     def _plan(self, live: dict[Hashable, _Pending]) -> list[Group]:
         try:
@@ -268,7 +289,7 @@ class Batcher(Generic[R]):
         return False
 
     async def _run(self, planned: Group, live: dict[Hashable, _Pending]) -> None:
-        group = planned.keeping({i for i in planned.job_ids if not live[i].future.done()})
+        group = planned.keeping({i for i in planned.job_ids if i in live and not live[i].future.done()})
         if group is None:
             return
         try:
