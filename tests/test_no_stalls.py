@@ -570,3 +570,61 @@ def test_two_heavy_rounds_take_turns_group_by_group():
     assert run(main()) == [["A#0", "A#1", "A#2"], ["B#0", "B#1", "B#2"]]
     order = [g[0][0] for g in shape(engine.groups)]
     assert order == ["a", "b", "a", "b", "a", "b"]
+
+
+# -- memory for long questions: the suffix forward is chunked like the prefill ------------------
+
+
+def plain_last_logits(engine, ids: list[int]):
+    """model(input_ids=the whole prompt): float32 logits of the last position, no cache, no chunks."""
+    import torch
+
+    with torch.no_grad():
+        return engine.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+@pytest.mark.parametrize("with_prefix", [True, False], ids=["over-a-state", "no-prefix"])
+def test_a_chunked_suffix_forward_equals_a_plain_full_forward_of_each_row(engine, chunk, with_prefix):
+    import torch
+
+    from semif_serve.state_cache import StoredState, logits_over, prefill
+
+    codec = engine.codec
+    prefix = codec.encode("<|im_start|>user\nThe zones recovered after the release. " * 3)
+    suffixes = [
+        codec.encode(" Did every zone recover, and how long did the errors last? " * k) for k in (1, 3, 6)
+    ] + [codec.encode(" ok")]
+    if not with_prefix:
+        prefix = []
+    cache = StoredState(prefix, prefill(engine.model, prefix)).fork(len(suffixes)) if prefix else None
+    got = logits_over(engine.model, cache, len(prefix), suffixes, engine.pad_id, chunk_tokens=chunk)
+    assert max(map(len, suffixes)) > chunk  # the widest row spans several chunks
+    for row, suffix in zip(got, suffixes, strict=True):
+        want = plain_last_logits(engine, prefix + suffix)
+        assert torch.allclose(row, want, atol=1e-5, rtol=0), float((row - want).abs().max())
+
+
+def test_the_engine_never_runs_a_suffix_forward_wider_than_the_chunk(engine, monkeypatch):
+    from semif_serve.domain import PromptRow
+    from semif_serve.state_cache import StateCache
+
+    chunked = engine.with_state_cache(StateCache(0), 32)
+    widths: list[int] = []
+    decoder = chunked.model.get_decoder()
+    real = type(decoder).forward
+
+    def recording(self, *args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(decoder), "forward", recording)
+    long_question = "Across every zone, did the error rate stay under one percent after the fix? " * 12
+    rows = [PromptRow(long_question, ("Yes.", "No.")), PromptRow("Short?", ("Yes.", "No."))]
+    readout = chunked.score("The zones recovered.", rows, shared=True, max_input_tokens=4096)
+    assert readout.rows[0].input_tokens - readout.timing.prefix_tokens > 100  # a long suffix
+    assert widths and max(widths) <= 32  # prefill and suffix alike, never a wider forward
+    monkeypatch.undo()
+    for got, row in zip(readout.rows, rows, strict=True):
+        direct = engine.score("The zones recovered.", [row], shared=False, max_input_tokens=4096).rows[0]
+        assert max(abs(a - b) for a, b in zip(got.option_logits, direct.option_logits, strict=True)) <= 1e-5

@@ -395,7 +395,14 @@ class TorchEngine:
                 cache = stored.fork(len(chunk)) if stored is not None else None
                 self.memory.synchronize()
                 t1 = time.perf_counter()
-                logits = logits_over(self.model, cache, len(prefix), [s for s, _ in chunk], self.pad_id)
+                logits = logits_over(
+                    self.model,
+                    cache,
+                    len(prefix),
+                    [s for s, _ in chunk],
+                    self.pad_id,
+                    self.prefill_chunk_tokens,
+                )
                 del cache
                 readouts.extend(self._readout(logits[i], n) for i, (_, n) in enumerate(chunk))
                 del logits
@@ -490,7 +497,9 @@ class TorchEngine:
             return
         chunk = self.prefill_chunk_tokens
         if self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, chunk) == 0:
-            need = self.estimate.prefill_bytes(n_prefix, chunk) + self.estimate.row_bytes(n_prefix, width)
+            need = self.estimate.prefill_bytes(n_prefix, chunk) + self.estimate.row_bytes(
+                n_prefix, width, chunk
+            )
             refusal = TooLargeForMemory(need, self.headroom_bytes)
             refusal.row = 0
             raise refusal
