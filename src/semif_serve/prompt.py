@@ -72,6 +72,22 @@ SPLIT_PROBES: tuple[Any, ...] = (
 )
 
 
+def user_message_after_state(question: str, descriptions: Sequence[str], codes: Sequence[str]) -> str:
+    """What follows `{"evidence": <state>,` in `user_message`: the same JSON, the state left out."""
+    options = [{"letter": codes[i], "description": d} for i, d in enumerate(descriptions)]
+    return " " + json.dumps({"criterion": question, "options": options}, ensure_ascii=False)[1:]
+
+
+@dataclass(frozen=True)
+class StateHead:
+    """What every prompt over one state shares: the text up to the comma after the state, its
+    ids, and the chat template's text after the user turn."""
+
+    text: str
+    ids: list[int]
+    closing: str
+
+
 def question_independent_opening(state: Any) -> str:
     """`{"evidence": <state>, "criterion": "`: the part of the user turn every question over
     `state` shares (upstream cuts after the state; the key that follows is shared too)."""
@@ -109,10 +125,14 @@ class PromptCodec:
         return self._splits_after_state
 
     def _split_is_exact(self, state: Any) -> bool:
+        head: StateHead | None = None
         for question, descriptions in (("Did it?", ("Yes.", "No.")), ("'s \u00e9 1", (" a", '"b"'))):
+            row = PromptRow(question, descriptions)
             text = self.render_prompt(state, question, descriptions)
-            cut = self._state_cut(text, state, question, descriptions)
-            if cut is None or self.encode(text) != self.encode(text[:cut]) + self.encode(text[cut:]):
+            head = head or self._head(state, row)
+            if head is None or self._row_text(head, row) != text:
+                return False
+            if self.encode(text) != head.ids + self.encode(text[len(head.text) :]):
                 return False
         return True
 
@@ -138,7 +158,7 @@ class PromptCodec:
         whole once the state's tokens plus every row's tokens after the state pass
         `max_request_tokens` (counted as the rows are encoded: refused at the first row past it).
         """
-        head: tuple[str, list[int]] | None = None
+        head: StateHead | None = None
         prompts: list[EncodedPrompt] = []
         total = shared = 0
         for index, row in enumerate(rows):
@@ -158,23 +178,29 @@ class PromptCodec:
             prompts.append(prompt)
         return prompts
 
-    def _head(self, state: Any, row: PromptRow) -> tuple[str, list[int]] | None:
-        """The text every prompt over `state` starts with, up to the cut, and its ids."""
+    def _head(self, state: Any, row: PromptRow) -> StateHead | None:
+        """What every prompt over `state` shares, from one rendering (None: no cut found)."""
         text = self.render_prompt(state, row.question, row.descriptions)
+        user = user_message(state, row.question, row.descriptions, self.codes)
         cut = self._state_cut(text, state, row.question, row.descriptions)
-        return None if cut is None else (text[:cut], self.encode(text[:cut]))
+        if cut is None:
+            return None
+        return StateHead(text[:cut], self.encode(text[:cut]), text[text.find(user) + len(user) :])
+
+    def _row_text(self, head: StateHead, row: PromptRow) -> str:
+        """The chat-template rendering of `row` over the head's state, spliced (not re-rendered)."""
+        return head.text + user_message_after_state(row.question, row.descriptions, self.codes) + head.closing
 
     def _encode_row(
-        self, state: Any, row: PromptRow, max_input_tokens: int, head: tuple[str, list[int]] | None
+        self, state: Any, row: PromptRow, max_input_tokens: int, head: StateHead | None
     ) -> EncodedPrompt:
+        if head is None:
+            return self.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
         if len(row.descriptions) > self.capacity:
             raise TooManyOptions(len(row.descriptions), self.capacity)
-        text = self.render_prompt(state, row.question, row.descriptions)
-        if head is None or not text.startswith(head[0]):
-            return self.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
-        head_text, head_ids = head
-        ids = head_ids + self.encode(text[len(head_text) :])
-        return self._checked(text, ids, row.descriptions, max_input_tokens, len(head_text), len(head_ids))
+        text = self._row_text(head, row)
+        ids = head.ids + self.encode(text[len(head.text) :])
+        return self._checked(text, ids, row.descriptions, max_input_tokens, len(head.text), len(head.ids))
 
     def render_prompt(self, state: Any, question: str, descriptions: Sequence[str]) -> str:
         """The chat-template rendering of the system and user turns, ready for the answer code."""
@@ -211,21 +237,21 @@ class PromptCodec:
     ) -> EncodedPrompt:
         if len(ids) > max_input_tokens:
             raise TooManyTokens(len(ids), max_input_tokens)
-        broken = self._first_broken_code(text, ids, len(descriptions))
+        broken = self._first_broken_code(text, ids, len(descriptions), head_chars)
         if broken is not None:
             raise AnswerBoundary(self.codes[broken], broken)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         user_offset = text.index(USER_OPENING)  # the system turn before it is fixed text
         return EncodedPrompt(text, ids, digest, user_offset, head_chars, head_tokens)
 
-    def _first_broken_code(self, text: str, ids: list[int], n_codes: int) -> int | None:
+    def _first_broken_code(self, text: str, ids: list[int], n_codes: int, start: int = 0) -> int | None:
         """SemIf's boundary check, `encode(prompt + code) == ids + [slot]`, for the first n codes.
 
         The tokenizer never merges across an added token, so only the text after the prompt's
         last one can interact with the code: the check runs once per distinct tail (the chat
         template's fixed ending) and code, extended only as far as a prompt's options reach.
         """
-        tail = self._answer_tail(text)
+        tail = self._answer_tail(text, start)
         if tail is None:
             return self._first_mismatch(text, ids, 0, n_codes)
         checked, broken = self._tail_checks.get(tail, (0, None))
@@ -241,13 +267,16 @@ class PromptCodec:
             None,
         )
 
-    def _answer_tail(self, text: str) -> str | None:
-        """The text after the last added token that cannot absorb what follows it, if any."""
+    def _answer_tail(self, text: str, start: int = 0) -> str | None:
+        """The text after the last added token that cannot absorb what follows it, if any
+        (looked for after `start` first: a state's head need not be searched again)."""
         cut = -1
         for token in self._boundary_tokens:
-            at = text.rfind(token)
+            at = text.rfind(token, start)
             if at >= 0:
                 cut = max(cut, at + len(token))
+        if cut < 0 and start:
+            return self._answer_tail(text)
         return text[cut:] if cut >= 0 else None
 
     def state_prefix(self, state: Any, prompt: EncodedPrompt) -> list[int]:

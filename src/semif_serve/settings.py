@@ -69,7 +69,9 @@ class Settings(BaseSettings):
         description="Prefilled states kept for reuse, in MiB (0: off); part of the cap and the baseline.",
     )
     prefill_chunk_tokens: int = Field(
-        2048, ge=1, description="State prefix tokens per prefill forward (bounds activation memory)."
+        2048,
+        ge=1,
+        description="Tokens per prefill forward and suffix columns per suffix forward (bounds activation memory).",
     )
     max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
     max_batch_tokens: int = Field(
