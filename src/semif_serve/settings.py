@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(
         2048,
         ge=1,
-        description="Tokens per prefill forward and suffix columns per suffix forward (bounds activation memory).",
+        description="Tokens per prefill forward and suffix columns per suffix forward (bounds activations).",
     )
     max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
     max_batch_tokens: int = Field(
