@@ -18,6 +18,7 @@ MAX_INT_DIGITS = 4300  # Python's default limit for int <-> str conversion
 INVALID_JSON = "invalid_json"
 INVALID_VALUE = "validation_error"
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # paired escapes arrive already combined
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way a surrogate reaches a string
 
 
 class BodyError(ValueError):
@@ -63,6 +64,19 @@ def _child(path: str | None, key: str | int) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _shallow_enough(document: Any) -> bool:
+    """Whether no container nests MAX_DEPTH deep (a walk over containers only, no paths built)."""
+    stack = [(document, 0)] if isinstance(document, (dict, list)) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth >= MAX_DEPTH:
+            return False
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+    return True
+
+
 def _check(document: Any) -> None:
     """Walk the document (iteratively) for long integers, lone surrogates and excess depth."""
     stack: list[tuple[Any, str | None, int]] = [(document, None, 0)]
@@ -102,8 +116,22 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BodyError(INVALID_JSON, f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    marked: list[object] = []  # long integers and objects with a duplicate key, as they are parsed
+
+    def parse_int(digits: str) -> int | _LongInteger:
+        number = _parse_int(digits)
+        if isinstance(number, _LongInteger):
+            marked.append(number)
+        return number
+
+    def parse_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        document = _object(pairs)
+        if isinstance(document, _DuplicateKey):
+            marked.append(document)
+        return document
+
     try:
-        document = json.loads(text, parse_int=_parse_int, object_pairs_hook=_object)
+        document = json.loads(text, parse_int=parse_int, object_pairs_hook=parse_object)
     except json.JSONDecodeError as exc:
         raise BodyError(
             INVALID_JSON,
@@ -111,7 +139,9 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         ) from None
     except RecursionError:
         raise BodyError(INVALID_JSON, f"the JSON nests deeper than {MAX_DEPTH} levels") from None
-    _check(document)
+    # The full walk builds every field's path; it runs only where there is something to name.
+    if marked or SURROGATE_ESCAPE.search(text) or not _shallow_enough(document):
+        _check(document)
     if not isinstance(document, dict):
         raise BodyError(INVALID_VALUE, "the request body must be a JSON object")
     return document
