@@ -628,3 +628,78 @@ def test_the_engine_never_runs_a_suffix_forward_wider_than_the_chunk(engine, mon
     for got, row in zip(readout.rows, rows, strict=True):
         direct = engine.score("The zones recovered.", [row], shared=False, max_input_tokens=4096).rows[0]
         assert max(abs(a - b) for a, b in zip(got.option_logits, direct.option_logits, strict=True)) <= 1e-5
+
+
+# -- fairness on the engine: a long prefill runs in steps between which others run ------------
+
+LONG_STATE = "The zones recovered after the release, then the errors stopped for good. " * 30
+
+
+def test_a_long_state_is_prefilled_in_steps_that_give_the_numbers_of_one_prefill(engine):
+    from semif_serve.batching import UNFINISHED, Group
+    from semif_serve.domain import PromptRow
+    from semif_serve.engine import _whole
+    from semif_serve.state_cache import StateCache
+
+    rows = [PromptRow("Did it recover?", ("Yes.", "No.")), PromptRow("Were there errors?", ("Yes.", "No."))]
+    stepping = engine.with_state_cache(StateCache(64 << 20), 16)
+    prepared = stepping.prepare(LONG_STATE, rows, shared=True, max_input_tokens=4096)
+    job = prepared.job(0)
+    group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
+    steps = 0
+    while (scored := stepping.run_group(group)) is UNFINISHED:
+        steps += 1
+    assert steps >= len(prepared.prefix) // 32 - 1  # 16-token chunks, two per step
+    readout = stepping.readout(prepared, scored[0])
+    assert readout.timing.prefill == "fresh"
+    kept = 2 if prepared.state_tokens < len(prepared.prefix) else 1  # the state prefix, the whole prefix
+    assert stepping.cache.stats().entries == kept  # and no step's slice left behind
+    whole = engine.with_state_cache(StateCache(0), None).score(
+        LONG_STATE, rows, shared=True, max_input_tokens=4096
+    )
+    for got, want in zip(readout.rows, whole.rows, strict=True):
+        assert max(abs(a - b) for a, b in zip(got.option_logits, want.option_logits, strict=True)) <= 1e-5
+
+
+def test_a_tiny_request_is_answered_while_a_long_prefill_is_still_running(engine):
+    import asyncio
+
+    from semif_serve.domain import PromptRow
+    from semif_serve.memory import HostMemory, ReleasePolicy
+    from semif_serve.state_cache import StateCache
+    from semif_serve.worker import EngineWorker
+
+    stepping = engine.with_state_cache(StateCache(64 << 20), 16)
+    finished: list[str] = []
+    starts: list[str] = []
+    real = stepping.run_group
+
+    def recording(group):
+        starts.append(group.parts[0].job.id)
+        return real(group)
+
+    stepping.run_group = recording  # type: ignore[method-assign]
+    worker = EngineWorker(ReleasePolicy(HostMemory(), 1 << 30))
+
+    async def ask(name: str, state: str) -> None:
+        await worker.score(
+            stepping,
+            state,
+            [PromptRow("Did it recover?", ("Yes.", "No."))],
+            shared=True,
+            max_input_tokens=4096,
+        )
+        finished.append(name)
+
+    async def main():
+        heavy = asyncio.create_task(ask("heavy", LONG_STATE))
+        while not starts:
+            await asyncio.sleep(0.01)
+        await ask("tiny", "Short state.")
+        await heavy
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        worker.shutdown()
+    assert finished == ["tiny", "heavy"]

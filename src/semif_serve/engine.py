@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .batching import Group, Job, Part
+from .batching import UNFINISHED, Group, Job, Part
 from .domain import BatchTiming, PromptRow, TooLargeForMemory
 from .memory import CudaMemory, DeviceMemory, HostMemory, MemoryEstimate
 from .numerics import MIB
@@ -183,6 +183,8 @@ class TorchEngine:
         self.skipped_tensors = skipped_tensors
         self.cache = cache if cache is not None else StateCache(0)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._stepped: dict[str, float] = {}  # prefixes being prefilled in steps -> seconds so far
+        self._slices: set[str] = set()  # the step slices stored in the cache, by digest
         self.device = torch.device(identity.device)
         self.slot_ids = torch.tensor(codec.slots, device=self.device)
         self.decoder = model.get_decoder()
@@ -327,7 +329,9 @@ class TorchEngine:
             max_request_tokens=max_request_tokens,
         )
         job = prepared.job(0)
-        scored = self.run_group(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
+        group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
+        while (scored := self.run_group(group)) is UNFINISHED:
+            pass
         return self.readout(prepared, scored[0])
 
     def prepare(
@@ -363,11 +367,15 @@ class TorchEngine:
             encode_seconds=time.perf_counter() - started,
         )
 
-    def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
+    def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]] | Any:
         """Score one planned group on this thread: one state (cached or prefilled once) for
         every part, the rows in right-padded forwards split by the memory headroom; the
         results of each job's rows in the group, in order. A lone direct row runs SemIf's
-        plain forward; direct rows merged with others run right-padded with no state."""
+        plain forward; direct rows merged with others run right-padded with no state.
+
+        A state longer than PREFILL_STEP_CHUNKS chunks is prefilled a step at a time: this
+        call prefills one step, keeps it in the state cache and returns UNFINISHED, so the
+        batcher can run other requests' groups before the next step (the cache must be on)."""
         parts = group.parts
         if len(parts) == 1 and parts[0].job.payload.direct:
             prepared = parts[0].job.payload
@@ -376,6 +384,8 @@ class TorchEngine:
             return {parts[0].job.id: [ScoredRow(logits, probs, run)]}
         first: PreparedRows = parts[0].job.payload
         prefix = first.prefix if group.prefix_key is not None else []
+        if self._prefill_step(prefix, first.state_tokens):
+            return UNFINISHED
         stored, how, prefill_seconds = self._state(prefix, first.state_tokens)
         rows = [
             (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i])
@@ -460,6 +470,41 @@ class TorchEngine:
         )
         return Readout(readouts, True, forward_seconds, total, timing)
 
+    def _prefill_step(self, prefix: list[int], state_tokens: int) -> bool:
+        """Prefill one step of a long `prefix` into the state cache; False when what is left
+        fits in one step (or the cache cannot keep a step), so `_state` finishes it now."""
+        if not prefix or not self.prefill_chunk_tokens or self.cache.holds(prefix):
+            return False
+        step = self.prefill_chunk_tokens * PREFILL_STEP_CHUNKS
+        whole_state = self.estimate.cache_per_token * len(prefix) + self.estimate.state_per_row
+        if whole_state > self.cache.budget_bytes:
+            return False  # the cache could not keep the steps: prefilled in one go
+        start = self.cache.longest_prefix(prefix)
+        done = len(start) if start is not None else 0
+        if len(prefix) - done <= step:
+            return False
+        boundary = state_tokens if done < state_tokens else len(prefix)
+        target = min(boundary, done + step)
+        t0 = time.perf_counter()
+        stored = self._prefill(prefix[:target], start)
+        self.memory.synchronize()
+        if not self.cache.holds(stored.ids):
+            return False
+        self._drop_slice(start, state_tokens)
+        if len(self._stepped) > MAX_STEPPED:
+            self._stepped.clear()  # abandoned states' counters; only their timing is lost
+        key = prefix_digest(prefix)
+        self._stepped[key] = self._stepped.get(key, 0.0) + time.perf_counter() - t0
+        self._slices.add(stored.digest)
+        return True
+
+    def _drop_slice(self, start: StoredState | None, state_tokens: int) -> None:
+        """Drop a step's slice once a longer one supersedes it (the state prefix itself stays)."""
+        if start is not None and start.digest in self._slices:
+            self._slices.discard(start.digest)
+            if len(start) != state_tokens:
+                self.cache.discard(start.ids)
+
     def _state(self, prefix: list[int], state_tokens: int) -> tuple[StoredState | None, str, float]:
         """The stored state over exactly `prefix`: from the cache, extended from a cached
         shorter one, or prefilled (in chunks); a fresh state prefix is stored on its own too,
@@ -471,12 +516,15 @@ class TorchEngine:
             return stored, "cached", 0.0
         t0 = time.perf_counter()
         start = self.cache.longest_prefix(prefix)
-        how = "extended" if start is not None else "fresh"
-        if start is None and 0 < state_tokens < len(prefix):
-            start = self._prefill(prefix[:state_tokens], None)
+        stepped = self._stepped.pop(prefix_digest(prefix), None)  # prefilled in steps: still fresh
+        how = "extended" if start is not None and stepped is None else "fresh"
+        slice_ = start if stepped is not None else None
+        if 0 < state_tokens < len(prefix) and (start is None or (slice_ and len(slice_) < state_tokens)):
+            start = self._prefill(prefix[:state_tokens], start)
         stored = self._prefill(prefix, start)
         self.memory.synchronize()
-        return stored, how, time.perf_counter() - t0
+        self._drop_slice(slice_, state_tokens)
+        return stored, how, time.perf_counter() - t0 + (stepped or 0.0)
 
     def _prefill(self, ids: list[int], start: StoredState | None) -> StoredState:
         return self.cache.put(
@@ -521,6 +569,8 @@ class TorchEngine:
         return readout, time.perf_counter() - t0
 
 
+PREFILL_STEP_CHUNKS = 2  # prefill chunks per engine step, between which other requests run
+MAX_STEPPED = 1024
 PREFILL_KINDS = ("fresh", "extended", "cached")  # a request's `prefill`: the costliest of its groups'
 
 

@@ -193,6 +193,20 @@ class StateCache:
             self._bytes += state.nbytes
         return state
 
+    def holds(self, ids: Sequence[int]) -> bool:
+        """Whether a state is stored for exactly `ids` (counts nothing, changes no order)."""
+        with self._lock:
+            entry = self._entries.get(prefix_digest(ids))
+            return entry is not None and entry.ids == tuple(ids)
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Drop the state stored for exactly `ids`, if any (a slice superseded by a longer one)."""
+        with self._lock:
+            entry = self._entries.get(prefix_digest(ids))
+            if entry is not None and entry.ids == tuple(ids):
+                del self._entries[entry.digest]
+                self._bytes -= entry.nbytes
+
     def shrink_to(self, max_bytes: int) -> int:
         """Evict least-recently-used states until at most `max_bytes` are held; the bytes freed."""
         with self._lock:

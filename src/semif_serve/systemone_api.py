@@ -397,7 +397,9 @@ class SystemOneDoor:
                 ),
             )
         ids = list(request.questions)
-        questions = [to_question(qid, q, self.policy) for qid, q in request.questions.items()]
+        questions = await asyncio.to_thread(
+            lambda: [to_question(qid, q, self.policy) for qid, q in request.questions.items()]
+        )
         outcome = await self._ask(request, questions, ids)
         record.update(outcome_record(outcome))
         answers = {
