@@ -649,7 +649,7 @@ def test_a_long_state_is_prefilled_in_steps_that_give_the_numbers_of_one_prefill
     steps = 0
     while (scored := stepping.run_group(group)) is UNFINISHED:
         steps += 1
-    assert steps >= len(prepared.prefix) // 32 - 1  # 16-token chunks, two per step
+    assert steps >= len(prepared.prefix) // 16 - 1  # 16-token chunks, one per step
     readout = stepping.readout(prepared, scored[0])
     assert readout.timing.prefill == "fresh"
     kept = 2 if prepared.state_tokens < len(prepared.prefix) else 1  # the state prefix, the whole prefix

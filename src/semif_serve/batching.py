@@ -318,7 +318,7 @@ class Batcher(Generic[R]):
                 while not await self._run(alone, live):
                     pass
             return True
-        if results is UNFINISHED:
+        if isinstance(results, _Unfinished):
             return False
         for part in group.parts:
             pending = live[part.job.id]

@@ -569,7 +569,7 @@ class TorchEngine:
         return readout, time.perf_counter() - t0
 
 
-PREFILL_STEP_CHUNKS = 2  # prefill chunks per engine step, between which other requests run
+PREFILL_STEP_CHUNKS = 1  # prefill chunks per engine step, between which other requests run
 MAX_STEPPED = 1024
 PREFILL_KINDS = ("fresh", "extended", "cached")  # a request's `prefill`: the costliest of its groups'
 
