@@ -57,7 +57,7 @@ class StrictConnection(h11.Connection):
 
     refusal: str | None = None
 
-    def next_event(self):  # noqa: ANN201 - h11's own signature
+    def next_event(self):
         if self.their_state is h11.IDLE:
             self._refuse_bare_lf()
         event = super().next_event()
