@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -56,6 +57,20 @@ def option_orders(n: int, mode: str | None) -> list[tuple[int, ...]]:
     if mode == "reversal":
         return [identity, identity[::-1]]
     raise ValueError(f"unknown orderings mode {mode!r}")
+
+
+def order_count(n: int, mode: str | None) -> int:
+    """How many orders `option_orders(n, mode)` gives, without building them."""
+    counts = {
+        None: 1,
+        "rotations": n,
+        "all": math.factorial(n),
+        "shifts": min(n, MAX_SHIFTS),
+        "reversal": 2,
+    }
+    if mode not in counts:
+        raise ValueError(f"unknown orderings mode {mode!r}")
+    return counts[mode]
 
 
 def mean_option_logits(

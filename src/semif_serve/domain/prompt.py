@@ -2,6 +2,13 @@
 
 Every rule here reproduces upstream exactly, so `prompt_sha256` and `input_tokens` equal SemIf's
 for the same tokenizer and decision.
+
+`encode_prompts` encodes the rows of one request over one state with the state tokenised
+once: every prompt over a state starts with the same text up to the comma after the state
+(`...{"evidence": <state>,`), and where the tokenizer never merges a token across that comma
+and the space after it (checked once per tokenizer on probes; Qwen's pre-tokenizer splits
+there whatever precedes it) the ids of the whole prompt are the ids of that head followed by
+the ids of the rest. Otherwise every prompt is encoded whole, as before.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Any
 
 from semif_serve.domain.alphabet import NATIVE_CODES, AnswerAlphabet, answer_codes
 from semif_serve.domain.alphabet import TokenizerContractError as TokenizerContractError
-from semif_serve.domain.types import AnswerBoundary, TooManyOptions, TooManyTokens
+from semif_serve.domain.types import AnswerBoundary, DecisionError, PromptRow, TooManyOptions, TooManyTokens
 
 PROMPT_VERSION = "direct-options-v1"
 SYSTEM_PROMPT = (
@@ -33,6 +40,8 @@ class EncodedPrompt:
     ids: list[int]
     sha256: str
     user_offset: int  # where the user turn's JSON starts in `text`
+    head_chars: int = 0  # with head_tokens: `text[:head_chars]` (the state's head) is `ids[:head_tokens]`
+    head_tokens: int = 0
 
 
 def user_message(
@@ -41,6 +50,42 @@ def user_message(
     """The user turn: evidence, criterion and lettered options; option ids are never shown."""
     options = [{"letter": codes[i], "description": d} for i, d in enumerate(descriptions)]
     return json.dumps({"evidence": state, "criterion": question, "options": options}, ensure_ascii=False)
+
+
+USER_OPENING = '{"evidence": '
+# Where a prompt is cut for encoding its state once: after the comma that ends the state's value.
+AFTER_STATE = ' "criterion": "'
+# States whose heads, with what follows them, probe the tokenizer's split at the cut.
+SPLIT_PROBES: tuple[Any, ...] = (
+    "x",
+    "ends with a space ",
+    "Zo\u00eb \u6570\u5b57 \U0001f600",
+    "it's",
+    "tab\tnew\nline",
+    "12",
+    {"a": 1},
+    {"k": [1, 2.5, None, True]},
+    [1, 2],
+    ["a", {"b": "c"}],
+    '"quoted"',
+    "",
+)
+
+
+def user_message_after_state(question: str, descriptions: Sequence[str], codes: Sequence[str]) -> str:
+    """What follows `{"evidence": <state>,` in `user_message`: the same JSON, the state left out."""
+    options = [{"letter": codes[i], "description": d} for i, d in enumerate(descriptions)]
+    return " " + json.dumps({"criterion": question, "options": options}, ensure_ascii=False)[1:]
+
+
+@dataclass(frozen=True)
+class StateHead:
+    """What every prompt over one state shares: the text up to the comma after the state, its
+    ids, and the chat template's text after the user turn."""
+
+    text: str
+    ids: list[int]
+    closing: str
 
 
 def question_independent_opening(state: Any) -> str:
@@ -65,11 +110,97 @@ class PromptCodec:
         self._tail_checks: dict[str, tuple[int, int | None]] = {}
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._boundary_tokens = [t.content for t in added.values() if not getattr(t, "rstrip", False)]
+        self._splits_after_state: bool | None = None
 
     @property
     def capacity(self) -> int:
         """How many options one prompt can hold with this tokenizer."""
         return self.alphabet.capacity
+
+    @property
+    def splits_after_state(self) -> bool:
+        """Whether a prompt's ids are its state head's ids followed by the rest's (probed once)."""
+        if self._splits_after_state is None:
+            self._splits_after_state = all(self._split_is_exact(state) for state in SPLIT_PROBES)
+        return self._splits_after_state
+
+    def _split_is_exact(self, state: Any) -> bool:
+        head: StateHead | None = None
+        for question, descriptions in (("Did it?", ("Yes.", "No.")), ("'s \u00e9 1", (" a", '"b"'))):
+            row = PromptRow(question, descriptions)
+            text = self.render_prompt(state, question, descriptions)
+            head = head or self._head(state, row)
+            if head is None or self._row_text(head, row) != text:
+                return False
+            if self.encode(text) != head.ids + self.encode(text[len(head.text) :]):
+                return False
+        return True
+
+    def _state_cut(self, text: str, state: Any, question: str, descriptions: Sequence[str]) -> int | None:
+        """The offset just after the comma that ends the state's value in `text` (None: not found)."""
+        user = user_message(state, question, descriptions, self.codes)
+        at = text.find(user)
+        if at < 0:
+            return None
+        cut = at + len(question_independent_opening(state)) - len(AFTER_STATE)
+        return cut if text[cut - 1] == "," and text.startswith(AFTER_STATE, cut) else None
+
+    def encode_prompts(
+        self,
+        state: Any,
+        rows: Sequence[PromptRow],
+        max_input_tokens: int,
+        max_request_tokens: int | None = None,
+    ) -> list[EncodedPrompt]:
+        """`encode_prompt` for every row over `state`, the state's head tokenised once.
+
+        Raises as `encode_prompt` does (with `row` set), and TooManyTokens for the request as a
+        whole once the state's tokens plus every row's tokens after the state pass
+        `max_request_tokens` (counted as the rows are encoded: refused at the first row past it).
+        """
+        head: StateHead | None = None
+        prompts: list[EncodedPrompt] = []
+        total = shared = 0
+        for index, row in enumerate(rows):
+            try:
+                if head is None and self.splits_after_state:
+                    head = self._head(state, row)
+                prompt = self._encode_row(state, row, max_input_tokens, head)
+            except DecisionError as exc:
+                exc.row = index
+                raise
+            if not prompts:
+                shared = prompt.head_tokens or len(self.state_prefix(state, prompt))
+                total = shared  # the state counts once; every row adds what follows it
+            total += len(prompt.ids) - shared
+            if max_request_tokens is not None and total > max_request_tokens:
+                raise TooManyTokens.for_request(total, max_request_tokens, index + 1, len(rows))
+            prompts.append(prompt)
+        return prompts
+
+    def _head(self, state: Any, row: PromptRow) -> StateHead | None:
+        """What every prompt over `state` shares, from one rendering (None: no cut found)."""
+        text = self.render_prompt(state, row.question, row.descriptions)
+        user = user_message(state, row.question, row.descriptions, self.codes)
+        cut = self._state_cut(text, state, row.question, row.descriptions)
+        if cut is None:
+            return None
+        return StateHead(text[:cut], self.encode(text[:cut]), text[text.find(user) + len(user) :])
+
+    def _row_text(self, head: StateHead, row: PromptRow) -> str:
+        """The chat-template rendering of `row` over the head's state, spliced (not re-rendered)."""
+        return head.text + user_message_after_state(row.question, row.descriptions, self.codes) + head.closing
+
+    def _encode_row(
+        self, state: Any, row: PromptRow, max_input_tokens: int, head: StateHead | None
+    ) -> EncodedPrompt:
+        if head is None:
+            return self.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
+        if len(row.descriptions) > self.capacity:
+            raise TooManyOptions(len(row.descriptions), self.capacity)
+        text = self._row_text(head, row)
+        ids = head.ids + self.encode(text[len(head.text) :])
+        return self._checked(text, ids, row.descriptions, max_input_tokens, len(head.text), len(head.ids))
 
     def render_prompt(self, state: Any, question: str, descriptions: Sequence[str]) -> str:
         """The chat-template rendering of the system and user turns, ready for the answer code."""
@@ -93,24 +224,34 @@ class PromptCodec:
         if len(descriptions) > self.capacity:
             raise TooManyOptions(len(descriptions), self.capacity)
         text = self.render_prompt(state, question, descriptions)
-        user_offset = text.index(user_message(state, question, descriptions, self.codes))
-        ids = self.encode(text)
+        return self._checked(text, self.encode(text), descriptions, max_input_tokens)
+
+    def _checked(
+        self,
+        text: str,
+        ids: list[int],
+        descriptions: Sequence[str],
+        max_input_tokens: int,
+        head_chars: int = 0,
+        head_tokens: int = 0,
+    ) -> EncodedPrompt:
         if len(ids) > max_input_tokens:
             raise TooManyTokens(len(ids), max_input_tokens)
-        broken = self._first_broken_code(text, ids, len(descriptions))
+        broken = self._first_broken_code(text, ids, len(descriptions), head_chars)
         if broken is not None:
             raise AnswerBoundary(self.codes[broken], broken)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        return EncodedPrompt(text, ids, digest, user_offset)
+        user_offset = text.index(USER_OPENING)  # the system turn before it is fixed text
+        return EncodedPrompt(text, ids, digest, user_offset, head_chars, head_tokens)
 
-    def _first_broken_code(self, text: str, ids: list[int], n_codes: int) -> int | None:
+    def _first_broken_code(self, text: str, ids: list[int], n_codes: int, start: int = 0) -> int | None:
         """SemIf's boundary check, `encode(prompt + code) == ids + [slot]`, for the first n codes.
 
         The tokenizer never merges across an added token, so only the text after the prompt's
         last one can interact with the code: the check runs once per distinct tail (the chat
         template's fixed ending) and code, extended only as far as a prompt's options reach.
         """
-        tail = self._answer_tail(text)
+        tail = self._answer_tail(text, start)
         if tail is None:
             return self._first_mismatch(text, ids, 0, n_codes)
         checked, broken = self._tail_checks.get(tail, (0, None))
@@ -126,13 +267,16 @@ class PromptCodec:
             None,
         )
 
-    def _answer_tail(self, text: str) -> str | None:
-        """The text after the last added token that cannot absorb what follows it, if any."""
+    def _answer_tail(self, text: str, start: int = 0) -> str | None:
+        """The text after the last added token that cannot absorb what follows it, if any
+        (looked for after `start` first: a state's head need not be searched again)."""
         cut = -1
         for token in self._boundary_tokens:
-            at = text.rfind(token)
+            at = text.rfind(token, start)
             if at >= 0:
                 cut = max(cut, at + len(token))
+        if cut < 0 and start:
+            return self._answer_tail(text)
         return text[cut:] if cut >= 0 else None
 
     def state_prefix(self, state: Any, prompt: EncodedPrompt) -> list[int]:
@@ -140,4 +284,7 @@ class PromptCodec:
         `{"evidence": <state>, "criterion": "`, tokenised, minus its last token (punctuation
         can merge across the cut)."""
         cut = prompt.user_offset + len(question_independent_opening(state))
+        if prompt.head_tokens:
+            rest = self.encode(prompt.text[prompt.head_chars : cut])
+            return prompt.ids[: prompt.head_tokens] + rest[:-1]
         return self.encode(prompt.text[:cut])[:-1]

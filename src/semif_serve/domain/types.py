@@ -146,6 +146,19 @@ class TooManyTokens(Refusal):
         self.tokens = tokens
         self.limit = limit
 
+    @classmethod
+    def for_request(cls, tokens: int, limit: int, counted: int, rows: int) -> TooManyTokens:
+        """The request as a whole passes its token budget (counted up to row `counted` of `rows`)."""
+        refusal = cls(tokens, limit)
+        need = f"at least {tokens}" if counted < rows else str(tokens)
+        refusal.message = (
+            f"the request needs {need} tokens (the state once, plus every row's tokens after it; "
+            f"{counted} of {rows} rows counted), over the per-request budget of {limit}; "
+            "split it across requests"
+        )
+        refusal.args = (refusal.message,)
+        return refusal
+
 
 class AnswerBoundary(Refusal):
     """Appending an answer letter changes the prompt's tokenisation, so its logit is unreadable."""

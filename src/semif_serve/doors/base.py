@@ -79,6 +79,7 @@ class Limits:
     max_input_tokens: int
     max_options: int
     max_rows: int
+    max_request_tokens: int | None = None  # tokens over all rows of a request (None: no such budget)
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -162,6 +163,7 @@ class DecisionDoor(ABC):
                 max_input_tokens=limits.max_input_tokens,
                 max_options=limits.max_options,
                 max_rows=limits.max_rows,
+                max_request_tokens=limits.max_request_tokens,
             )
         except DecisionError as exc:
             rule = rule_for(self.errors, exc)

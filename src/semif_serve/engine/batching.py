@@ -8,12 +8,20 @@ bounds. `Batcher` is the asyncio side: when the engine is free it takes everythi
 (never waiting on purpose), drops cancelled requests before their forward, runs each group on
 the engine thread through `run_group`, and when a merged group fails, retries each request
 alone so that one bad request fails alone.
+
+Fairness: what is taken together is one round of groups; rounds take turns a group at a time,
+and requests that arrive while a group runs form a new round that goes first after it. So a
+small request waits for at most the one step running when it arrives, never for every
+forward of a heavy request taken before it. A step is one group, or one slice of a long
+prefill: `run_group` may return `UNFINISHED` (it did part of the group's work and keeps it),
+and the group runs again at its round's next turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -145,7 +153,15 @@ def _slices(job: Job, bounds: Bounds) -> list[Group]:
     return groups
 
 
-RunGroup = Callable[[Group], Mapping[Hashable, Sequence[R]]]
+class _Unfinished:
+    """What `run_group` returns when it did one slice of a group's work: run it again later."""
+
+    def __repr__(self) -> str:
+        return "UNFINISHED"
+
+
+UNFINISHED = _Unfinished()
+RunGroup = Callable[[Group], "Mapping[Hashable, Sequence[R]] | _Unfinished"]
 
 
 @dataclass
@@ -240,12 +256,29 @@ class Batcher(Generic[R]):
             self.executor.shutdown(wait=False)
 
     async def _drain(self) -> None:
-        """Run everything queued, then whatever arrived meanwhile, until the queue is empty."""
-        while self._queue:
-            taken, self._queue = self._queue, []
-            live = {p.job.id: p for p in taken if not self._dropped(p)}
-            for group in self._plan(live):
-                await self._run(group, live)
+        """Run the queued rounds a group at a time, taking turns, until nothing is left; what
+        arrives while a group runs becomes a round of its own, next in turn."""
+        rounds: deque[deque[Group]] = deque()
+        live: dict[Hashable, _Pending] = {}
+        current: deque[Group] | None = None
+        while True:
+            if self._queue:
+                taken, self._queue = self._queue, []
+                fresh = {p.job.id: p for p in taken if not self._dropped(p)}
+                live.update(fresh)
+                planned = deque(self._plan(fresh))
+                if planned:
+                    rounds.append(planned)
+            if current:
+                rounds.append(current)  # after the newcomers: a heavy round yields between its groups
+            if not rounds:
+                return
+            current = rounds.popleft()
+            group = current.popleft()
+            if not await self._run(group, live):
+                current.appendleft(group)  # a slice done; the rest at this round's next turn
+            for job_id in [i for i, p in live.items() if p.future.done()]:
+                del live[job_id]
 
     def _plan(self, live: dict[Hashable, _Pending]) -> list[Group]:
         try:
@@ -267,31 +300,39 @@ class Batcher(Generic[R]):
             return True
         return False
 
-    async def _run(self, planned: Group, live: dict[Hashable, _Pending]) -> None:
-        group = planned.keeping({i for i in planned.job_ids if not live[i].future.done()})
+    async def _run(self, planned: Group, live: dict[Hashable, _Pending]) -> bool:
+        """Run one step of `planned`; False when the group has work left (UNFINISHED)."""
+        group = planned.keeping({i for i in planned.job_ids if i in live and not live[i].future.done()})
         if group is None:
-            return
+            return True
         try:
             results = await self._forward(group)
         except Exception as exc:  # noqa: BLE001 - routed to the callers, never raised here
             if len(set(group.job_ids)) == 1:
                 live[group.job_ids[0]].fail(exc)
-                return
+                return True
             for part in group.parts:
                 with self._stats_lock:
                     self._stats.isolated_retries += 1
-                await self._run(Group(group.prefix_key, group.prefix_tokens, (part,)), live)
-            return
+                alone = Group(group.prefix_key, group.prefix_tokens, (part,))
+                while not await self._run(alone, live):
+                    pass
+            return True
+        if isinstance(results, _Unfinished):
+            return False
         for part in group.parts:
             pending = live[part.job.id]
             try:
                 pending.deliver(part, results[part.job.id])
             except (KeyError, RuntimeError) as exc:
                 pending.fail(RuntimeError(f"run_group gave no usable results for job {part.job.id!r}: {exc}"))
+        return True
 
-    async def _forward(self, group: Group) -> Mapping[Hashable, Sequence[R]]:
+    async def _forward(self, group: Group) -> Mapping[Hashable, Sequence[R]] | _Unfinished:
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self.executor, self.run_group, group)
+        if results is UNFINISHED:
+            return results
         with self._stats_lock:
             s = self._stats
             s.forwards += 1

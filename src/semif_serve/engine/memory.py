@@ -159,7 +159,7 @@ class MemoryEstimate:
     """Bytes a shared-path forward needs, from the model's geometry (see docs/memory.md).
 
     per row  = (cache_per_token + sdpa_copy_per_token) * (prefix + width) + state_per_row
-               + act_per_token * width + logits_per_row
+               + act_per_token * min(width, chunk) + logits_per_row
     prefill  = 2 * (cache_per_token * prefix + state_per_row) + sdpa_copy_per_token * prefix
                + act_per_token * min(prefix, chunk)
     Each is multiplied by SAFETY, because the allocator rounds and fragments. Attention
@@ -197,12 +197,14 @@ class MemoryEstimate:
         )
         self.logits_per_row = config.vocab_size * (element_bytes + 4)
 
-    def row_bytes(self, prefix_tokens: int, width: int) -> int:
-        """Estimated bytes one more row adds to a suffix forward."""
+    def row_bytes(self, prefix_tokens: int, width: int, chunk_tokens: int | None = None) -> int:
+        """Estimated bytes one more row adds to a suffix forward (run `chunk_tokens` columns at
+        a time past that width; None: all at once)."""
+        step = min(width, chunk_tokens) if chunk_tokens else width
         raw = (
             (self.cache_per_token + self.sdpa_copy_per_token) * (prefix_tokens + width)
             + self.state_per_row
-            + self.act_per_token * width
+            + self.act_per_token * step
             + self.logits_per_row
         )
         return int(raw * self.SAFETY)
@@ -224,5 +226,5 @@ class MemoryEstimate:
     ) -> int:
         """How many rows fit in one suffix forward under `headroom` bytes (0: not even one)."""
         available = headroom - self.prefill_bytes(prefix_tokens, chunk_tokens)
-        per_row = self.row_bytes(prefix_tokens, width)
+        per_row = self.row_bytes(prefix_tokens, width, chunk_tokens)
         return max(0, available // per_row)

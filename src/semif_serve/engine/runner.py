@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
-from semif_serve.domain.types import BatchTiming, DecisionError, PromptRow, TooLargeForMemory
-from semif_serve.engine.batching import Group, Job, Part
+from semif_serve.domain.types import BatchTiming, PromptRow, TooLargeForMemory
+from semif_serve.engine.batching import UNFINISHED, Group, Job, Part
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
 from semif_serve.engine.state_cache import StateCache, StoredState, logits_over, prefill, prefix_digest
@@ -137,6 +137,8 @@ class TorchEngine:
         self.headroom_bytes = headroom_bytes
         self.cache = cache if cache is not None else StateCache(0)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._stepped: dict[str, float] = {}  # prefixes being prefilled in steps -> seconds so far
+        self._slices: set[str] = set()  # the step slices stored in the cache, by digest
         self.device = torch.device(identity.device)
         self.slot_ids = torch.tensor(codec.slots, device=self.device)
         self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
@@ -181,7 +183,15 @@ class TorchEngine:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def score(self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int) -> Readout:
+    def score(
+        self,
+        state: Any,
+        rows: Sequence[PromptRow],
+        *,
+        shared: bool,
+        max_input_tokens: int,
+        max_request_tokens: int | None = None,
+    ) -> Readout:
         """Read rows over one state, alone. `shared=False` with one row runs SemIf's plain
         forward; otherwise the state prefix is prefilled once (or found in the state cache)
         and the rows run in right-padded batches (split where the memory headroom says one
@@ -190,18 +200,33 @@ class TorchEngine:
         Raises TooManyTokens, AnswerBoundary or TooLargeForMemory with `row` set to the
         position of the row concerned.
         """
-        prepared = self.prepare(state, rows, shared=shared, max_input_tokens=max_input_tokens)
+        prepared = self.prepare(
+            state,
+            rows,
+            shared=shared,
+            max_input_tokens=max_input_tokens,
+            max_request_tokens=max_request_tokens,
+        )
         job = prepared.job(0)
-        scored = self.run_group(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
+        group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
+        while (scored := self.run_group(group)) is UNFINISHED:
+            pass
         return self.readout(prepared, scored[0])
 
     def prepare(
-        self, state: Any, rows: Sequence[PromptRow], *, shared: bool, max_input_tokens: int
+        self,
+        state: Any,
+        rows: Sequence[PromptRow],
+        *,
+        shared: bool,
+        max_input_tokens: int,
+        max_request_tokens: int | None = None,
     ) -> PreparedRows:
-        """Encode and check one request's rows and find what they share; refuses (TooManyTokens,
-        AnswerBoundary, TooLargeForMemory, with `row` set) before anything runs."""
+        """Encode (the state once) and check one request's rows and find what they share; refuses
+        (TooManyTokens, for a row or past `max_request_tokens` for the request; AnswerBoundary,
+        TooLargeForMemory; with `row` set) before anything runs."""
         started = time.perf_counter()
-        prompts = [self._encode(state, row, i, max_input_tokens) for i, row in enumerate(rows)]
+        prompts = self.codec.encode_prompts(state, rows, max_input_tokens, max_request_tokens)
         direct = not shared and len(rows) == 1
         prefix: list[int] = []
         state_tokens = 0
@@ -221,11 +246,15 @@ class TorchEngine:
             encode_seconds=time.perf_counter() - started,
         )
 
-    def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
+    def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]] | Any:
         """Score one planned group on this thread: one state (cached or prefilled once) for
         every part, the rows in right-padded forwards split by the memory headroom; the
         results of each job's rows in the group, in order. A lone direct row runs SemIf's
-        plain forward; direct rows merged with others run right-padded with no state."""
+        plain forward; direct rows merged with others run right-padded with no state.
+
+        A state longer than PREFILL_STEP_CHUNKS chunks is prefilled a step at a time: this
+        call prefills one step, keeps it in the state cache and returns UNFINISHED, so the
+        batcher can run other requests' groups before the next step (the cache must be on)."""
         parts = group.parts
         if len(parts) == 1 and parts[0].job.payload.direct:
             prepared = parts[0].job.payload
@@ -234,6 +263,8 @@ class TorchEngine:
             return {parts[0].job.id: [ScoredRow(logits, probs, run)]}
         first: PreparedRows = parts[0].job.payload
         prefix = first.prefix if group.prefix_key is not None else []
+        if self._prefill_step(prefix, first.state_tokens):
+            return UNFINISHED
         stored, how, prefill_seconds = self._state(prefix, first.state_tokens)
         rows = [
             (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i])
@@ -253,7 +284,14 @@ class TorchEngine:
                 cache = stored.fork(len(chunk)) if stored is not None else None
                 self.memory.synchronize()
                 t1 = time.perf_counter()
-                logits = logits_over(self.model, cache, len(prefix), [s for s, _ in chunk], self.pad_id)
+                logits = logits_over(
+                    self.model,
+                    cache,
+                    len(prefix),
+                    [s for s, _ in chunk],
+                    self.pad_id,
+                    self.prefill_chunk_tokens,
+                )
                 del cache
                 readouts.extend(self._readout(logits[i], n) for i, (_, n) in enumerate(chunk))
                 del logits
@@ -311,6 +349,41 @@ class TorchEngine:
         )
         return Readout(readouts, True, forward_seconds, total, timing)
 
+    def _prefill_step(self, prefix: list[int], state_tokens: int) -> bool:
+        """Prefill one step of a long `prefix` into the state cache; False when what is left
+        fits in one step (or the cache cannot keep a step), so `_state` finishes it now."""
+        if not prefix or not self.prefill_chunk_tokens or self.cache.holds(prefix):
+            return False
+        step = self.prefill_chunk_tokens * PREFILL_STEP_CHUNKS
+        whole_state = self.estimate.cache_per_token * len(prefix) + self.estimate.state_per_row
+        if whole_state > self.cache.budget_bytes:
+            return False  # the cache could not keep the steps: prefilled in one go
+        start = self.cache.longest_prefix(prefix)
+        done = len(start) if start is not None else 0
+        if len(prefix) - done <= step:
+            return False
+        boundary = state_tokens if done < state_tokens else len(prefix)
+        target = min(boundary, done + step)
+        t0 = time.perf_counter()
+        stored = self._prefill(prefix[:target], start)
+        self.memory.synchronize()
+        if not self.cache.holds(stored.ids):
+            return False
+        self._drop_slice(start, state_tokens)
+        if len(self._stepped) > MAX_STEPPED:
+            self._stepped.clear()  # abandoned states' counters; only their timing is lost
+        key = prefix_digest(prefix)
+        self._stepped[key] = self._stepped.get(key, 0.0) + time.perf_counter() - t0
+        self._slices.add(stored.digest)
+        return True
+
+    def _drop_slice(self, start: StoredState | None, state_tokens: int) -> None:
+        """Drop a step's slice once a longer one supersedes it (the state prefix itself stays)."""
+        if start is not None and start.digest in self._slices:
+            self._slices.discard(start.digest)
+            if len(start) != state_tokens:
+                self.cache.discard(start.ids)
+
     def _state(self, prefix: list[int], state_tokens: int) -> tuple[StoredState | None, str, float]:
         """The stored state over exactly `prefix`: from the cache, extended from a cached
         shorter one, or prefilled (in chunks); a fresh state prefix is stored on its own too,
@@ -322,24 +395,20 @@ class TorchEngine:
             return stored, "cached", 0.0
         t0 = time.perf_counter()
         start = self.cache.longest_prefix(prefix)
-        how = "extended" if start is not None else "fresh"
-        if start is None and 0 < state_tokens < len(prefix):
-            start = self._prefill(prefix[:state_tokens], None)
+        stepped = self._stepped.pop(prefix_digest(prefix), None)  # prefilled in steps: still fresh
+        how = "extended" if start is not None and stepped is None else "fresh"
+        slice_ = start if stepped is not None else None
+        if 0 < state_tokens < len(prefix) and (start is None or (slice_ and len(slice_) < state_tokens)):
+            start = self._prefill(prefix[:state_tokens], start)
         stored = self._prefill(prefix, start)
         self.memory.synchronize()
-        return stored, how, time.perf_counter() - t0
+        self._drop_slice(slice_, state_tokens)
+        return stored, how, time.perf_counter() - t0 + (stepped or 0.0)
 
     def _prefill(self, ids: list[int], start: StoredState | None) -> StoredState:
         return self.cache.put(
             ids, prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens)
         )
-
-    def _encode(self, state: Any, row: PromptRow, index: int, max_input_tokens: int) -> EncodedPrompt:
-        try:
-            return self.codec.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
-        except DecisionError as exc:
-            exc.row = index
-            raise
 
     def _rows_per_forward(self, n_prefix: int, width: int) -> int | None:
         """Rows per suffix forward under the headroom (None: no limit); at least one."""
@@ -355,7 +424,9 @@ class TorchEngine:
             return
         chunk = self.prefill_chunk_tokens
         if self.estimate.rows_per_forward(self.headroom_bytes, n_prefix, width, chunk) == 0:
-            need = self.estimate.prefill_bytes(n_prefix, chunk) + self.estimate.row_bytes(n_prefix, width)
+            need = self.estimate.prefill_bytes(n_prefix, chunk) + self.estimate.row_bytes(
+                n_prefix, width, chunk
+            )
             refusal = TooLargeForMemory(need, self.headroom_bytes)
             refusal.row = widest
             raise refusal
@@ -377,6 +448,8 @@ class TorchEngine:
         return readout, time.perf_counter() - t0
 
 
+PREFILL_STEP_CHUNKS = 1  # prefill chunks per engine step, between which other requests run
+MAX_STEPPED = 1024
 PREFILL_KINDS = ("fresh", "extended", "cached")  # a request's `prefill`: the costliest of its groups'
 
 

@@ -193,6 +193,20 @@ class StateCache:
             self._bytes += state.nbytes
         return state
 
+    def holds(self, ids: Sequence[int]) -> bool:
+        """Whether a state is stored for exactly `ids` (counts nothing, changes no order)."""
+        with self._lock:
+            entry = self._entries.get(prefix_digest(ids))
+            return entry is not None and entry.ids == tuple(ids)
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Drop the state stored for exactly `ids`, if any (a slice superseded by a longer one)."""
+        with self._lock:
+            entry = self._entries.get(prefix_digest(ids))
+            if entry is not None and entry.ids == tuple(ids):
+                del self._entries[entry.digest]
+                self._bytes -= entry.nbytes
+
     def shrink_to(self, max_bytes: int) -> int:
         """Evict least-recently-used states until at most `max_bytes` are held; the bytes freed."""
         with self._lock:
@@ -262,20 +276,40 @@ def prefill(
     return cache
 
 
-def suffix_logits(model: Any, state: StoredState | None, suffixes: Sequence[Sequence[int]], pad_id: int):
+def suffix_logits(
+    model: Any,
+    state: StoredState | None,
+    suffixes: Sequence[Sequence[int]],
+    pad_id: int,
+    chunk_tokens: int | None = None,
+):
     """Float32 full-vocabulary logits `[rows, vocab]` at each row's last real position, running
-    every suffix over `state` (None: no prefix) in one right-padded forward."""
+    every suffix over `state` (None: no prefix) in one right-padded forward (or, past
+    `chunk_tokens`, in column chunks: see `logits_over`)."""
     import torch
 
     with torch.inference_mode():
         cache = state.fork(len(suffixes)) if state is not None else None
-        return logits_over(model, cache, len(state) if state is not None else 0, suffixes, pad_id)
+        n_prefix = len(state) if state is not None else 0
+        return logits_over(model, cache, n_prefix, suffixes, pad_id, chunk_tokens)
 
 
-def logits_over(model: Any, cache: Any, n_prefix: int, suffixes: Sequence[Sequence[int]], pad_id: int):
+def logits_over(
+    model: Any,
+    cache: Any,
+    n_prefix: int,
+    suffixes: Sequence[Sequence[int]],
+    pad_id: int,
+    chunk_tokens: int | None = None,
+):
     """`suffix_logits` over an already forked cache of `n_prefix` tokens (None: no prefix), which
     the forward consumes: attention mask over prefix + suffix, explicit positions, only the read
-    positions through the vocabulary head."""
+    positions through the vocabulary head.
+
+    Suffixes wider than `chunk_tokens` (None: never) run `chunk_tokens` columns per forward
+    over the growing cache, like a chunked prefill, so a long question's activations are
+    bounded like a long state's; each row is read in the chunk that holds its last position.
+    """
     import torch
 
     decoder = model.get_decoder()
@@ -283,6 +317,8 @@ def logits_over(model: Any, cache: Any, n_prefix: int, suffixes: Sequence[Sequen
     lengths = [len(s) for s in suffixes]
     if not suffixes or min(lengths) < 1:
         raise ValueError("every row needs at least one suffix token")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be >= 1")
     width = max(lengths)
     input_ids = torch.full((len(suffixes), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(suffixes), n_prefix + width), dtype=torch.long)
@@ -291,14 +327,25 @@ def logits_over(model: Any, cache: Any, n_prefix: int, suffixes: Sequence[Sequen
         input_ids[i, : len(suffix)] = torch.tensor(list(suffix), dtype=torch.long)
         mask[i, n_prefix : n_prefix + len(suffix)] = 1
     positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(suffixes), width)
+    last = [n - 1 for n in lengths]
+    step = min(width, chunk_tokens or width)
     with torch.inference_mode():
-        hidden = decoder(
-            input_ids=input_ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            past_key_values=cache,
-            use_cache=cache is not None,
-        ).last_hidden_state
-        last = torch.tensor([n - 1 for n in lengths], device=device)
-        read = hidden[torch.arange(len(suffixes), device=device), last]
-        return model.get_output_embeddings()(read).float()
+        if step < width and cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=decoder.config)
+        reads: list[Any] = [None] * len(suffixes)
+        for start in range(0, width, step):
+            stop = min(width, start + step)
+            hidden = decoder(
+                input_ids=input_ids[:, start:stop].to(device),
+                attention_mask=mask[:, : n_prefix + stop].to(device),
+                position_ids=positions[:, start:stop].to(device),
+                past_key_values=cache,
+                use_cache=cache is not None,
+            ).last_hidden_state
+            for i, at in enumerate(last):
+                if start <= at < stop:
+                    reads[i] = hidden[i, at - start]
+            del hidden
+        return model.get_output_embeddings()(torch.stack(reads)).float()

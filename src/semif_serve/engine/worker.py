@@ -71,6 +71,7 @@ class EngineWorker:
         *,
         shared: bool,
         max_input_tokens: int,
+        max_request_tokens: int | None = None,
     ) -> Readout:
         """`engine.score` for one request, merged with whatever else is queued when the engine
         is free; the numbers are those of the request alone. A cancelled caller's rows are
@@ -80,7 +81,13 @@ class EngineWorker:
         try:
             prepared = await loop.run_in_executor(
                 self._encoder,
-                lambda: engine.prepare(state, rows, shared=shared, max_input_tokens=max_input_tokens),
+                lambda: engine.prepare(
+                    state,
+                    rows,
+                    shared=shared,
+                    max_input_tokens=max_input_tokens,
+                    max_request_tokens=max_request_tokens,
+                ),
             )
             scored = await self.batcher.submit(prepared.job(next(self._job_ids)))
             return engine.readout(prepared, scored)

@@ -5,8 +5,10 @@ A request on a protected path is authenticated from its headers before it may ta
 so an unauthenticated client never holds one. A POST counts from then until its response is
 sent or its client disconnects. Past the cap it gets 429 before a byte of its body is read; a
 body is read only up to the limit (the chunk that would pass it is never kept) and only until
-the body deadline, after which it gets 408 and its slot back. A gzip or zstd body is inflated
-as it arrives and the limit applies to what it inflates to, counted before it is kept.
+the body deadline, after which it gets 408 and its slot back; the deadline counts only the time
+spent waiting for the client's bytes, never the server's own work. A gzip or zstd body is
+inflated as it arrives, on a worker thread (the event loop stays free), and the limit applies
+to what it inflates to, counted before it is kept.
 Every refusal is rendered by the door that owns the path, in that door's error shape.
 """
 
@@ -195,10 +197,7 @@ class Admission:
         decoder = BodyDecoder(coding) if coding is not None else None
         self.reading_bodies += 1
         try:
-            async with asyncio.timeout(self.body_timeout_seconds):
-                body = await self._read_body(receive, decoder)
-        except TimeoutError:
-            body = body_timeout(self.body_timeout_seconds)
+            body = await self._read_body(receive, decoder)
         finally:
             self.reading_bodies -= 1
         if body is None:
@@ -215,30 +214,52 @@ class Admission:
 
         The limit holds for the bytes received and for what they inflate to: each piece is
         counted before it is kept, and inflating stops at the first piece past the limit.
+        The deadline holds for the time spent waiting on `receive` alone.
         """
+        loop = asyncio.get_running_loop()
         kept: list[bytes] = []
         received = 0
-        total = 0
+        waited = 0.0
         while True:
-            message = await receive()
+            started = loop.time()
+            try:
+                async with asyncio.timeout(self.body_timeout_seconds - waited):
+                    message = await receive()
+            except TimeoutError:
+                return body_timeout(self.body_timeout_seconds)
+            waited += loop.time() - started
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             if received + len(chunk) > self.max_body_bytes:
                 return body_too_large(self.max_body_bytes)
             received += len(chunk)
-            try:
-                for piece in [chunk] if decoder is None else decoder.decode(chunk):
-                    if total + len(piece) > self.max_body_bytes:
-                        return body_too_large(self.max_body_bytes, inflated=True)
-                    total += len(piece)
-                    kept.append(piece)
-                if not message.get("more_body", False):
-                    if decoder is not None:
-                        decoder.finish()
-                    return b"".join(kept)
-            except CorruptBody as exc:
-                return corrupt_body(exc)
+            last = not message.get("more_body", False)
+            if decoder is None:
+                kept.append(chunk)
+            else:
+                refusal = await asyncio.to_thread(self._inflate, decoder, chunk, last, kept)
+                if refusal is not None:
+                    return refusal
+            if last:
+                return b"".join(kept)
+
+    def _inflate(
+        self, decoder: BodyDecoder, chunk: bytes, last: bool, kept: list[bytes]
+    ) -> ServiceError | None:
+        """Inflate `chunk` onto `kept` (run off the event loop); the refusal, if any."""
+        total = sum(len(piece) for piece in kept)
+        try:
+            for piece in decoder.decode(chunk):
+                if total + len(piece) > self.max_body_bytes:
+                    return body_too_large(self.max_body_bytes, inflated=True)
+                total += len(piece)
+                kept.append(piece)
+            if last:
+                decoder.finish()
+        except CorruptBody as exc:
+            return corrupt_body(exc)
+        return None
 
     async def _run_until_disconnect(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """Run the app on the buffered body; a client disconnect cancels it and frees the slot."""

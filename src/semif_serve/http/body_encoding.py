@@ -4,7 +4,8 @@ Domain-free: admission feeds each received chunk to a `BodyDecoder` and takes th
 pieces of at most `STEP_BYTES`, counting each piece against the body limit before keeping
 it, so a decompression bomb is refused after inflating at most one step past the limit.
 A stream may hold several gzip members or zstd frames, one after another (RFC 9112 8.4.1.3,
-RFC 8878 3).
+RFC 8878 3), up to MAX_MEMBERS: each costs a decompressor however little it holds, so a body
+of a hundred thousand empty frames is refused as corrupt after MAX_MEMBERS of them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ else:
     from backports.zstd import ZstdDecompressor, ZstdError
 
 STEP_BYTES = 64 * 1024
+MAX_MEMBERS = 64  # gzip members or zstd frames (skippable ones included) per body
 GZIP_WINDOW = 16 + zlib.MAX_WBITS  # a gzip header and trailer around a deflate stream
 
 
@@ -115,6 +117,9 @@ class BodyDecoder:
                 if self._member is None:
                     if not data:
                         return
+                    if self._members_ended == MAX_MEMBERS:
+                        kind = "frames" if self.coding == "zstd" else "members"
+                        raise CorruptBody(f"the {self.coding} body holds more than {MAX_MEMBERS} {kind}")
                     self._member = self._new_member()
                 piece = self._member.step(data)
                 data = b""
@@ -136,10 +141,10 @@ class BodyDecoder:
 
 
 def requested_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The one coding the body is sent in (None for none or `identity`), lower case.
+    """The one coding the body is sent in (None for none or a lone `identity`), lower case.
 
     Raises ValueError naming what was sent when it is a coding we do not inflate or a stack
-    of several codings.
+    of several codings (`identity` in a stack is a stack like any other).
     """
     codings = [
         token.strip().lower()
@@ -147,8 +152,8 @@ def requested_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
         if name.lower() == b"content-encoding"
         for token in value.decode("latin-1").split(",")
     ]
-    codings = [coding for coding in codings if coding and coding != "identity"]
-    if not codings:
+    codings = [coding for coding in codings if coding]
+    if not codings or codings == ["identity"]:
         return None
     if len(codings) > 1 or codings[0] not in DECODERS:
         raise ValueError(", ".join(codings))

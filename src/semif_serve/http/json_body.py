@@ -2,7 +2,9 @@
 
 Domain-free: any JSON route (native or another door) can use it. It refuses bytes that are
 not UTF-8, malformed JSON, nesting deeper than MAX_DEPTH, integers longer than Python can
-convert, and lone UTF-16 surrogates in any string or key, naming the field where it can.
+convert, lone UTF-16 surrogates in any string or key, and a key that appears twice in one
+object (JSON would keep the last silently: a question or an option would vanish), naming the
+field where it can.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ MAX_INT_DIGITS = 4300  # Python's default limit for int <-> str conversion
 INVALID_JSON = "invalid_json"
 INVALID_VALUE = "validation_error"
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # paired escapes arrive already combined
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way a surrogate reaches a string
 
 
 class BodyError(ValueError):
@@ -33,6 +36,23 @@ class _LongInteger(str):
     """The digits of an integer too long to convert; reported with its field after parsing."""
 
 
+class _DuplicateKey(dict):
+    """An object in which `key` appeared more than once; reported with its field after parsing."""
+
+    key: str
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) == len(pairs):
+        return document
+    seen: set[str] = set()
+    twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+    marked = _DuplicateKey(document)
+    marked.key = twice
+    return marked
+
+
 def _parse_int(digits: str) -> int | _LongInteger:
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:
         return _LongInteger(digits)
@@ -43,6 +63,19 @@ def _child(path: str | None, key: str | int) -> str:
     if isinstance(key, int):
         return f"{path or ''}[{key}]"
     return f"{path}.{key}" if path else key
+
+
+def _shallow_enough(document: Any) -> bool:
+    """Whether no container nests MAX_DEPTH deep (a walk over containers only, no paths built)."""
+    stack = [(document, 0)] if isinstance(document, (dict, list)) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth >= MAX_DEPTH:
+            return False
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+    return True
 
 
 def _check(document: Any) -> None:
@@ -62,6 +95,12 @@ def _check(document: Any) -> None:
             continue
         if depth >= MAX_DEPTH:
             raise BodyError(INVALID_JSON, f"the JSON nests deeper than {MAX_DEPTH} levels", path)
+        if isinstance(value, _DuplicateKey):
+            raise BodyError(
+                INVALID_VALUE,
+                f"the key {value.key!r} appears more than once in one object; every key must be unique",
+                _child(path, value.key),
+            )
         if isinstance(value, dict):
             for key in value:
                 if LONE_SURROGATE.search(key):
@@ -78,8 +117,22 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BodyError(INVALID_JSON, f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    marked: list[object] = []  # long integers and objects with a duplicate key, as they are parsed
+
+    def parse_int(digits: str) -> int | _LongInteger:
+        number = _parse_int(digits)
+        if isinstance(number, _LongInteger):
+            marked.append(number)
+        return number
+
+    def parse_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        document = _object(pairs)
+        if isinstance(document, _DuplicateKey):
+            marked.append(document)
+        return document
+
     try:
-        document = json.loads(text, parse_int=_parse_int)
+        document = json.loads(text, parse_int=parse_int, object_pairs_hook=parse_object)
     except json.JSONDecodeError as exc:
         raise BodyError(
             INVALID_JSON,
@@ -87,7 +140,9 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         ) from None
     except RecursionError:
         raise BodyError(INVALID_JSON, f"the JSON nests deeper than {MAX_DEPTH} levels") from None
-    _check(document)
+    # The full walk builds every field's path; it runs only where there is something to name.
+    if marked or SURROGATE_ESCAPE.search(text) or not _shallow_enough(document):
+        _check(document)
     if not isinstance(document, dict):
         raise BodyError(INVALID_VALUE, "the request body must be a JSON object")
     return document

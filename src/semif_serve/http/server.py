@@ -1,10 +1,14 @@
 """Running the app under uvicorn: envelope answers from the HTTP layer, a header deadline, and a drain.
 
-The HTTP/1.1 protocol is uvicorn's h11 protocol with two changes: a request the parser refuses
-(malformed request line or headers, a bad `Content-Length`, a header block over h11's 16 KiB)
-is answered with the error envelope (`400 invalid_http_request`) instead of uvicorn's plain
-text, and headers that do not complete within SEMIF_HEADER_TIMEOUT_SECONDS of the connection
-opening (or of the previous response) get `408 header_timeout` and the connection is closed.
+The HTTP/1.1 protocol is uvicorn's h11 protocol with three changes: the parser is strict where
+h11 is lenient (a bare LF in the request head, or `Content-Length` together with
+`Transfer-Encoding`, is a protocol error: both let a front proxy and this server disagree on
+where a request ends); a request the parser refuses (those, a malformed request line or
+headers, a bad `Content-Length`, a header block over h11's 16 KiB) is answered with the error
+envelope (`400 invalid_http_request`) instead of uvicorn's plain text, and the connection is
+closed; and headers that do not complete within SEMIF_HEADER_TIMEOUT_SECONDS of the
+connection opening (or of the previous response) get `408 header_timeout` and the connection
+is closed.
 
 The first SIGTERM/SIGINT stops admitting (new POSTs get 503 draining, /health says
 draining so a load balancer takes the replica out) while the socket stays open; in-flight
@@ -44,6 +48,38 @@ def raw_error(error: ServiceError) -> bytes:
     return b"\r\n".join(head) + b"\r\n\r\n" + response.body
 
 
+class StrictConnection(h11.Connection):
+    """h11's server connection, refusing the request heads that h11 itself lets through.
+
+    `refusal` says why the last protocol error was raised (None: h11's own reason).
+    """
+
+    refusal: str | None = None
+
+    def next_event(self):
+        if self.their_state is h11.IDLE:
+            self._refuse_bare_lf()
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self._refuse("the request has both Content-Length and Transfer-Encoding")
+        return event
+
+    def _refuse_bare_lf(self) -> None:
+        buffered = self.trailing_data[0][: MAX_HEAD_BYTES + 4]
+        end = buffered.find(b"\r\n\r\n")
+        head = buffered if end < 0 else buffered[:end]
+        if b"\n" in head.replace(b"\r\n", b""):
+            self._refuse("a line of the request head ends with a bare LF (lines end with CRLF)")
+
+    def _refuse(self, why: str) -> None:
+        self.refusal = why
+        # h11 moves to ERROR on its own protocol errors; ours must leave it unusable the same way.
+        self._process_error(self.their_role)
+        raise h11.RemoteProtocolError(why, 400)
+
+
 class EnvelopeProtocol(H11Protocol):
     """uvicorn's h11 protocol that answers its own refusals in the envelope and bounds header time."""
 
@@ -51,6 +87,9 @@ class EnvelopeProtocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.conn = StrictConnection(
+            h11.SERVER, max_incomplete_event_size=self.conn._max_incomplete_event_size
+        )
         self.header_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -76,10 +115,13 @@ class EnvelopeProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         self._headers_arrived()
+        why = getattr(self.conn, "refusal", None)
         error = ServiceError(
             400,
             "invalid_http_request",
-            "the request line or headers are not valid HTTP/1.1 (for example a Content-Length that is "
+            f"the request line or headers are not valid HTTP/1.1: {why}"
+            if why
+            else "the request line or headers are not valid HTTP/1.1 (for example a Content-Length that is "
             "not plain ASCII digits, or a header block over 16 KiB)",
         )
         self.transport.write(raw_error(error))

@@ -6,12 +6,13 @@ with its own limits and maps the `DecisionError`s it raises to its own status an
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from semif_serve.domain.calibration import CalibrationTable, calibrated_probabilities
-from semif_serve.domain.orderings import combine, mean_option_logits, option_orders
+from semif_serve.domain.orderings import combine, mean_option_logits, option_orders, order_count
 from semif_serve.domain.types import (
     Calibrated,
     DecisionError,
@@ -42,20 +43,24 @@ def plan_rows(
     questions: Sequence[Question], *, max_rows: int, max_options: int, calibration: CalibrationTable
 ) -> tuple[list[PlannedQuestion], list[PromptRow]]:
     """Expand every question into one row per ordering; refuse unknown workloads, too many
-    options and row-cap breaches."""
-    planned: list[PlannedQuestion] = []
-    rows: list[PromptRow] = []
+    options and row-cap breaches. Rows are counted before any is built, so a refusal costs
+    nothing however many rows the request would need."""
+    needed = 0
     for index, question in enumerate(questions):
         if len(question.options) > max_options:
             raise TooManyOptions(len(question.options), max_options, index)
         if question.workload is not None and question.workload not in calibration:
             raise UnknownWorkload(question.workload, calibration.names(), index)
+        needed += order_count(len(question.options), question.orderings)
+    if needed > max_rows:
+        raise TooManyRows(needed, max_rows)
+    planned: list[PlannedQuestion] = []
+    rows: list[PromptRow] = []
+    for question in questions:
         orders = option_orders(len(question.options), question.orderings)
         planned.append(PlannedQuestion(question, orders, len(rows)))
         for order in orders:
             rows.append(PromptRow(question.text, tuple(question.options[i].description for i in order)))
-    if len(rows) > max_rows:
-        raise TooManyRows(len(rows), max_rows)
     return planned, rows
 
 
@@ -137,20 +142,28 @@ class DecisionCore:
         max_input_tokens: int,
         max_options: int,
         max_rows: int,
+        max_request_tokens: int | None = None,
     ) -> DecisionOutcome:
         """Ask every question (in every ordering) over `state` in one engine batch (merged with
         other requests queued at the same time; the numbers are those of the call alone).
 
         `shared=True` runs the shared-prefix path even for one row; otherwise a single row runs
-        SemIf's plain forward and several rows the shared path. Raises a `DecisionError` that
-        names the question (and option, in the caller's order) it concerns by position.
+        SemIf's plain forward and several rows the shared path. `max_request_tokens` (None: no
+        budget) bounds the state's tokens plus every row's tokens after it. Raises a
+        `DecisionError` that names the question (and option, in the caller's order) it concerns
+        by position. Planning runs off the event loop (it is linear in the rows' text).
         """
-        planned, rows = plan_rows(
-            questions, max_rows=max_rows, max_options=max_options, calibration=self.calibration
+        planned, rows = await asyncio.to_thread(
+            plan_rows, questions, max_rows=max_rows, max_options=max_options, calibration=self.calibration
         )
         try:
             readout = await self.worker.score(
-                self.engine, state, rows, shared=shared, max_input_tokens=max_input_tokens
+                self.engine,
+                state,
+                rows,
+                shared=shared,
+                max_input_tokens=max_input_tokens,
+                max_request_tokens=max_request_tokens,
             )
         except DecisionError as exc:
             _locate(exc, planned)

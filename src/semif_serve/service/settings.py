@@ -66,7 +66,9 @@ class Settings(BaseSettings):
         description="Prefilled states kept for reuse, in MiB (0: off); part of the cap and the baseline.",
     )
     prefill_chunk_tokens: int = Field(
-        2048, ge=1, description="State prefix tokens per prefill forward (bounds activation memory)."
+        2048,
+        ge=1,
+        description="Tokens per prefill forward and suffix columns per suffix forward (bounds activations).",
     )
     max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
     max_batch_tokens: int = Field(
@@ -92,6 +94,11 @@ class Settings(BaseSettings):
     )
     systemone_max_input_tokens: int = Field(
         32768, ge=1, description="System One: prompt tokens per row (state + the longest question)."
+    )
+    systemone_max_request_tokens: int = Field(
+        65536,
+        ge=1,
+        description="System One: tokens per request (the state once, plus every row's tokens after it).",
     )
     systemone_max_rows: int = Field(
         256, ge=1, description="System One: rows (questions x orderings) per request."

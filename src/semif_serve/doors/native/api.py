@@ -7,6 +7,7 @@ result dicts (keys in upstream's order) or its domain error to a status through
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from fastapi import APIRouter, Request, Security
@@ -229,7 +230,7 @@ class NativeDoor(DecisionDoor):
 
     async def decide(self, request: Request, body: bytes) -> DecisionResult:
         """`POST /decide`: one decision; orderings run as one shared batch."""
-        decision = parse_body(DecisionBody, body)
+        decision = await asyncio.to_thread(parse_body, DecisionBody, body)
         outcome = await self.ask(
             request, decision.state, [to_question(decision)], shared=False, limits=self.limits
         )
@@ -240,7 +241,7 @@ class NativeDoor(DecisionDoor):
 
     async def decide_shared(self, request: Request, body: bytes) -> SharedResponse:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        shared = parse_body(SharedDecisionsBody, body)
+        shared = await asyncio.to_thread(parse_body, SharedDecisionsBody, body)
         questions = [to_question(d) for d in shared.decisions]
         outcome = await self.ask(request, shared.state, questions, shared=True, limits=self.limits)
         identity = self.service.core.model_info

@@ -9,6 +9,7 @@ Every error on these paths, whoever raises it (admission, routing, the door), is
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -320,7 +321,12 @@ class SystemOneDoor(DecisionDoor):
     def limits(self) -> Limits:
         """System One's bounds: the operator's token and row caps, the tokenizer's answer codes."""
         settings = self.service.settings
-        return Limits(settings.systemone_max_input_tokens, self.max_options, settings.systemone_max_rows)
+        return Limits(
+            settings.systemone_max_input_tokens,
+            self.max_options,
+            settings.systemone_max_rows,
+            settings.systemone_max_request_tokens,
+        )
 
     def accepts(self, model: str) -> bool:
         """Whether a request naming `model` is served: the real name, or an alias when allowed."""
@@ -376,7 +382,7 @@ class SystemOneDoor(DecisionDoor):
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
         """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
-        parsed = parse_request(body, self.max_options)
+        parsed = await asyncio.to_thread(parse_request, body, self.max_options)
         if not self.accepts(parsed.model):
             aliases = (
                 f" (aliases: {', '.join(ALIASES)})" if self.service.settings.systemone_allow_aliases else ""
@@ -386,7 +392,9 @@ class SystemOneDoor(DecisionDoor):
                 UNKNOWN_MODEL.code,
                 f"unknown model {parsed.model!r}; this server serves {self.model_name!r}{aliases}",
             )
-        questions = [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]
+        questions = await asyncio.to_thread(
+            lambda: [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]
+        )
         outcome = await self.ask(request, parsed.state, questions, shared=True, limits=self.limits)
         answers = {
             qid: answer_body(parsed.questions[qid].type, answer)
