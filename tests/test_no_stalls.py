@@ -286,6 +286,41 @@ def test_a_request_over_the_row_cap_is_refused_before_any_row_is_built(app, serv
     assert "72165 rows" in detail["message"] and "256" in detail["message"]
 
 
+def test_a_system_one_request_over_the_row_cap_is_refused_before_it_is_validated(app, monkeypatch):
+    from semif_serve.doors.systemone.schemas import SystemOneRequest
+
+    def never(*args, **kwargs):
+        raise AssertionError("a request over the row cap was validated")
+
+    monkeypatch.setattr(SystemOneRequest, "model_validate", never)
+    reply = asgi_post(app, "/v1/systemone", json.dumps(rotations_body(283, 255)).encode())
+    assert reply.status_code == 413, reply.text
+    assert "72165 rows" in reply.json()["detail"]["message"]
+
+
+@pytest.mark.parametrize(
+    "questions",
+    [
+        {"a": NOUL},
+        {"a": {**NOUL, "x_orderings": "reversal"}, "b": {"type": "score", "criteria": ["lo", "mid", "hi"]}},
+        {"c": {"type": "choice", "criteria": {"x": None, "y": "Y", "z": None}, "x_orderings": "all"}},
+        {"c": {"type": "choice", "criteria": {f"o{i}": None for i in range(9)}}, "n": NOUL},
+    ],
+    ids=["noul_default", "reversal_and_score", "choice_all", "choice_shifts_and_noul"],
+)
+def test_the_early_row_count_is_the_number_of_rows_the_core_plans(service, questions):
+    from semif_serve.doors.systemone.api import SystemOneDoor, rows_asked, to_question
+    from semif_serve.doors.systemone.schemas import parse_request
+    from semif_serve.service.core import plan_rows
+
+    door = SystemOneDoor(service)
+    body = json.dumps({"model": "jev-latest", "state": "s", "questions": questions}).encode()
+    parsed = parse_request(body, door.max_options)
+    mapped = [to_question(qid, q, door.policy) for qid, q in parsed.questions.items()]
+    _, rows = plan_rows(mapped, max_rows=10_000, max_options=255, calibration=service.calibration)
+    assert rows_asked(json.loads(body), door.policy) == len(rows)
+
+
 def asgi_post(app, path: str, body: bytes):
     import asyncio
 

@@ -22,7 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from semif_serve import __version__
 from semif_serve.domain import types as domain
 from semif_serve.domain.numerics import argmax
-from semif_serve.domain.orderings import CORE_ORDERINGS, NO_ORDERINGS
+from semif_serve.domain.orderings import (
+    ANSWER_TYPES,
+    CORE_ORDERINGS,
+    MAX_ALL_OPTIONS,
+    NO_ORDERINGS,
+    order_count,
+)
 from semif_serve.domain.prompt import PROMPT_VERSION
 from semif_serve.domain.types import DecisionError, DecisionOutcome, Option, Question, QuestionOutcome
 from semif_serve.doors.base import (
@@ -32,6 +38,7 @@ from semif_serve.doors.base import (
     Limits,
     error_responses,
     json_reply,
+    rule_for,
 )
 from semif_serve.doors.systemone.schemas import (
     MAX_OPTIONS,
@@ -178,6 +185,28 @@ def to_question(
         orderings=CORE_ORDERINGS[mode],
         workload=body.x_workload or policy.workloads.get(kind),
     )
+
+
+def rows_asked(data: dict[str, Any], policy: Policy) -> int:
+    """The rows a decoded (not yet validated) request asks for: each well-formed question's option
+    count in its orderings; what is malformed counts one row and is left to validation."""
+    questions = data.get("questions")
+    if not isinstance(questions, dict):
+        return 0
+    rows = 0
+    for question in questions.values():
+        kind = question.get("type") if isinstance(question, dict) else None
+        if kind not in ANSWER_TYPES:
+            rows += 1
+            continue
+        criteria = question.get("criteria")
+        n = 2 if kind == "noul" else len(criteria) if isinstance(criteria, (dict, list)) else 0
+        mode = question.get("x_orderings") or policy.orderings[kind]
+        if mode not in CORE_ORDERINGS or (mode == "all" and n > MAX_ALL_OPTIONS) or n < 2:
+            rows += 1
+            continue
+        rows += order_count(n, CORE_ORDERINGS[mode])
+    return rows
 
 
 def final_probabilities(answer: QuestionOutcome) -> list[float]:
@@ -328,6 +357,15 @@ class SystemOneDoor(DecisionDoor):
             settings.systemone_max_request_tokens,
         )
 
+    def refuse_past_row_cap(self, data: dict[str, Any]) -> None:
+        """Refuse (413) a decoded request whose questions already ask for more rows than the cap,
+        counted from the JSON before it is validated or mapped: milliseconds, whatever it holds."""
+        rows = rows_asked(data, self.policy)
+        limit = self.service.settings.systemone_max_rows
+        if rows > limit:
+            exc = domain.TooManyRows(rows, limit)
+            raise self.refusal(exc, rule_for(self.errors, exc), True, [])
+
     def accepts(self, model: str) -> bool:
         """Whether a request naming `model` is served: the real name, or an alias when allowed."""
         return model == self.model_name or (
@@ -382,7 +420,7 @@ class SystemOneDoor(DecisionDoor):
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
         """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
-        parsed = await asyncio.to_thread(parse_request, body, self.max_options)
+        parsed = await asyncio.to_thread(parse_request, body, self.max_options, self.refuse_past_row_cap)
         if not self.accepts(parsed.model):
             aliases = (
                 f" (aliases: {', '.join(ALIASES)})" if self.service.settings.systemone_allow_aliases else ""

@@ -4,6 +4,7 @@ the published schema declares."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -158,8 +159,11 @@ class SystemOneRequest(BaseModel):
         return questions
 
 
-def parse_request(body: bytes, max_options: int) -> SystemOneRequest:
-    """Decode and validate a body, or raise SystemOneValidationError in FastAPI's 422 shape."""
+def parse_request(
+    body: bytes, max_options: int, screen: Callable[[dict[str, Any]], None] | None = None
+) -> SystemOneRequest:
+    """Decode and validate a body, or raise SystemOneValidationError in FastAPI's 422 shape;
+    `screen` sees the decoded object first (a cheap refusal before the costly validation)."""
     try:
         data = decode_json_object(body)
     except BodyError as exc:
@@ -168,6 +172,8 @@ def parse_request(body: bytes, max_options: int) -> SystemOneRequest:
         raise SystemOneValidationError(
             [{"loc": ["body"], "msg": exc.message + where, "type": kind}]
         ) from None
+    if screen is not None:
+        screen(data)
     try:
         return SystemOneRequest.model_validate(data, context={"max_options": max_options})
     except ValidationError as exc:
