@@ -430,8 +430,10 @@ class SystemOneDoor(DecisionDoor):
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
         """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
         parsed, parts = self.parse(request, body)
-        # Decoding images is CPU work: off the event loop.
-        images = await asyncio.to_thread(resolve_images, parsed, parts, self.image_limits)
+        if parsed.assets:  # decoding images is CPU work: off the event loop
+            images = await asyncio.to_thread(resolve_images, parsed, parts, self.image_limits)
+        else:  # only the placeholder and part checks: no thread hop for a text-only request
+            images = resolve_images(parsed, parts, self.image_limits)
         if not self.accepts(parsed.model):
             aliases = (
                 f" (aliases: {', '.join(ALIASES)})" if self.service.settings.systemone_allow_aliases else ""
