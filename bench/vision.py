@@ -45,6 +45,7 @@ def photo(side: int) -> bytes:
 
 
 def median_seconds(job, runs: int) -> float:
+    job()  # warm-up: first-call allocations and lazy imports are not the path's cost
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
