@@ -20,6 +20,8 @@ import httpx
 import httpx2
 import pytest
 from conftest import TOKEN, make_settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image as PILImage
 from typesafe_sdk import (
     Box,
@@ -474,3 +476,18 @@ def test_the_sdk_sends_a_photo_of_one_and_a_half_megabytes_past_the_json_body_li
     (request,) = sent
     assert request.headers["content-type"].startswith("multipart/form-data; boundary=")
     assert request.headers["content-encoding"] == "zstd"
+
+
+# -- nothing about images gets a 5xx ------------------------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300), cut=st.integers(min_value=0, max_value=400))
+def test_arbitrary_image_bytes_or_a_cut_multipart_body_get_a_4xx(client, data, cut):
+    real = png()
+    image = real[:cut] + data if cut < len(real) else data
+    reply = post(client, body(assets={PLACEHOLDER: image_asset(image)}))
+    assert 400 <= reply.status_code < 500, reply.text
+    content_type, content = multipart(part_body(part="asset-0"), {"asset-0": image})
+    reply = client.post("/v1/systemone", content=content[:cut] + data, headers={"Content-Type": content_type})
+    assert 400 <= reply.status_code < 500, reply.text
