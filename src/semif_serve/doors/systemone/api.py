@@ -443,7 +443,7 @@ class SystemOneDoor(DecisionDoor):
                 UNKNOWN_MODEL.code,
                 f"unknown model {parsed.model!r}; this server serves {self.model_name!r}{aliases}",
             )
-        if images and not READS_IMAGES:
+        if images:  # until the engine reads images (docs/images.md), every one is refused
             raise ServiceError(
                 NO_VISION.status,
                 NO_VISION.code,
