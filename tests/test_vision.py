@@ -36,6 +36,7 @@ def vl(tmp_path_factory):
     directory = write_checkpoint(tmp_path_factory.mktemp("vl-model"), multimodal=True)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     model = Qwen3_5ForConditionalGeneration.from_pretrained(str(directory), dtype=torch.float32).eval()
+    model.directory = directory
     return model, tokenizer
 
 
@@ -183,3 +184,11 @@ def test_a_vision_checkpoint_is_told_from_a_text_one(vl, checkpoint):
 
     assert vision.has_vision_tower(vl[0].config)
     assert not vision.has_vision_tower(AutoConfig.from_pretrained(str(checkpoint)))
+
+
+def test_the_vision_towers_weights_are_counted_from_the_checkpoint_headers(vl, checkpoint):
+    model, _ = vl
+    loaded = sum(p.numel() for p in model.model.visual.parameters())
+    assert loaded > 0
+    assert vision.vision_tower_elements(model.directory) == loaded
+    assert vision.vision_tower_elements(checkpoint) == 0
