@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from semif_serve.doors.native.api import NATIVE_ERRORS
-from semif_serve.doors.systemone.api import HTTP_ERROR_TYPES, SYSTEMONE_ERRORS, UNKNOWN_MODEL
+from semif_serve.doors.systemone.api import HTTP_ERROR_TYPES, NO_VISION, SYSTEMONE_ERRORS, UNKNOWN_MODEL
 from semif_serve.http.errors import HTTP_ERRORS
 from semif_serve.service.settings import Settings
 
@@ -68,7 +68,7 @@ def test_every_domain_error_has_a_system_one_answer() -> None:
 
 
 def test_every_system_one_error_type_is_in_the_contract_and_back():
-    answered = {(rule.status, rule.code) for rule in [*SYSTEMONE_ERRORS.values(), UNKNOWN_MODEL]}
+    answered = {(rule.status, rule.code) for rule in [*SYSTEMONE_ERRORS.values(), UNKNOWN_MODEL, NO_VISION]}
     answered |= {(HTTP_ERRORS[code], error_type) for code, error_type in HTTP_ERROR_TYPES.items()}
     documented = {
         (int(status), error_type.strip("`")) for status, error_type, _ in table_rows("### System One errors")

@@ -63,6 +63,10 @@ RUNS = {
     'curl -s -H "Authorization: Bearer demo-token" http://127.0.0.1:8032/v1/systemone': (
         "test_the_systemone_curl_example_answers_against_the_demo"
     ),
+    "IMG=$(base64": "test_the_image_curl_example_is_refused_by_a_model_that_reads_no_images",
+    "TYPESAFE_BASE_URL=http://127.0.0.1:8032 TYPESAFE_API_KEY": (
+        "test_the_sdk_image_example_exits_1_with_the_no_vision_refusal"
+    ),
     "CUDA_ONLY=": "test_the_cpu_only_sync_leaves_torch_and_the_cuda_libraries_out",
     "uv run semif-serve check-model ": "test_check_model_on_the_demo_checkpoint_says_complete",
     "uv run semif-serve manifest ": "test_the_manifest_block_pins_and_verifies_the_demo_checkpoint",
@@ -353,6 +357,31 @@ def test_the_systemone_curl_example_answers_against_the_demo(demo):
     }
     assert set(answered["answers"]["team"]["probabilities"]) == {"billing", "engineering"}
     assert answered["model"] == models["models"][0]["name"]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_the_image_curl_example_is_refused_by_a_model_that_reads_no_images(demo):
+    url, _ = demo
+    script = block("IMG=$(base64").replace("http://127.0.0.1:8032", url)
+    out = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    detail = json.loads(out)["detail"]
+    assert detail["error_type"] == "api_usage_error" and "does not read images" in detail["message"]
+
+
+def test_the_sdk_image_example_exits_1_with_the_no_vision_refusal(demo):
+    url, _ = demo
+    script = (
+        here(block("TYPESAFE_BASE_URL=http://127.0.0.1:8032 TYPESAFE_API_KEY"))
+        .replace("http://127.0.0.1:8032", url)
+        .replace(" || true", "")
+    )
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert "400" in result.stderr and "does not read images" in result.stderr
 
 
 # ----------------------------------------------------------------------- installing and the real model

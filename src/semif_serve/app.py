@@ -22,7 +22,7 @@ from semif_serve.domain.prompt import PROMPT_VERSION
 from semif_serve.doors.base import DecisionDoor, door_of
 from semif_serve.doors.native.api import NativeDoor
 from semif_serve.doors.native.schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
-from semif_serve.doors.systemone.api import SystemOneDoor
+from semif_serve.doors.systemone.api import READS_IMAGES, SystemOneDoor
 from semif_serve.doors.systemone.schemas import MAX_OPTIONS as SYSTEMONE_MAX_OPTIONS
 from semif_serve.http.admission import Admission, ASGIApp
 from semif_serve.http.auth import Authenticator
@@ -66,6 +66,12 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
         "dtype": settings.dtype,
         "demo": service.demo,
         "limits": limits,
+        "images": {
+            "reads_images": READS_IMAGES,
+            "max_images": settings.systemone_max_images,
+            "max_image_pixels": settings.systemone_max_image_pixels,
+            "max_image_bytes": settings.systemone_max_image_bytes,
+        },
         "weights": service.weights.health(),
         "calibration": {"workloads": service.calibration.as_dict()},
         "queue": {
@@ -148,6 +154,9 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
         # The one renderer of every error, whether admission or FastAPI refuses the request.
         return door_of(all_doors, request.url.path).render(error, request)
 
+    def body_limit(path: str, content_type: str | None) -> int:
+        return door_of(all_doors, path).body_limit(path, content_type, settings.max_body_bytes)
+
     admission = Admission(
         cast(ASGIApp, api),
         settings.max_queue,
@@ -156,6 +165,7 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
         Authenticator(service.token),
         protected,
         render,
+        body_limit,
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))

@@ -138,6 +138,10 @@ class DecisionDoor(ABC):
     def __init__(self, service: Service) -> None:
         self.service = service
 
+    def body_limit(self, path: str, content_type: str | None, default: int) -> int:
+        """The body limit admission applies to a POST on `path` (default: SEMIF_MAX_BODY_BYTES)."""
+        return default
+
     @abstractmethod
     def router(self) -> APIRouter:
         """The door's routes, ready to include in the app."""

@@ -34,6 +34,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: Renders an error for the request it answers, in the shape of the door that owns the path.
 ErrorRenderer = Callable[[ServiceError, Request], Response]
+#: The body limit of a POST from its path and Content-Type (a door may allow more than the default).
+BodyLimit = Callable[[str, str | None], int]
 
 log = logging.getLogger("semif_serve.admission")
 
@@ -101,8 +103,10 @@ class Admission:
         authenticator: Authenticator,
         protected_paths: Collection[str],
         render: ErrorRenderer,
+        body_limit: BodyLimit | None = None,
     ) -> None:
         self.app = app
+        self.body_limit = body_limit
         self.render = render
         self.max_queue = max_queue
         self.max_body_bytes = max_body_bytes
@@ -176,7 +180,17 @@ class Admission:
         finally:
             self.in_progress -= 1
 
+    def limit_for(self, scope: Scope) -> int:
+        """The body limit of this POST: SEMIF_MAX_BODY_BYTES unless its door allows more."""
+        if self.body_limit is None:
+            return self.max_body_bytes
+        content_type = dict(scope["headers"]).get(b"content-type")
+        return self.body_limit(
+            scope["path"], None if content_type is None else content_type.decode("latin-1")
+        )
+
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, coding: str | None) -> None:
+        limit = self.limit_for(scope)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if not ASCII_DIGITS.fullmatch(declared):
@@ -191,13 +205,13 @@ class Admission:
                     ),
                 )
                 return
-            if int(declared) > self.max_body_bytes:
-                await self.refuse(scope, send, body_too_large(self.max_body_bytes))
+            if int(declared) > limit:
+                await self.refuse(scope, send, body_too_large(limit))
                 return
         decoder = BodyDecoder(coding) if coding is not None else None
         self.reading_bodies += 1
         try:
-            body = await self._read_body(receive, decoder)
+            body = await self._read_body(receive, decoder, limit)
         finally:
             self.reading_bodies -= 1
         if body is None:
@@ -209,7 +223,9 @@ class Admission:
             scope = decoded_scope(scope, len(body))
         await self._run_until_disconnect(scope, body, receive, send)
 
-    async def _read_body(self, receive: Receive, decoder: BodyDecoder | None) -> bytes | ServiceError | None:
+    async def _read_body(
+        self, receive: Receive, decoder: BodyDecoder | None, limit: int
+    ) -> bytes | ServiceError | None:
         """The body (inflated when `decoder` is given), its refusal, or None if the client left.
 
         The limit holds for the bytes received and for what they inflate to: each piece is
@@ -231,28 +247,28 @@ class Admission:
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
-            if received + len(chunk) > self.max_body_bytes:
-                return body_too_large(self.max_body_bytes)
+            if received + len(chunk) > limit:
+                return body_too_large(limit)
             received += len(chunk)
             last = not message.get("more_body", False)
             if decoder is None:
                 kept.append(chunk)
             else:
-                refusal = await asyncio.to_thread(self._inflate, decoder, chunk, last, kept)
+                refusal = await asyncio.to_thread(self._inflate, decoder, chunk, last, kept, limit)
                 if refusal is not None:
                     return refusal
             if last:
                 return b"".join(kept)
 
     def _inflate(
-        self, decoder: BodyDecoder, chunk: bytes, last: bool, kept: list[bytes]
+        self, decoder: BodyDecoder, chunk: bytes, last: bool, kept: list[bytes], limit: int
     ) -> ServiceError | None:
         """Inflate `chunk` onto `kept` (run off the event loop); the refusal, if any."""
         total = sum(len(piece) for piece in kept)
         try:
             for piece in decoder.decode(chunk):
-                if total + len(piece) > self.max_body_bytes:
-                    return body_too_large(self.max_body_bytes, inflated=True)
+                if total + len(piece) > limit:
+                    return body_too_large(limit, inflated=True)
                 total += len(piece)
                 kept.append(piece)
             if last:

@@ -113,6 +113,15 @@ class Settings(BaseSettings):
         validate_default=True,
         description="System One: calibration workload per answer type (e.g. choice=authored144).",
     )
+    systemone_max_images: int = Field(8, ge=1, description="System One: images (assets) per request.")
+    systemone_max_image_pixels: int = Field(
+        16_777_216, ge=1, description="System One: pixels (width x height, from the header) per image."
+    )
+    systemone_max_image_bytes: int = Field(
+        20_971_520,
+        ge=1,
+        description="System One: image bytes per request (a multipart body may pass the body limit by this).",
+    )
     systemone_allow_aliases: bool = Field(
         True, description="System One: serve the model names Jev clients send (jev-latest, jev-preview)."
     )

@@ -265,6 +265,7 @@ class HealthBody(BaseModel):
     dtype: str
     demo: bool
     limits: dict[str, float]
+    images: dict[str, bool | int]
     calibration: dict[str, dict[str, dict[str, float]]]
     queue: dict[str, int]
     memory: dict[str, int | None]

@@ -40,11 +40,14 @@ from semif_serve.doors.base import (
     json_reply,
     rule_for,
 )
+from semif_serve.doors.systemone.assets import ImageLimits, resolve_images
+from semif_serve.doors.systemone.multipart import MultipartRefused, is_multipart, parse_multipart
 from semif_serve.doors.systemone.schemas import (
     MAX_OPTIONS,
     MODELS_PATH,
     SYSTEMONE_PATH,
     BatchTimingBlock,
+    BoxQuestion,
     ChoiceAnswer,
     ChoiceQuestion,
     ModelEntry,
@@ -126,8 +129,13 @@ HTTP_ERROR_TYPES = {
     "draining": "overloaded_error",
     "internal_error": "internal_error",
 }
-# The door's own refusal, outside the core.
+# The door's own refusals, outside the core.
 UNKNOWN_MODEL = ErrorRule(400, "api_usage_error", when="`model` is neither the loaded model nor an alias")
+# The engine loads the checkpoint's text model only: no image reaches the model, so none is accepted.
+READS_IMAGES = False
+NO_VISION = ErrorRule(
+    400, "api_usage_error", when="a request with images, and the loaded model does not read them"
+)
 
 
 def systemone_body(error: ServiceError) -> tuple[int, dict[str, Any]]:
@@ -158,9 +166,12 @@ class Policy:
 
 
 def to_question(
-    question_id: str, body: NoulQuestion | ChoiceQuestion | ScoreQuestion, policy: Policy
+    question_id: str, body: NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion, policy: Policy
 ) -> Question:
     """One System One question as the core's domain question (option ids = names / "true" / "0")."""
+    if isinstance(body, BoxQuestion):
+        # Unreachable: a box question needs an image, and images are refused before questions are mapped.
+        raise TypeError("a box question is read from an image, which this engine does not read")
     kind = body.type
     text = DEFAULT_INSTRUCTIONS[kind] if body.instructions is None else as_text(body.instructions)
     options: tuple[Option, ...]
@@ -366,6 +377,45 @@ class SystemOneDoor(DecisionDoor):
             exc = domain.TooManyRows(rows, limit)
             raise self.refusal(exc, rule_for(self.errors, exc), True, [])
 
+    @property
+    def image_limits(self) -> ImageLimits:
+        """The operator's bounds on a request's images."""
+        settings = self.service.settings
+        return ImageLimits(
+            settings.systemone_max_images,
+            settings.systemone_max_image_pixels,
+            settings.systemone_max_image_bytes,
+        )
+
+    def body_limit(self, path: str, content_type: str | None, default: int) -> int:
+        """A multipart body on `/v1/systemone` may carry SEMIF_SYSTEMONE_MAX_IMAGE_BYTES of images
+        beside a JSON request part of at most the JSON body limit."""
+        if path == SYSTEMONE_PATH and is_multipart(content_type):
+            return default + self.service.settings.systemone_max_image_bytes
+        return default
+
+    def parse(
+        self, content_type: str | None, body: bytes
+    ) -> tuple[SystemOneRequest, dict[str, bytes] | None]:
+        """The validated request and, for a multipart body, its parts by name (None for JSON);
+        run off the event loop."""
+        if not is_multipart(content_type):
+            return parse_request(body, self.max_options, self.refuse_past_row_cap), None
+        try:
+            multipart = parse_multipart(content_type or "", body)
+        except MultipartRefused as exc:
+            raise SystemOneValidationError(
+                [{"loc": ["body"], "msg": str(exc), "type": "value_error"}]
+            ) from None
+        limit = self.service.settings.max_body_bytes
+        if len(multipart.request) > limit:
+            raise ServiceError(
+                413,
+                "request_too_large",
+                f"the `request` part is {len(multipart.request)} bytes, over SEMIF_MAX_BODY_BYTES ({limit})",
+            )
+        return parse_request(multipart.request, self.max_options, self.refuse_past_row_cap), multipart.parts
+
     def accepts(self, model: str) -> bool:
         """Whether a request naming `model` is served: the real name, or an alias when allowed."""
         return model == self.model_name or (
@@ -406,6 +456,10 @@ class SystemOneDoor(DecisionDoor):
             x_max_options=self.max_options,
             x_answer_codes=self.service.core.capacity,
             x_max_input_tokens=self.service.settings.systemone_max_input_tokens,
+            x_reads_images=READS_IMAGES,
+            x_max_images=self.image_limits.max_images,
+            x_max_image_pixels=self.image_limits.max_image_pixels,
+            x_max_image_bytes=self.image_limits.max_image_bytes,
         )
         aliases = [
             ModelEntry(
@@ -420,7 +474,12 @@ class SystemOneDoor(DecisionDoor):
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
         """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
-        parsed = await asyncio.to_thread(parse_request, body, self.max_options, self.refuse_past_row_cap)
+        content_type = request.headers.get("content-type")
+        parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
+        if parsed.assets:  # decoding images is CPU work: off the event loop
+            images = await asyncio.to_thread(resolve_images, parsed, parts, self.image_limits)
+        else:  # only the placeholder and part checks: no thread hop for a text-only request
+            images = resolve_images(parsed, parts, self.image_limits)
         if not self.accepts(parsed.model):
             aliases = (
                 f" (aliases: {', '.join(ALIASES)})" if self.service.settings.systemone_allow_aliases else ""
@@ -429,6 +488,15 @@ class SystemOneDoor(DecisionDoor):
                 UNKNOWN_MODEL.status,
                 UNKNOWN_MODEL.code,
                 f"unknown model {parsed.model!r}; this server serves {self.model_name!r}{aliases}",
+            )
+        if images:  # until the engine reads images (docs/images.md), every one is refused
+            raise ServiceError(
+                NO_VISION.status,
+                NO_VISION.code,
+                f"the loaded model {self.model_name!r} does not read images: this server loads its "
+                "text model only, so a request with `assets` is refused rather than answered from "
+                "the placeholder text",
+                "assets",
             )
         questions = await asyncio.to_thread(
             lambda: [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]

@@ -135,7 +135,34 @@ class ScoreQuestion(_Question):
         return self
 
 
-SystemOneQuestion = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+class BoxQuestion(_Question):
+    """Where something is in the request's image: a box of fractions of its height and width."""
+
+    type: Literal["box"]
+
+
+SystemOneQuestion = Annotated[
+    NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion, Field(discriminator="type")
+]
+
+
+class AssetEntry(BaseModel):
+    """One asset of `assets`: an image as base64 (with its `format`), or as a multipart `part`
+    (with `part`, `data_base64` is ignored and the format is read from the bytes)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["image"] = "image"
+    format: Literal["png", "jpg", "jpeg"] | None = None
+    data_base64: str | None = None
+    part: str | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> AssetEntry:
+        if self.part is None and self.data_base64 is None:
+            raise ValueError("an image asset needs `data_base64` (with `format`) or a multipart `part`")
+        if self.part is None and self.format is None:
+            raise ValueError("`format` (png, jpg or jpeg) is required with `data_base64`")
+        return self
 
 
 class SystemOneRequest(BaseModel):
@@ -145,6 +172,14 @@ class SystemOneRequest(BaseModel):
     model: str
     state: Text
     questions: Annotated[dict[str, SystemOneQuestion], Field(min_length=1)]
+    assets: Annotated[dict[str, AssetEntry], Field(min_length=1)] | None = None
+
+    @field_validator("assets")
+    @classmethod
+    def _placeholders(cls, assets: dict[str, AssetEntry] | None) -> dict[str, AssetEntry] | None:
+        if assets is not None and "" in assets:
+            raise ValueError("an asset placeholder must be a non-empty string")
+        return assets
 
     @field_validator("state")
     @classmethod
@@ -162,8 +197,9 @@ class SystemOneRequest(BaseModel):
 def parse_request(
     body: bytes, max_options: int, screen: Callable[[dict[str, Any]], None] | None = None
 ) -> SystemOneRequest:
-    """Decode and validate a body, or raise SystemOneValidationError in FastAPI's 422 shape;
-    `screen` sees the decoded object first (a cheap refusal before the costly validation)."""
+    """Decode and validate a JSON body (or a multipart body's `request` part), or raise
+    SystemOneValidationError in FastAPI's 422 shape; `screen` sees the decoded object first (a
+    cheap refusal before the costly validation)."""
     try:
         data = decode_json_object(body)
     except BodyError as exc:
@@ -270,6 +306,10 @@ class ModelEntry(BaseModel):
     x_max_options: int | None = None
     x_answer_codes: int | None = None
     x_max_input_tokens: int | None = None
+    x_reads_images: bool | None = None
+    x_max_images: int | None = None
+    x_max_image_pixels: int | None = None
+    x_max_image_bytes: int | None = None
     x_alias_of: str | None = None
 
 
