@@ -276,6 +276,20 @@ def prefill(
     return cache
 
 
+def padded_suffixes(suffixes: Sequence[Sequence[int]], n_prefix: int, pad_id: int) -> tuple[Any, Any]:
+    """Suffix rows right-padded to the widest, and the attention mask over prefix + suffix."""
+    import torch
+
+    width = max(len(s) for s in suffixes)
+    input_ids = torch.full((len(suffixes), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(suffixes), n_prefix + width), dtype=torch.long)
+    mask[:, :n_prefix] = 1
+    for i, suffix in enumerate(suffixes):
+        input_ids[i, : len(suffix)] = torch.tensor(list(suffix), dtype=torch.long)
+        mask[i, n_prefix : n_prefix + len(suffix)] = 1
+    return input_ids, mask
+
+
 def suffix_logits(
     model: Any,
     state: StoredState | None,
@@ -320,12 +334,7 @@ def logits_over(
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError("chunk_tokens must be >= 1")
     width = max(lengths)
-    input_ids = torch.full((len(suffixes), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(suffixes), n_prefix + width), dtype=torch.long)
-    mask[:, :n_prefix] = 1
-    for i, suffix in enumerate(suffixes):
-        input_ids[i, : len(suffix)] = torch.tensor(list(suffix), dtype=torch.long)
-        mask[i, n_prefix : n_prefix + len(suffix)] = 1
+    input_ids, mask = padded_suffixes(suffixes, n_prefix, pad_id)
     positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(suffixes), width)
     last = [n - 1 for n in lengths]
     step = min(width, chunk_tokens or width)

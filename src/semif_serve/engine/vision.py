@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from semif_serve.domain.images import ImageAsset
+from semif_serve.engine.state_cache import padded_suffixes
 
 VISION_START = "<|vision_start|>"
 IMAGE_PAD = "<|image_pad|>"
@@ -185,12 +186,7 @@ def suffix_logits_after_images(
     device = next(decoder.parameters()).device
     lengths = [len(s) for s in suffixes]
     width = max(lengths)
-    input_ids = torch.full((len(suffixes), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(suffixes), n_prefix + width), dtype=torch.long)
-    mask[:, :n_prefix] = 1
-    for i, suffix in enumerate(suffixes):
-        input_ids[i, : len(suffix)] = torch.tensor(list(suffix), dtype=torch.long)
-        mask[i, n_prefix : n_prefix + len(suffix)] = 1
+    input_ids, mask = padded_suffixes(suffixes, n_prefix, pad_id)
     text = (torch.arange(width) + n_prefix).expand(len(suffixes), width)
     positions = (text + offset)[None].expand(3, len(suffixes), width)
     with torch.inference_mode():
