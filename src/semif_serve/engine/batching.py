@@ -184,11 +184,20 @@ class Batcher(Generic[R]):
 
     `run_group(group)` runs on `executor` (one thread: the engine's) and returns, for every job
     in the group, the results of that job's rows in the group, in order; it raises to fail
-    the group. `submit(job)` resolves to the job's row results in row order.
+    the group. `submit(job)` resolves to the job's row results in row order. `idle()`, when
+    given, is background work run on the executor one step at a time while nothing is queued
+    (it returns whether more remains; a job queued meanwhile waits for one step at most).
     """
 
-    def __init__(self, run_group: RunGroup, bounds: Bounds, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        run_group: RunGroup,
+        bounds: Bounds,
+        executor: Executor | None = None,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
         self.run_group = run_group
+        self.idle = idle
         self.bounds = bounds
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
@@ -240,12 +249,23 @@ class Batcher(Generic[R]):
             self.executor.shutdown(wait=False)
 
     async def _drain(self) -> None:
-        """Run everything queued, then whatever arrived meanwhile, until the queue is empty."""
-        while self._queue:
-            taken, self._queue = self._queue, []
-            live = {p.job.id: p for p in taken if not self._dropped(p)}
-            for group in self._plan(live):
-                await self._run(group, live)
+        """Run everything queued, then whatever arrived meanwhile, until the queue is empty;
+        then the idle work, a step at a time, going back to the queue as soon as it has jobs."""
+        while True:
+            while self._queue:
+                taken, self._queue = self._queue, []
+                live = {p.job.id: p for p in taken if not self._dropped(p)}
+                for group in self._plan(live):
+                    await self._run(group, live)
+            if not await self._idle_step():
+                return
+
+    async def _idle_step(self) -> bool:
+        """One step of the idle work on the executor; whether more remains (False without any)."""
+        if self.idle is None:
+            return False
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.idle)
 
     def _plan(self, live: dict[Hashable, _Pending]) -> list[Group]:
         try:

@@ -68,6 +68,11 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(
         2048, ge=1, description="State prefix tokens per prefill forward (bounds activation memory)."
     )
+    direct_path: Literal["reuse", "plain"] = Field(
+        "reuse",
+        description="A question asked once: reuse (from a cached state, else the plain forward and an "
+        "idle prefill) or plain (always SemIf's plain forward, for parity runs).",
+    )
     max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
     max_batch_tokens: int = Field(
         16_384, ge=1, description="Padded tokens (rows x widest row + prefix) of merged requests per forward."

@@ -356,7 +356,7 @@ class SystemOneDoor(DecisionDoor):
         return ModelList(models=[real, *aliases])
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
-        """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
+        """`POST /v1/systemone`: every question (and ordering) over the state in one batch."""
         parsed = parse_request(body, self.max_options)
         if not self.accepts(parsed.model):
             aliases = (
@@ -368,7 +368,8 @@ class SystemOneDoor(DecisionDoor):
                 f"unknown model {parsed.model!r}; this server serves {self.model_name!r}{aliases}",
             )
         questions = [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]
-        outcome = await self.ask(request, parsed.state, questions, shared=True, limits=self.limits)
+        # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
+        outcome = await self.ask(request, parsed.state, questions, shared=False, limits=self.limits)
         answers = {
             qid: answer_body(parsed.questions[qid].type, answer)
             for qid, answer in zip(parsed.questions, outcome.questions, strict=True)
