@@ -19,7 +19,6 @@ follow-ups from the cache on every door, what the cache keeps, and where the tim
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -41,7 +40,7 @@ import httpx  # noqa: E402
 
 from acceptance.server import LoopbackServer  # noqa: E402
 from semif_serve.domain.types import PromptRow  # noqa: E402
-from semif_serve.engine.batching import Bounds, Group, Job, Part, plan_groups  # noqa: E402
+from semif_serve.engine.batching import Bounds, plan_groups  # noqa: E402
 from semif_serve.engine.state_cache import STATE, StateCache  # noqa: E402
 
 TOKEN = "bench-token-0123456789"
@@ -144,7 +143,11 @@ def follow_ups(client: httpx.Client, engine, tokens: int, rounds: int) -> dict[s
             assert after == before + 1, "the follow-up must find its state"
             first.append(t1)
             second.append(t2)
-        out[name] = {"first_ms": med_ms(first), "second_ms": med_ms(second), "ratio": statistics.median(first) / statistics.median(second)}
+        out[name] = {
+            "first_ms": med_ms(first),
+            "second_ms": med_ms(second),
+            "ratio": statistics.median(first) / statistics.median(second),
+        }
     return out
 
 
@@ -161,7 +164,9 @@ def concurrent_eight(client: httpx.Client, url: str, engine, tokens: int, rounds
         barrier = threading.Barrier(8)
         errors: list[BaseException] = []
 
-        def one(i: int, state: str = state, barrier: threading.Barrier = barrier) -> None:
+        def one(
+            i: int, state: str = state, barrier: threading.Barrier = barrier, errors: list = errors
+        ) -> None:
             with httpx.Client(base_url=url, timeout=600) as c:
                 barrier.wait()
                 try:
@@ -207,7 +212,7 @@ def ideal_lru_hits(sequence: list[int], capacity: int) -> int:
 
 
 def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int = 21) -> dict[str, Any]:
-    """S states x Q questions (rotations of 3 options) in a seeded random order, under a budget of S/2 states."""
+    """S states x Q questions (rotations of 3 options), seeded random order, a budget of S/2 states."""
     states = [state_of(engine, tokens, f"interleaved {s}") for s in range(n_states)]
 
     def rows(q: int) -> list[PromptRow]:
@@ -280,14 +285,19 @@ def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, fl
         readout = engine.readout(prepared, scored)
         outcomes = [question_outcome(p, readout, core.calibration) for p in planned]
         marks.append(("readout", time.perf_counter()))
-        answers = {qid: s1.answer_body(parsed.questions[qid].type, a) for qid, a in zip(parsed.questions, outcomes)}
-        reply = SystemOneResponse(model=door.model_name, answers=answers, usage=Usage(input_tokens=1, output_tokens=0))
+        answers = {
+            qid: s1.answer_body(parsed.questions[qid].type, a)
+            for qid, a in zip(parsed.questions, outcomes, strict=True)
+        }
+        reply = SystemOneResponse(
+            model=door.model_name, answers=answers, usage=Usage(input_tokens=1, output_tokens=0)
+        )
         json.dumps(reply.model_dump(mode="json", exclude_unset=True))
         marks.append(("reply", time.perf_counter()))
         engine.drop_deferred()
         if not r:
             continue
-        for (_, a), (name, b) in zip(marks, marks[1:]):
+        for (_, a), (name, b) in zip(marks, marks[1:], strict=False):
             per.setdefault(name, []).append(b - a)
         run = runs[0]
         split = {
@@ -307,7 +317,9 @@ def breakdown(service, engine, rounds: int) -> dict[str, Any]:
     noul = {
         "model": "jev-latest",
         "state": "Health checks passed in all three zones after the deploy.",
-        "questions": {"ok": {"type": "noul", "instructions": "Did the deployment succeed?", "x_orderings": "none"}},
+        "questions": {
+            "ok": {"type": "noul", "instructions": "Did the deployment succeed?", "x_orderings": "none"}
+        },
     }
     eight = {
         "model": "jev-latest",
@@ -369,7 +381,10 @@ def main() -> int:
         results["lone"] = lone_question(engine, 2000, rounds)
         print("lone", results["lone"], flush=True)
     if only & {"follow", "eight"}:
-        with LoopbackServer(create_app(service)) as server, httpx.Client(base_url=server.url, timeout=600) as client:
+        with (
+            LoopbackServer(create_app(service)) as server,
+            httpx.Client(base_url=server.url, timeout=600) as client,
+        ):
             if "follow" in only:
                 results["follow"] = follow_ups(client, engine, 2000, max(2, rounds // 2 + 1))
                 print("follow", results["follow"], flush=True)
