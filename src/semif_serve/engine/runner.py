@@ -497,7 +497,7 @@ class TorchEngine:
 
     def _readout(self, last_logits: Any, n_options: int) -> tuple[list[float], list[float]]:
         """Full-vocabulary float32 logits of one position -> (slot logits, their softmax)."""
-        option = last_logits.float()[self.slot_ids[:n_options]]
+        option = last_logits[self.slot_ids[:n_options]].float()  # the slots alone, not the vocabulary
         return option.tolist(), self.torch.softmax(option, dim=-1).tolist()
 
     def _direct(self, ids: list[int], n_options: int) -> tuple[tuple[list[float], list[float]], float]:
