@@ -249,23 +249,22 @@ class Batcher(Generic[R]):
             self.executor.shutdown(wait=False)
 
     async def _drain(self) -> None:
-        """Run everything queued, then whatever arrived meanwhile, until the queue is empty;
-        then the idle work, a step at a time, going back to the queue as soon as it has jobs."""
-        while True:
-            while self._queue:
-                taken, self._queue = self._queue, []
-                live = {p.job.id: p for p in taken if not self._dropped(p)}
-                for group in self._plan(live):
-                    await self._run(group, live)
-            if not await self._idle_step():
-                return
+        """Run everything queued, then whatever arrived meanwhile, until the queue is empty."""
+        while await self._has_work():
+            taken, self._queue = self._queue, []
+            live = {p.job.id: p for p in taken if not self._dropped(p)}
+            for group in self._plan(live):
+                await self._run(group, live)
 
-    async def _idle_step(self) -> bool:
-        """One step of the idle work on the executor; whether more remains (False without any)."""
+    async def _has_work(self) -> bool:
+        """Whether jobs are queued; while none are, one step of the idle work runs first (a
+        take of nothing follows it) and the queue is looked at again after the last step."""
+        if self._queue:
+            return True
         if self.idle is None:
             return False
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.idle)
+        return await loop.run_in_executor(self.executor, self.idle) or bool(self._queue)
 
     def _plan(self, live: dict[Hashable, _Pending]) -> list[Group]:
         try:
