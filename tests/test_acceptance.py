@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import TOKEN
+from conftest import TOKEN, make_settings
 
 from acceptance import cli, stats
 from semif_serve.domain.numerics import expected_calibration_error
@@ -61,8 +61,12 @@ def fixture_rows() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def live(service, tmp_path_factory):
-    """A real uvicorn on a loopback port serving the demo service; files the commands need."""
+def live(engine, checkpoint, tmp_path_factory):
+    """A real uvicorn on a loopback port serving the demo service as parity runs it
+    (`SEMIF_DIRECT_PATH=plain`: every lone question the plain forward); files the commands need."""
+    from semif_serve.service.startup import Service
+
+    service = Service.start(make_settings(checkpoint, direct_path="plain"), engine=engine)
     work = tmp_path_factory.mktemp("acceptance")
     token = work / "token"
     token.write_text(TOKEN + "\n")

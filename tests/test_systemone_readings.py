@@ -53,11 +53,32 @@ def test_a_question_asked_once_has_one_reading_its_native_probabilities(app):
     assert reading["probabilities"] == answer["probabilities"]
 
 
-def test_x_timing_says_the_state_was_prefilled_fresh_then_came_from_the_cache(app):
+def test_x_timing_says_a_lone_question_ran_plain_then_its_follow_up_came_from_the_cache(service):
+    import asyncio
+
+    import httpx
+    from conftest import TOKEN
+    from test_reuse import settled
+
     state = f"Ticket {uuid.uuid4().hex}: the invoice was paid twice."
-    first = ask(app, {"q": native(choice(3))}, state=state)
-    again = ask(app, {"q": native(choice(4, "z"))}, state=state)
-    assert first["x_timing"]["prefill"] == "fresh"
+
+    async def both() -> tuple[dict, dict]:
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+
+            async def one(question: dict) -> dict:
+                body = {"model": "jev-latest", "state": state, "questions": {"q": question}}
+                reply = await c.post("/v1/systemone", json=body, headers=auth)
+                assert reply.status_code == 200, reply.text
+                return reply.json()
+
+            first = await one(native(choice(3)))
+            await settled(c)  # the plain forward left its state for an idle prefill
+            return first, await one(native(choice(4, "z")))
+
+    first, again = asyncio.run(both())
+    assert first["x_timing"]["prefill"] == "none"  # SemIf's plain forward: no state prefilled
     assert again["x_timing"]["prefill"] == "cached"
     for reply in (first, again):
         timing = reply["x_timing"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -98,6 +99,8 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
             "hits": now.cache.hits,
             "misses": now.cache.misses,
             "evictions": now.cache.evictions,
+            "by_kind": {kind: asdict(stats) for kind, stats in now.cache.by_kind.items()},
+            "deferred_prefills": now.deferred_prefills,
         },
     }
 

@@ -200,11 +200,20 @@ class Batcher(Generic[R]):
 
     `run_group(group)` runs on `executor` (one thread: the engine's) and returns, for every job
     in the group, the results of that job's rows in the group, in order; it raises to fail
-    the group. `submit(job)` resolves to the job's row results in row order.
+    the group. `submit(job)` resolves to the job's row results in row order. `idle()`, when
+    given, is background work run on the executor one step at a time while nothing is queued
+    (it returns whether more remains; a job queued meanwhile waits for one step at most).
     """
 
-    def __init__(self, run_group: RunGroup, bounds: Bounds, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        run_group: RunGroup,
+        bounds: Bounds,
+        executor: Executor | None = None,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
         self.run_group = run_group
+        self.idle = idle
         self.bounds = bounds
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
@@ -257,7 +266,8 @@ class Batcher(Generic[R]):
 
     async def _drain(self) -> None:
         """Run the queued rounds a group at a time, taking turns, until nothing is left; what
-        arrives while a group runs becomes a round of its own, next in turn."""
+        arrives while a group runs becomes a round of its own, next in turn; with nothing queued,
+        the idle work runs a step at a time until a job arrives or none is left."""
         rounds: deque[deque[Group]] = deque()
         live: dict[Hashable, _Pending] = {}
         current: deque[Group] | None = None
@@ -272,6 +282,8 @@ class Batcher(Generic[R]):
             if current:
                 rounds.append(current)  # after the newcomers: a heavy round yields between its groups
             if not rounds:
+                if await self._has_work():
+                    continue  # an idle step ran (or a job arrived meanwhile): look again
                 return
             current = rounds.popleft()
             group = current.popleft()
@@ -279,6 +291,16 @@ class Batcher(Generic[R]):
                 current.appendleft(group)  # a slice done; the rest at this round's next turn
             for job_id in [i for i, p in live.items() if p.future.done()]:
                 del live[job_id]
+
+    async def _has_work(self) -> bool:
+        """Whether jobs are queued; while none are, one step of the idle work runs first (a
+        take of nothing follows it) and the queue is looked at again after the last step."""
+        if self._queue:
+            return True
+        if self.idle is None:
+            return False
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.idle) or bool(self._queue)
 
     def _plan(self, live: dict[Hashable, _Pending]) -> list[Group]:
         try:

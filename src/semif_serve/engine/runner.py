@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
@@ -25,13 +26,27 @@ from semif_serve.domain.types import BatchTiming, PromptRow, TooLargeForMemory
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
-from semif_serve.engine.state_cache import StateCache, StoredState, logits_over, prefill, prefix_digest
+from semif_serve.engine.state_cache import (
+    QUESTION,
+    STATE,
+    StateCache,
+    StoredState,
+    logits_over,
+    prefill,
+    prefix_digest,
+)
 
 log = logging.getLogger("semif_serve.engine")
 
 DIRECT_READOUT = "native full-vocabulary last-position logits restricted to declared answer slots"
 SHARED_READOUT = "native selected suffix-position logits"
 SHARED_SERVING_CONFIG = "native-state-prefix-parallel-v1"
+# How a lone row (no orderings) is run: "reuse" serves it from a cached state when there is one
+# (and fills the cache afterwards, while the engine is idle); "plain" always runs SemIf's plain
+# forward and never touches the cache (parity runs against upstream's predictions).
+DIRECT_PATHS = ("reuse", "plain")
+IDLE_PREFILL_TOKENS = 512  # one idle step of a deferred prefill: what a newcomer may wait behind
+MAX_DEFERRED = 4  # states waiting for an idle prefill (the newest first; older ones are dropped)
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,7 @@ class Readout:
     shared: bool
     forward_seconds: float
     total_seconds: float
-    timing: BatchTiming | None  # None on the direct path
+    timing: BatchTiming  # a lone row's too: `prefill` says whether it ran over a state
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,8 @@ class PreparedRows:
     state_tokens: int
     direct: bool
     encode_seconds: float
+    state_ids: tuple[int, ...] = ()  # the question-independent state prefix (a lone row's state)
+    demand_key: str | None = None  # the raw state's digest (`state_digest`), set by the worker
 
     def job(self, job_id: Hashable) -> Job:
         """The batching job for these rows (rows sized after the prefix)."""
@@ -126,6 +143,7 @@ class TorchEngine:
         headroom_bytes: int | None = None,
         cache: StateCache | None = None,
         prefill_chunk_tokens: int | None = None,
+        direct_path: str = "reuse",
     ) -> None:
         import torch
 
@@ -139,6 +157,10 @@ class TorchEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._stepped: dict[str, float] = {}  # prefixes being prefilled in steps -> seconds so far
         self._slices: set[str] = set()  # the step slices stored in the cache, by digest
+        if direct_path not in DIRECT_PATHS:
+            raise ValueError(f"direct_path must be one of {DIRECT_PATHS}")
+        self.direct_path = direct_path
+        self._deferred: OrderedDict[str, _DeferredFill] = OrderedDict()  # engine thread only
         self.device = torch.device(identity.device)
         self.slot_ids = torch.tensor(codec.slots, device=self.device)
         self.estimate = MemoryEstimate(model.config, torch.tensor([], dtype=model.dtype).element_size())
@@ -167,6 +189,7 @@ class TorchEngine:
             headroom_bytes,
             self.cache,
             self.prefill_chunk_tokens,
+            self.direct_path,
         )
 
     def with_state_cache(self, cache: StateCache, prefill_chunk_tokens: int | None) -> TorchEngine:
@@ -179,6 +202,20 @@ class TorchEngine:
             self.headroom_bytes,
             cache,
             prefill_chunk_tokens,
+            self.direct_path,
+        )
+
+    def with_direct_path(self, direct_path: str) -> TorchEngine:
+        """The same engine running lone rows by `direct_path` ("reuse" or "plain"; a new engine)."""
+        return TorchEngine(
+            self.model,
+            self.codec,
+            self.identity,
+            self.memory,
+            self.headroom_bytes,
+            self.cache,
+            self.prefill_chunk_tokens,
+            direct_path,
         )
 
     # -- reading ------------------------------------------------------------------------------
@@ -230,6 +267,9 @@ class TorchEngine:
         direct = not shared and len(rows) == 1
         prefix: list[int] = []
         state_tokens = 0
+        state_ids: tuple[int, ...] = ()
+        if direct and self.direct_path == "reuse":
+            state_ids = tuple(shared_token_prefix(self.codec.state_prefix(state, prompts[0]), prompts))
         if not direct:
             state_prefix = self.codec.state_prefix(state, prompts[0])
             prefix = shared_token_prefix(state_prefix, prompts)
@@ -244,9 +284,19 @@ class TorchEngine:
             state_tokens=state_tokens,
             direct=direct,
             encode_seconds=time.perf_counter() - started,
+            state_ids=state_ids,
         )
 
     def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]] | Any:
+        """Score one planned group on this thread; the results of each job's rows in the
+        group, in order. Lone rows (no shared prefix) go through `_run_direct`, which serves
+        them from a state where one is cached or wanted by several requests; everything else
+        through `_run_planned`."""
+        if group.prefix_key is None and self.direct_path == "reuse" and group.parts[0].job.payload.direct:
+            return self._run_direct(group)
+        return self._run_planned(group)
+
+    def _run_planned(self, group: Group) -> dict[Hashable, list[ScoredRow]] | Any:
         """Score one planned group on this thread: one state (cached or prefilled once) for
         every part, the rows in right-padded forwards split by the memory headroom; the
         results of each job's rows in the group, in order. A lone direct row runs SemIf's
@@ -330,9 +380,7 @@ class TorchEngine:
             r.prefill_seconds + r.replicate_seconds + r.suffix_forward_seconds for r in runs
         )
         total = prepared.encode_seconds + forward_seconds
-        if prepared.direct:
-            return Readout(readouts, False, forward_seconds, total, None)
-        n_prefix = len(prepared.prefix)
+        n_prefix = len(prepared.prefix)  # 0 for a lone row: its state, if it ran over one, is not shared
         prefills = [r.prefill for r in runs]
         timing = BatchTiming(
             prefix_tokens=n_prefix,
@@ -347,7 +395,8 @@ class TorchEngine:
             prefill=next((k for k in PREFILL_KINDS if k in prefills), "none"),
             prefill_shared=any(r.requests > 1 for r in runs) and n_prefix > 0,
         )
-        return Readout(readouts, True, forward_seconds, total, timing)
+        # A lone row keeps SemIf's direct readout label whichever way it ran; its timing says how.
+        return Readout(readouts, not prepared.direct, forward_seconds, total, timing)
 
     def _prefill_step(self, prefix: list[int], state_tokens: int) -> bool:
         """Prefill one step of a long `prefix` into the state cache; False when what is left
@@ -365,7 +414,7 @@ class TorchEngine:
         boundary = state_tokens if done < state_tokens else len(prefix)
         target = min(boundary, done + step)
         t0 = time.perf_counter()
-        stored = self._prefill(prefix[:target], start)
+        stored = self._prefill(prefix[:target], start, STATE if target <= state_tokens else QUESTION)
         self.memory.synchronize()
         if not self.cache.holds(stored.ids):
             return False
@@ -384,30 +433,126 @@ class TorchEngine:
             if len(start) != state_tokens:
                 self.cache.discard(start.ids)
 
+    def _run_direct(self, group: Group) -> dict[Hashable, list[ScoredRow]] | Any:
+        """Lone rows (each request one row, no orderings), grouped by their state prefix.
+
+        A state that is cached, or that several of these rows (or several requests in flight)
+        want, is used (prefilled once and stored): each row then costs its suffix. Every other
+        row runs as SemIf's plain forward of its whole prompt (the cheapest way to answer it
+        now; several right-padded together) and its state is queued for an idle prefill, so a
+        follow-up finds it cached. Either way a row equals the plain forward within 1e-5
+        (float32) and keeps its `prompt_sha256` and `input_tokens`.
+        """
+        by_state: dict[tuple[int, ...], list[Part]] = {}
+        for part in group.parts:
+            by_state.setdefault(part.job.payload.state_ids, []).append(part)
+        results: dict[Hashable, list[ScoredRow]] = {}
+        plain: list[Part] = []
+        for ids, parts in by_state.items():
+            if ids and self._reuses(ids, parts):
+                over = self._run_planned(_over_state(ids, parts))
+                if over is UNFINISHED:
+                    return UNFINISHED  # a long state's prefill step: the group runs again next turn
+                results.update(over)
+            else:
+                plain.extend(parts)
+        if len(plain) == 1:
+            results.update(self._run_planned(Group(None, 0, tuple(plain))))
+        elif plain:
+            results.update(self._run_planned(Group(None, 0, tuple(_as_rows(p) for p in plain))))
+        for part in plain:
+            self._defer_prefill(part.job.payload.state_ids)
+        return results
+
+    def _reuses(self, ids: tuple[int, ...], parts: Sequence[Part]) -> bool:
+        """Whether rows over state `ids` run over the state: it is cached, several want it, or it
+        is longer than one prefill chunk (chunked like any prefill, never one unbounded forward)."""
+        if self.cache.has(ids):
+            return True
+        if self.prefill_chunk_tokens is not None and len(ids) > self.prefill_chunk_tokens:
+            return True
+        if self.cache.budget_bytes == 0:
+            return len(parts) > 1  # one prefill still serves them all, nothing to keep
+        wanted = max(self.cache.demand.count(p.job.payload.demand_key) for p in parts)
+        return len(parts) > 1 or wanted > 1
+
+    def _defer_prefill(self, ids: tuple[int, ...]) -> None:
+        """Queue a state for an idle prefill (newest first; the oldest dropped past MAX_DEFERRED)."""
+        if not ids or self.cache.budget_bytes == 0 or self.cache.has(ids):
+            return
+        key = prefix_digest(ids)
+        self._deferred.pop(key, None)
+        self._deferred[key] = _DeferredFill(ids)
+        while len(self._deferred) > MAX_DEFERRED:
+            self._deferred.popitem(last=False)
+
+    @property
+    def deferred_prefills(self) -> int:
+        """States queued for an idle prefill."""
+        return len(self._deferred)
+
+    def fill_idle_step(self) -> bool:
+        """One step (at most IDLE_PREFILL_TOKENS) of the newest deferred prefill, on the engine
+        thread while nothing is queued; a finished state is stored in the cache. Whether
+        more remains."""
+        while self._deferred:
+            key, fill = next(reversed(self._deferred.items()))
+            if self.cache.has(fill.ids):  # a follow-up prefilled it meanwhile
+                del self._deferred[key]
+                continue
+            upto = min(len(fill.ids), fill.done + IDLE_PREFILL_TOKENS)
+            cache = prefill(self.model, fill.ids[:upto], start=fill.partial, chunk_tokens=IDLE_PREFILL_TOKENS)
+            if upto == len(fill.ids):
+                self.cache.put(fill.ids, cache, STATE)
+                del self._deferred[key]
+            else:
+                fill.partial = StoredState(fill.ids[:upto], cache)
+            self.memory.synchronize()
+            return bool(self._deferred)
+        return False
+
+    def drop_deferred(self) -> None:
+        """Forget every deferred prefill (after a failure: memory comes first)."""
+        self._deferred.clear()
+
     def _state(self, prefix: list[int], state_tokens: int) -> tuple[StoredState | None, str, float]:
-        """The stored state over exactly `prefix`: from the cache, extended from a cached
-        shorter one, or prefilled (in chunks); a fresh state prefix is stored on its own too,
-        so that the next question over the same state extends it."""
+        """The state over exactly `prefix`: from the cache, extended from a cached shorter one,
+        or prefilled (in chunks). A prefix longer than the state prefix (it covers a question)
+        starts from the state prefix, looked up (and stored when fresh) on its own, so that
+        the next question about the same state extends it; the longer prefix itself goes in
+        the cache's lower `question` tier, which never evicts a state."""
         if not prefix:
             return None, "none", 0.0
-        stored = self.cache.get(prefix)
+        kind = QUESTION if len(prefix) > state_tokens else STATE
+        stored = self.cache.get(prefix, kind)
         if stored is not None:
             return stored, "cached", 0.0
         t0 = time.perf_counter()
-        start = self.cache.longest_prefix(prefix)
         stepped = self._stepped.pop(prefix_digest(prefix), None)  # prefilled in steps: still fresh
-        how = "extended" if start is not None and stepped is None else "fresh"
-        slice_ = start if stepped is not None else None
-        if 0 < state_tokens < len(prefix) and (start is None or (slice_ and len(slice_) < state_tokens)):
-            start = self._prefill(prefix[:state_tokens], start)
-        stored = self._prefill(prefix, start)
+        superseded: StoredState | None = None
+        if kind == QUESTION and state_tokens > 0:
+            start = self.cache.get(prefix[:state_tokens], STATE)
+            how = "extended" if start is not None and stepped is None else "fresh"
+            if start is None:
+                state = prefix[:state_tokens]
+                superseded = self.cache.longest_prefix(state)
+                start = self._prefill(state, superseded, STATE)
+        else:
+            start = self.cache.longest_prefix(prefix)
+            how = "extended" if start is not None and stepped is None else "fresh"
+        if stepped is not None:  # continue from the last step's slice where it is the longer start
+            longer = self.cache.longest_prefix(prefix)
+            if longer is not None and (start is None or len(longer) > len(start)):
+                superseded, start = start, longer
+        stored = self._prefill(prefix, start, kind)
         self.memory.synchronize()
-        self._drop_slice(slice_, state_tokens)
+        for slice_ in (superseded, start if stepped is not None else None):
+            self._drop_slice(slice_, state_tokens)
         return stored, how, time.perf_counter() - t0 + (stepped or 0.0)
 
-    def _prefill(self, ids: list[int], start: StoredState | None) -> StoredState:
+    def _prefill(self, ids: list[int], start: StoredState | None, kind: str = STATE) -> StoredState:
         return self.cache.put(
-            ids, prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens)
+            ids, prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens), kind
         )
 
     def _rows_per_forward(self, n_prefix: int, width: int) -> int | None:
@@ -433,7 +578,7 @@ class TorchEngine:
 
     def _readout(self, last_logits: Any, n_options: int) -> tuple[list[float], list[float]]:
         """Full-vocabulary float32 logits of one position -> (slot logits, their softmax)."""
-        option = last_logits.float()[self.slot_ids[:n_options]]
+        option = last_logits[self.slot_ids[:n_options]].float()  # the slots alone, not the vocabulary
         return option.tolist(), self.torch.softmax(option, dim=-1).tolist()
 
     def _direct(self, ids: list[int], n_options: int) -> tuple[tuple[list[float], list[float]], float]:
@@ -455,6 +600,36 @@ PREFILL_KINDS = ("fresh", "extended", "cached")  # a request's `prefill`: the co
 
 def _whole(job: Job) -> Part:
     return Part(job, 0, len(job.row_tokens))
+
+
+@dataclass
+class _DeferredFill:
+    """A state waiting for an idle prefill, and how far it got (a private partial state)."""
+
+    ids: tuple[int, ...]
+    partial: StoredState | None = None
+
+    @property
+    def done(self) -> int:
+        return len(self.partial) if self.partial is not None else 0
+
+
+def _over_state(ids: tuple[int, ...], parts: Sequence[Part]) -> Group:
+    """Lone rows as one group over their common state prefix `ids` (the shared path's rows)."""
+    key = prefix_digest(ids)
+    rekeyed = []
+    for part in parts:
+        prepared: PreparedRows = part.job.payload
+        over = replace(prepared, prefix=list(ids), state_tokens=len(ids), direct=False)
+        job = Job(part.job.id, key, len(ids), tuple(len(p.ids) - len(ids) for p in prepared.prompts), over)
+        rekeyed.append(Part(job, part.start, part.stop))
+    return Group(key, len(ids), tuple(rekeyed))
+
+
+def _as_rows(part: Part) -> Part:
+    """A lone row as a row of a right-padded forward without a state."""
+    prepared: PreparedRows = part.job.payload
+    return Part(replace(part.job, payload=replace(prepared, direct=False)), part.start, part.stop)
 
 
 def shared_token_prefix(state_prefix: list[int], prompts: Sequence[EncodedPrompt]) -> list[int]:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import threading
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Per-layer tensor dicts of a linear-attention cache layer, written in place by the forward.
@@ -38,6 +39,14 @@ def prefix_digest(ids: Sequence[int]) -> str:
     h.update(len(ids).to_bytes(8, "little"))
     h.update(array("q", ids).tobytes())
     return h.hexdigest()
+
+
+def state_digest(state: Any) -> str:
+    """A digest of a request's raw state as the prompt renders it (JSON, keys in their order):
+    equal digests render the same state prefix, so requests in flight can be matched before
+    they are encoded. Only ever steers which path runs, never what a row computes."""
+    text = json.dumps(state, ensure_ascii=False)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def state_bytes(cache: Any) -> int:
@@ -120,9 +129,26 @@ class StoredState:
         return list(_state_tensors(self._cache))
 
 
+# The two tiers of the cache: question-independent state prefixes (what follow-ups reuse) and
+# longer prefixes that also hold one request's question (what its orderings share).
+STATE = "state"
+QUESTION = "question"
+KINDS = (STATE, QUESTION)
+
+
+@dataclass(frozen=True)
+class KindStats:
+    """One tier's lookups and contents."""
+
+    hits: int = 0
+    misses: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+
 @dataclass(frozen=True)
 class CacheStats:
-    """A snapshot of the cache's counters and size."""
+    """A snapshot of the cache's counters and size (totals over both tiers, and per tier)."""
 
     budget_bytes: int
     bytes: int
@@ -130,88 +156,135 @@ class CacheStats:
     hits: int
     misses: int
     evictions: int
-    refused: int  # states larger than the whole budget, never stored
+    refused: int  # states larger than the whole budget (or a question prefix larger than what states leave)
+    by_kind: dict[str, KindStats] = field(default_factory=dict)
+
+
+class Demand:
+    """How many requests now in flight (queued, encoding or running) are about each state;
+    thread-safe. The engine asks it whether a new state is wanted by more than one request."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def enter(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def leave(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] -= 1
+            if self._counts[key] <= 0:
+                del self._counts[key]
+
+    def count(self, key: str | None) -> int:
+        with self._lock:
+            return self._counts.get(key, 0) if key is not None else 0
 
 
 class StateCache:
-    """Prefilled states under a byte budget, evicted least-recently-used.
+    """Prefilled states under a byte budget in two tiers, evicted least-recently-used.
 
-    Keyed by the digest of the exact prefix ids; a hit also compares the full ids, so a digest
-    collision is a miss, never a wrong state. One engine thread mutates; any thread may read
-    `stats()`. A budget of 0 disables storing (every lookup misses).
+    The `state` tier holds question-independent state prefixes (what another question about
+    the same state reuses); the `question` tier holds longer prefixes that also cover one
+    request's question (what its orderings shared; almost nothing else reuses them). A
+    question prefix is evicted before any state prefix and never evicts one: it is stored only
+    in what the states leave of the budget. Keyed by the digest of the exact prefix ids; a hit
+    also compares the full ids, so a digest collision is a miss, never a wrong state. One
+    engine thread mutates; any thread may read `stats()`. A budget of 0 disables storing.
     """
 
     def __init__(self, budget_bytes: int) -> None:
         if budget_bytes < 0:
             raise ValueError("budget_bytes must be >= 0")
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, StoredState] = OrderedDict()
-        self._bytes = 0
-        self._hits = self._misses = self._evictions = self._refused = 0
+        self._tiers: dict[str, OrderedDict[str, StoredState]] = {kind: OrderedDict() for kind in KINDS}
+        self._tier_bytes = dict.fromkeys(KINDS, 0)
+        self._lookups = {kind: [0, 0] for kind in KINDS}  # hits, misses
+        self._evictions = self._refused = 0
         self._lock = threading.Lock()
+        self.demand = Demand()
 
-    def get(self, ids: Sequence[int]) -> StoredState | None:
-        """The state stored for exactly `ids` (now most recently used), or None; counts a hit or miss."""
+    def get(self, ids: Sequence[int], kind: str = STATE) -> StoredState | None:
+        """The state stored for exactly `ids` in tier `kind` (now most recently used), or None;
+        counts a hit or miss of that kind."""
         key = prefix_digest(ids)
         with self._lock:
-            entry = self._entries.get(key)
+            tier = self._tiers[kind]
+            entry = tier.get(key)
             if entry is None or entry.ids != tuple(ids):
-                self._misses += 1
+                self._lookups[kind][1] += 1
                 return None
-            self._entries.move_to_end(key)
-            self._hits += 1
+            tier.move_to_end(key)
+            self._lookups[kind][0] += 1
             return entry
 
+    def has(self, ids: Sequence[int], kind: str = STATE) -> bool:
+        """Whether exactly `ids` is stored in tier `kind`; counts nothing, changes no order."""
+        key = prefix_digest(ids)
+        with self._lock:
+            entry = self._tiers[kind].get(key)
+            return entry is not None and entry.ids == tuple(ids)
+
     def longest_prefix(self, ids: Sequence[int]) -> StoredState | None:
-        """The longest stored state whose ids start `ids` (a shorter state to extend), or None.
-        Counts nothing: callers count the exact `get` they make first."""
+        """The longest stored state (either tier) whose ids start `ids` (a shorter state to
+        extend), or None. Counts nothing: callers count the exact `get` they make first."""
         wanted = tuple(ids)
         with self._lock:
-            best = None
-            for entry in self._entries.values():
-                n = len(entry.ids)
-                if n <= len(wanted) and (best is None or n > len(best)) and wanted[:n] == entry.ids:
-                    best = entry
+            best, best_kind = None, STATE
+            for kind, tier in self._tiers.items():
+                for entry in tier.values():
+                    n = len(entry.ids)
+                    if n <= len(wanted) and (best is None or n > len(best)) and wanted[:n] == entry.ids:
+                        best, best_kind = entry, kind
             if best is not None:
-                self._entries.move_to_end(best.digest)
+                self._tiers[best_kind].move_to_end(best.digest)
             return best
 
-    def put(self, ids: Sequence[int], cache: Any) -> StoredState:
-        """Take ownership of `cache` (prefilled over exactly `ids`, one row) and store it, evicting
-        least-recently-used states to fit; a state larger than the budget is returned unstored.
-        The caller must use the returned state's `fork`, never `cache` again."""
+    def put(self, ids: Sequence[int], cache: Any, kind: str = STATE) -> StoredState:
+        """Take ownership of `cache` (prefilled over exactly `ids`, one row) and store it in tier
+        `kind`, evicting least-recently-used entries to fit (question prefixes first; a question
+        prefix never evicts a state prefix); what cannot fit is returned unstored. The caller
+        must use the returned state's `fork`, never `cache` again."""
         state = StoredState(ids, cache)
         with self._lock:
-            old = self._entries.pop(state.digest, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            if state.nbytes > self.budget_bytes:
+            for tier_kind, tier in self._tiers.items():
+                old = tier.pop(state.digest, None)
+                if old is not None:
+                    self._tier_bytes[tier_kind] -= old.nbytes
+            room = self.budget_bytes - (self._tier_bytes[STATE] if kind == QUESTION else 0)
+            if state.nbytes > room:
                 self._refused += 1
                 return state
-            self._evict_to(self.budget_bytes - state.nbytes)
-            self._entries[state.digest] = state
-            self._bytes += state.nbytes
+            self._evict_to(self.budget_bytes - state.nbytes, QUESTION)
+            if kind == STATE:
+                self._evict_to(self.budget_bytes - state.nbytes, STATE)
+            self._tiers[kind][state.digest] = state
+            self._tier_bytes[kind] += state.nbytes
         return state
 
     def holds(self, ids: Sequence[int]) -> bool:
-        """Whether a state is stored for exactly `ids` (counts nothing, changes no order)."""
-        with self._lock:
-            entry = self._entries.get(prefix_digest(ids))
-            return entry is not None and entry.ids == tuple(ids)
+        """Whether a state is stored for exactly `ids` in either tier (counts nothing, changes no order)."""
+        return any(self.has(ids, kind) for kind in KINDS)
 
     def discard(self, ids: Sequence[int]) -> None:
-        """Drop the state stored for exactly `ids`, if any (a slice superseded by a longer one)."""
+        """Drop the state stored for exactly `ids`, in whichever tier (a slice superseded by a longer one)."""
+        key = prefix_digest(ids)
         with self._lock:
-            entry = self._entries.get(prefix_digest(ids))
-            if entry is not None and entry.ids == tuple(ids):
-                del self._entries[entry.digest]
-                self._bytes -= entry.nbytes
+            for kind, tier in self._tiers.items():
+                entry = tier.get(key)
+                if entry is not None and entry.ids == tuple(ids):
+                    del tier[key]
+                    self._tier_bytes[kind] -= entry.nbytes
 
     def shrink_to(self, max_bytes: int) -> int:
-        """Evict least-recently-used states until at most `max_bytes` are held; the bytes freed."""
+        """Evict least-recently-used entries (question prefixes first) until at most
+        `max_bytes` are held; the bytes freed."""
         with self._lock:
             before = self._bytes
-            self._evict_to(max(0, max_bytes))
+            for kind in (QUESTION, STATE):
+                self._evict_to(max(0, max_bytes), kind)
             return before - self._bytes
 
     def clear(self) -> int:
@@ -221,20 +294,33 @@ class StateCache:
     def stats(self) -> CacheStats:
         """Counters and size, consistent with each other."""
         with self._lock:
+            by_kind = {
+                kind: KindStats(
+                    self._lookups[kind][0], self._lookups[kind][1], len(tier), self._tier_bytes[kind]
+                )
+                for kind, tier in self._tiers.items()
+            }
             return CacheStats(
                 self.budget_bytes,
                 self._bytes,
-                len(self._entries),
-                self._hits,
-                self._misses,
+                sum(k.entries for k in by_kind.values()),
+                sum(k.hits for k in by_kind.values()),
+                sum(k.misses for k in by_kind.values()),
                 self._evictions,
                 self._refused,
+                by_kind,
             )
 
-    def _evict_to(self, max_bytes: int) -> None:
-        while self._entries and self._bytes > max_bytes:
-            _, entry = self._entries.popitem(last=False)
-            self._bytes -= entry.nbytes
+    @property
+    def _bytes(self) -> int:
+        return sum(self._tier_bytes.values())
+
+    def _evict_to(self, max_bytes: int, kind: str) -> None:
+        """Evict tier `kind`, least recently used first, while the cache holds more than `max_bytes`."""
+        tier = self._tiers[kind]
+        while tier and self._bytes > max_bytes:
+            _, entry = tier.popitem(last=False)
+            self._tier_bytes[kind] -= entry.nbytes
             self._evictions += 1
 
 

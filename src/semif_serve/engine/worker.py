@@ -6,6 +6,7 @@ retried request by request so that only the failing request fails."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Hashable, Sequence
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from semif_serve.domain.types import DecisionError, EngineFailure, OutOfMemory, PromptRow, Refusal
 from semif_serve.engine.batching import Batcher, Bounds, Group
 from semif_serve.engine.memory import ReleasePolicy
+from semif_serve.engine.state_cache import state_digest
 
 if TYPE_CHECKING:
     from semif_serve.engine.runner import Readout, ScoredRow, TorchEngine
@@ -58,8 +60,11 @@ class EngineWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-engine")
         # One tokenizer thread: requests are encoded (and refused) before they join a group.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-encode")
-        self.batcher: Batcher[ScoredRow] = Batcher(self._run_group, bounds or Bounds(), self._executor)
+        self.batcher: Batcher[ScoredRow] = Batcher(
+            self._run_group, bounds or Bounds(), self._executor, idle=self._fill_idle
+        )
         self._job_ids = itertools.count()
+        self._engine: TorchEngine | None = None  # the engine of the latest request (idle prefills)
         self.pending = 0
         self.out_of_memory_events = 0
 
@@ -78,6 +83,10 @@ class EngineWorker:
         dropped before their forward."""
         loop = asyncio.get_running_loop()
         self.pending += 1
+        self._engine = engine
+        # Counted from before encoding, so a lone row can see that others want its state too.
+        demand_key = state_digest(state)
+        engine.cache.demand.enter(demand_key)
         try:
             prepared = await loop.run_in_executor(
                 self._encoder,
@@ -89,10 +98,28 @@ class EngineWorker:
                     max_request_tokens=max_request_tokens,
                 ),
             )
+            prepared = dataclasses.replace(prepared, demand_key=demand_key)
             scored = await self.batcher.submit(prepared.job(next(self._job_ids)))
             return engine.readout(prepared, scored)
         finally:
+            engine.cache.demand.leave(demand_key)
             self.pending -= 1
+
+    def _fill_idle(self) -> bool:
+        """One step of the engine's deferred prefills (engine thread, nothing queued); a failure
+        drops them and releases memory, and never reaches a request."""
+        engine = self._engine
+        if engine is None or not engine.deferred_prefills:
+            return False
+        try:
+            more = engine.fill_idle_step()
+        except Exception as exc:  # noqa: BLE001 - background work: logged, memory released, forgotten
+            log.warning("idle prefill failed: %s", type(exc).__name__)
+            engine.drop_deferred()
+            self.policy.after_failure()
+            return False
+        self.policy.after_success()
+        return more
 
     def _run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
         engine: TorchEngine = group.parts[0].job.payload.engine

@@ -122,6 +122,23 @@ def _cache_metrics(now: StatusSnapshot) -> Iterator[Metric]:
         "semif_state_cache_budget_bytes", "the state cache's byte budget", value=c.budget_bytes
     )
     yield GaugeMetricFamily("semif_state_cache_entries", "stored states", value=c.entries)
+    hits = CounterMetricFamily(
+        "semif_state_cache_kind_hits", "lookups found, by kind (state or question prefix)", labels=["kind"]
+    )
+    misses = CounterMetricFamily(
+        "semif_state_cache_kind_misses", "lookups not found, by kind (state or question)", labels=["kind"]
+    )
+    entries = GaugeMetricFamily("semif_state_cache_kind_entries", "stored prefixes, by kind", labels=["kind"])
+    for kind, stats in c.by_kind.items():
+        hits.add_metric([kind], stats.hits)
+        misses.add_metric([kind], stats.misses)
+        entries.add_metric([kind], stats.entries)
+    yield hits
+    yield misses
+    yield entries
+    yield GaugeMetricFamily(
+        "semif_state_cache_deferred_prefills", "states queued for idle prefill", value=now.deferred_prefills
+    )
 
 
 class Metrics:

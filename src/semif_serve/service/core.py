@@ -207,7 +207,7 @@ class RequestRecord:
     def of(cls, outcome: DecisionOutcome) -> RequestRecord:
         """The record of one answered call."""
         readouts = [r for q in outcome.questions for r in q.readouts]
-        timing = outcome.timing
+        timing = outcome.timing if outcome.shared else None  # a lone row logs as SemIf's plain forward
         return cls(
             rows=len(readouts),
             input_tokens=sum(r.input_tokens for r in readouts),

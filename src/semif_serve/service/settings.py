@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         ge=1,
         description="Tokens per prefill forward and suffix columns per suffix forward (bounds activations).",
     )
+    direct_path: Literal["reuse", "plain"] = Field(
+        "reuse",
+        description="A question asked once: reuse (from a cached state, else the plain forward and an "
+        "idle prefill) or plain (always SemIf's plain forward, for parity runs).",
+    )
     max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
     max_batch_tokens: int = Field(
         16_384, ge=1, description="Padded tokens (rows x widest row + prefix) of merged requests per forward."

@@ -71,7 +71,7 @@ class Service:
             engine = load_engine(settings)
         engine = engine.with_state_cache(
             StateCache(settings.state_cache_mib * MIB), settings.prefill_chunk_tokens
-        )
+        ).with_direct_path(settings.direct_path)
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
         worker = EngineWorker(policy, Bounds(settings.max_batch_rows, settings.max_batch_tokens))
         warm_up(engine, worker, settings.max_input_tokens)

@@ -41,6 +41,7 @@ class StatusSnapshot:
     prefill_chunk_tokens: int | None
     batches: BatchStats
     cache: CacheStats
+    deferred_prefills: int = 0  # states waiting for an idle prefill
 
     @property
     def status(self) -> str:
@@ -69,4 +70,5 @@ def take_snapshot(service: Service, admission: QueueState | None) -> StatusSnaps
         prefill_chunk_tokens=service.engine.prefill_chunk_tokens,
         batches=service.worker.batcher.stats(),
         cache=service.engine.cache.stats(),
+        deferred_prefills=service.engine.deferred_prefills,
     )

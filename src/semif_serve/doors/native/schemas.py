@@ -253,6 +253,19 @@ class SharedResponse(BaseModel):
     timing: TimingBody
 
 
+class StateCacheBody(BaseModel):
+    """`/health.state_cache`: the budget, the totals, and per tier (`state`, `question`)."""
+
+    budget_bytes: int
+    bytes: int
+    entries: int
+    hits: int
+    misses: int
+    evictions: int
+    by_kind: dict[str, dict[str, int]]  # {kind: {hits, misses, entries, bytes}}
+    deferred_prefills: int  # states of lone questions waiting for an idle prefill
+
+
 class HealthBody(BaseModel):
     """`GET /health`: pins, limits, workloads, queue, memory and readiness; no secrets."""
 
@@ -270,5 +283,5 @@ class HealthBody(BaseModel):
     queue: dict[str, int]
     memory: dict[str, int | None]
     batching: dict[str, int]
-    state_cache: dict[str, int]
+    state_cache: StateCacheBody
     weights: dict[str, Any]

@@ -302,7 +302,7 @@ def answer_body(kind: str, answer: QuestionOutcome) -> NoulAnswer | ChoiceAnswer
 
 def timing_block(outcome: DecisionOutcome) -> BatchTimingBlock:
     """`x_timing`: how the batch ran (prefill fresh, extended or cached; merging) and the engine's seconds."""
-    assert outcome.timing is not None  # System One always runs the shared path, which times its batch
+    assert outcome.timing is not None  # the runner times every request, a lone row's too
     return BatchTimingBlock(
         **outcome.timing.as_dict(),
         forward_seconds=outcome.forward_seconds,
@@ -473,7 +473,7 @@ class SystemOneDoor(DecisionDoor):
         return ModelList(models=[real, *aliases])
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
-        """`POST /v1/systemone`: every question (and ordering) over the state in one shared batch."""
+        """`POST /v1/systemone`: every question (and ordering) over the state in one batch."""
         content_type = request.headers.get("content-type")
         parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
         if parsed.assets:  # decoding images is CPU work: off the event loop
@@ -501,7 +501,8 @@ class SystemOneDoor(DecisionDoor):
         questions = await asyncio.to_thread(
             lambda: [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]
         )
-        outcome = await self.ask(request, parsed.state, questions, shared=True, limits=self.limits)
+        # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
+        outcome = await self.ask(request, parsed.state, questions, shared=False, limits=self.limits)
         answers = {
             qid: answer_body(parsed.questions[qid].type, answer)
             for qid, answer in zip(parsed.questions, outcome.questions, strict=True)

@@ -1,0 +1,418 @@
+"""Issue 21's measurements, side by side in one run: a lone question at the plain forward's cost,
+follow-ups from the cache on every door, what the cache keeps, and where the time goes.
+
+    uv run python bench/reuse.py            # the bench checkpoint (hidden 384, 8 layers, 248k vocab)
+    uv run python bench/reuse.py --quick    # fewer rounds
+    uv run python bench/reuse.py --tiny     # the test checkpoint (a smoke run)
+
+1. a lone question on a new ~2,000-token state (and on a short one), engine time: the reuse
+   path (`SEMIF_DIRECT_PATH=reuse`, the default) vs SemIf's plain forward (`plain`), and the
+   shared path's two forwards (prefill + suffix) on the same prompt, interleaved (goal <= 1.05x
+   the plain forward);
+2. the second question about a ~2,000-token state vs the first, end to end over HTTP (real
+   uvicorn on loopback), `/decide` and System One (goal >= 5x);
+3. 8 concurrent `/decide` clients about one new state vs one cold call (goal < 2x, one prefill);
+4. S states x Q questions (with orderings) in a random interleaving under a budget of S/2 states:
+   state hits vs an ideal LRU of states over the same sequence (goal >= 0.9 of it);
+5. the per-stage breakdown of a short noul and of 8 choices over a ~1,000-token state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+
+from acceptance.server import LoopbackServer  # noqa: E402
+from semif_serve.domain.types import PromptRow  # noqa: E402
+from semif_serve.engine.batching import Bounds, plan_groups  # noqa: E402
+from semif_serve.engine.state_cache import STATE, StateCache  # noqa: E402
+
+TOKEN = "bench-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SENTENCE = "The service returned errors for ten minutes after release {n}, then recovered in zone {z}. "
+OPTIONS = ({"id": "yes", "description": "It succeeded."}, {"id": "no", "description": "It failed."})
+
+
+def state_of(engine, tokens: int, tag: str) -> str:
+    """A new state (unique by `tag`) of about `tokens` prompt tokens."""
+    per = len(engine.codec.encode(SENTENCE.format(n=0, z=0)))
+    return f"[{tag}] " + "".join(SENTENCE.format(n=i, z=i % 5) for i in range(max(1, tokens // per)))
+
+
+def med_ms(values: list[float]) -> float:
+    return 1000 * statistics.median(values)
+
+
+# -- 1. a lone question -------------------------------------------------------------------------
+
+
+def lone_question(engine, tokens: int, rounds: int) -> dict[str, Any]:
+    """Engine seconds of one row on a new state: reuse vs plain vs the shared path's two forwards."""
+    import torch
+
+    reuse = engine.with_state_cache(StateCache(1 << 34), 2048).with_direct_path("reuse")
+    plain = engine.with_state_cache(StateCache(0), 2048).with_direct_path("plain")
+    shared = engine.with_state_cache(StateCache(0), 2048)
+    row = PromptRow("Did the deployment succeed?", ("It succeeded.", "It failed."))
+    seconds: dict[str, list[float]] = {"reuse": [], "plain": [], "shared": []}
+    diffs = []
+    for r in range(rounds + 1):
+        state = state_of(engine, tokens, f"lone {r}")
+        out = {}
+        for name, eng in (("plain", plain), ("reuse", reuse), ("shared", shared)):
+            readout = eng.score(state, [row], shared=name == "shared", max_input_tokens=8192)
+            out[name] = readout
+            if r:  # the first round warms up
+                seconds[name].append(readout.total_seconds)
+        reuse.drop_deferred()
+        a = torch.tensor(out["reuse"].rows[0].option_logits)
+        b = torch.tensor(out["plain"].rows[0].option_logits)
+        c = torch.tensor(out["shared"].rows[0].option_logits)
+        diffs.append(max((a - b).abs().max().item(), (c - b).abs().max().item()))
+        assert out["reuse"].rows[0].prompt_sha256 == out["plain"].rows[0].prompt_sha256
+    prompt_tokens = out["plain"].rows[0].input_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "reuse_ms": med_ms(seconds["reuse"]),
+        "plain_ms": med_ms(seconds["plain"]),
+        "shared_ms": med_ms(seconds["shared"]),
+        "reuse_vs_plain": statistics.median(seconds["reuse"]) / statistics.median(seconds["plain"]),
+        "shared_vs_plain": statistics.median(seconds["shared"]) / statistics.median(seconds["plain"]),
+        # The fastest run of each is the least disturbed by other processes on a shared CPU.
+        "fastest_reuse_vs_plain": min(seconds["reuse"]) / min(seconds["plain"]),
+        "fastest_shared_vs_plain": min(seconds["shared"]) / min(seconds["plain"]),
+        "max_abs_diff_vs_plain": max(diffs),
+    }
+
+
+# -- 2. and 3. over HTTP ------------------------------------------------------------------------
+
+
+def settle(client: httpx.Client) -> dict[str, Any]:
+    for _ in range(3000):
+        cache = client.get("/health").json()["state_cache"]
+        if cache["deferred_prefills"] == 0:
+            return cache
+        time.sleep(0.01)
+    raise RuntimeError("the idle prefill never finished")
+
+
+def timed_post(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    t0 = time.perf_counter()
+    response = client.post(path, json=body, headers=AUTH)
+    elapsed = time.perf_counter() - t0
+    response.raise_for_status()
+    return response.json(), elapsed
+
+
+def decide(state: str, question: str) -> dict[str, Any]:
+    return {"id": "d", "state": state, "question": question, "options": list(OPTIONS)}
+
+
+def systemone(state: str, question: str) -> dict[str, Any]:
+    noul = {"type": "noul", "instructions": question, "x_orderings": "none"}
+    return {"model": "jev-latest", "state": state, "questions": {"q": noul}}
+
+
+def follow_ups(client: httpx.Client, engine, tokens: int, rounds: int) -> dict[str, Any]:
+    """First vs second question about a new state, end to end, on both doors."""
+    out: dict[str, Any] = {}
+    doors = {"/decide": ("/decide", decide), "System One": ("/v1/systemone", systemone)}
+    for name, (path, body) in doors.items():
+        first, second = [], []
+        for r in range(rounds):
+            state = state_of(engine, tokens, f"{name} follow-up {r}")
+            _, t1 = timed_post(client, path, body(state, "Did the deployment succeed?"))
+            settle(client)
+            before = client.get("/health").json()["state_cache"]["by_kind"][STATE]["hits"]
+            _, t2 = timed_post(client, path, body(state, "Was the release rolled back?"))
+            after = client.get("/health").json()["state_cache"]["by_kind"][STATE]["hits"]
+            assert after == before + 1, "the follow-up must find its state"
+            first.append(t1)
+            second.append(t2)
+        out[name] = {
+            "first_ms": med_ms(first),
+            "second_ms": med_ms(second),
+            "ratio": statistics.median(first) / statistics.median(second),
+        }
+    return out
+
+
+def concurrent_eight(client: httpx.Client, url: str, engine, tokens: int, rounds: int) -> dict[str, Any]:
+    """8 concurrent /decide about one new state vs one cold /decide on another new state."""
+    cold, together, prefills = [], [], []
+    for r in range(rounds):
+        settle(client)
+        _, t = timed_post(client, "/decide", decide(state_of(engine, tokens, f"cold {r}"), "Did it succeed?"))
+        cold.append(t)
+        settle(client)
+        state = state_of(engine, tokens, f"eight {r}")
+        misses = client.get("/health").json()["state_cache"]["by_kind"][STATE]["misses"]
+        barrier = threading.Barrier(8)
+        errors: list[BaseException] = []
+
+        def one(
+            i: int, state: str = state, barrier: threading.Barrier = barrier, errors: list = errors
+        ) -> None:
+            with httpx.Client(base_url=url, timeout=600) as c:
+                barrier.wait()
+                try:
+                    timed_post(c, "/decide", decide(state, f"Did step {i} of the rollout succeed?"))
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        t0 = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        together.append(time.perf_counter() - t0)
+        if errors:
+            raise errors[0]
+        settle(client)
+        prefills.append(client.get("/health").json()["state_cache"]["by_kind"][STATE]["misses"] - misses)
+    return {
+        "cold_ms": med_ms(cold),
+        "eight_ms": med_ms(together),
+        "ratio": statistics.median(together) / statistics.median(cold),
+        "prefills": prefills,
+    }
+
+
+# -- 4. what the cache keeps --------------------------------------------------------------------
+
+
+def ideal_lru_hits(sequence: list[int], capacity: int) -> int:
+    """Hits of an LRU that holds `capacity` states and nothing else, over the same sequence."""
+    held: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for s in sequence:
+        if s in held:
+            hits += 1
+            held.move_to_end(s)
+        else:
+            held[s] = None
+            if len(held) > capacity:
+                held.popitem(last=False)
+    return hits
+
+
+def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int = 21) -> dict[str, Any]:
+    """S states x Q questions (rotations of 3 options), seeded random order, a budget of S/2 states."""
+    states = [state_of(engine, tokens, f"interleaved {s}") for s in range(n_states)]
+
+    def rows(q: int) -> list[PromptRow]:
+        opts = [f"Option {k} for question {q}." for k in range(3)]
+        return [PromptRow(f"Which option fits question {q}?", tuple(opts[k:] + opts[:k])) for k in range(3)]
+
+    probe = engine.with_state_cache(StateCache(1 << 34), 2048)
+    sizes = []
+    for state in states:
+        probe.cache.clear()
+        probe.score(state, rows(0)[:1], shared=True, max_input_tokens=8192)
+        sizes.append(probe.cache.stats().bytes)
+    capacity = n_states // 2
+    budget = capacity * max(sizes) + max(sizes) // 2
+    sequence = [s for s in range(n_states) for _ in range(n_questions)]
+    random.Random(seed).shuffle(sequence)
+    asked = [0] * n_states
+    cached = engine.with_state_cache(StateCache(budget), 2048)
+    for s in sequence:
+        cached.score(states[s], rows(asked[s]), shared=False, max_input_tokens=8192)
+        asked[s] += 1
+    stats = cached.cache.stats()
+    ideal = ideal_lru_hits(sequence, capacity)
+    return {
+        "requests": len(sequence),
+        "budget_states": capacity,
+        "state_hits": stats.by_kind[STATE].hits,
+        "ideal_lru_hits": ideal,
+        "ratio": stats.by_kind[STATE].hits / ideal if ideal else float("nan"),
+        "question_entries": stats.by_kind["question"].entries,
+        "evictions": stats.evictions,
+    }
+
+
+# -- 5. where the time goes ---------------------------------------------------------------------
+
+
+def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, float]:
+    """Median milliseconds per stage of one System One request on a new state, on this thread."""
+    from semif_serve.doors.systemone import api as s1
+    from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
+    from semif_serve.service.core import plan_rows, question_outcome
+
+    door = s1.SystemOneDoor(service)
+    engine, core = service.engine, service.core
+    limits = door.limits
+    per: dict[str, list[float]] = {}
+    for r in range(rounds + 1):
+        raw = json.dumps({**body, "state": f"[{tag} {r}] " + body["state"]}).encode()
+        marks = [("start", time.perf_counter())]
+        parsed = parse_request(raw, door.max_options)
+        questions = [s1.to_question(qid, q, door.policy) for qid, q in parsed.questions.items()]
+        marks.append(("parse", time.perf_counter()))
+        planned, rows = plan_rows(
+            questions, max_rows=limits.max_rows, max_options=limits.max_options, calibration=core.calibration
+        )
+        marks.append(("plan", time.perf_counter()))
+        prepared = engine.prepare(parsed.state, rows, shared=False, max_input_tokens=limits.max_input_tokens)
+        marks.append(("encode", time.perf_counter()))
+        job = prepared.job(r)
+        groups = plan_groups([job], Bounds())
+        marks.append(("batch plan", time.perf_counter()))
+        scored = []
+        runs = []
+        for group in groups:
+            result = engine.run_group(group)[job.id]
+            scored.extend(result)
+            runs.append(result[0].run)
+        marks.append(("forward", time.perf_counter()))
+        readout = engine.readout(prepared, scored)
+        outcomes = [question_outcome(p, readout, core.calibration) for p in planned]
+        marks.append(("readout", time.perf_counter()))
+        answers = {
+            qid: s1.answer_body(parsed.questions[qid].type, a)
+            for qid, a in zip(parsed.questions, outcomes, strict=True)
+        }
+        reply = SystemOneResponse(
+            model=door.model_name, answers=answers, usage=Usage(input_tokens=1, output_tokens=0)
+        )
+        json.dumps(reply.model_dump(mode="json", exclude_unset=True))
+        marks.append(("reply", time.perf_counter()))
+        engine.drop_deferred()
+        if not r:
+            continue
+        for (_, a), (name, b) in zip(marks, marks[1:], strict=False):
+            per.setdefault(name, []).append(b - a)
+        run = runs[0]
+        split = {
+            "  prefill": run.prefill_seconds,
+            "  fork": run.replicate_seconds,
+            "  suffix forward" if not run.direct else "  plain forward": run.suffix_forward_seconds,
+        }
+        for name, value in split.items():
+            per.setdefault(name, []).append(value)
+    return {name: med_ms(values) for name, values in per.items()} | {
+        "rows": len(rows),
+        "prompt_tokens": max(len(p.ids) for p in prepared.prompts),
+    }
+
+
+def breakdown(service, engine, rounds: int) -> dict[str, Any]:
+    noul = {
+        "model": "jev-latest",
+        "state": "Health checks passed in all three zones after the deploy.",
+        "questions": {
+            "ok": {"type": "noul", "instructions": "Did the deployment succeed?", "x_orderings": "none"}
+        },
+    }
+    eight = {
+        "model": "jev-latest",
+        "state": state_of(engine, 1000, "eight choices"),
+        "questions": {
+            f"c{i}": {
+                "type": "choice",
+                "instructions": f"Which team owns follow-up {i}?",
+                "criteria": {"platform": None, "payments": None, "search": None},
+                "x_orderings": "none",
+            }
+            for i in range(8)
+        },
+    }
+    return {
+        "short noul": stages(service, noul, rounds, "noul"),
+        "8 choices, ~1k-token state": stages(service, eight, rounds, "eight"),
+    }
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the test checkpoint instead of the bench one")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--only", default="lone,short,follow,eight,interleaved,stages")
+    args = parser.parse_args()
+    import torch
+
+    from semif_serve.app import create_app
+    from semif_serve.service.settings import Settings
+    from semif_serve.service.startup import Service
+    from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if args.tiny:
+        path = write_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
+    else:
+        from bench.run import bench_checkpoint
+
+        path = bench_checkpoint()
+    rounds = 2 if args.quick else 5
+    only = set(args.only.split(","))
+    settings = Settings(
+        model_path=path,
+        model_revision=DEMO_REVISION,
+        device="cpu",
+        api_token=TOKEN,
+        max_input_tokens=8192,
+    )
+    started = time.perf_counter()
+    load = os.getloadavg()[0]
+    service = Service.start(settings)
+    engine = service.engine
+    results: dict[str, Any] = {}
+    if "lone" in only:
+        results["lone"] = lone_question(engine, 2000, rounds)
+        print("lone", results["lone"], flush=True)
+    if "short" in only:
+        results["lone_short"] = lone_question(engine, 40, 3 * rounds)
+        print("lone short", results["lone_short"], flush=True)
+    if only & {"follow", "eight"}:
+        with (
+            LoopbackServer(create_app(service)) as server,
+            httpx.Client(base_url=server.url, timeout=600) as client,
+        ):
+            if "follow" in only:
+                results["follow"] = follow_ups(client, engine, 2000, max(2, rounds // 2 + 1))
+                print("follow", results["follow"], flush=True)
+            if "eight" in only:
+                results["eight"] = concurrent_eight(client, server.url, engine, 2000, max(2, rounds // 2 + 1))
+                print("eight", results["eight"], flush=True)
+    if "interleaved" in only:
+        results["interleaved"] = interleaved(engine, 6, 4, 300)
+        print("interleaved", results["interleaved"], flush=True)
+    if "stages" in only:
+        results["stages"] = breakdown(service, engine, rounds)
+        print("stages", json.dumps(results["stages"], indent=1), flush=True)
+    service.worker.shutdown()
+    print(
+        f"\nissue 21 bench: {'tiny' if args.tiny else 'bench'} checkpoint, fp32 CPU, torch "
+        f"{torch.__version__} ({torch.get_num_threads()} threads); {time.perf_counter() - started:.0f} s; "
+        f"load average before/after {load:.2f}/{os.getloadavg()[0]:.2f}"
+    )
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
