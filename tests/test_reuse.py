@@ -19,7 +19,7 @@ from conftest import TOKEN, make_settings
 from semif_serve.app import create_app
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.batching import Batcher, Bounds, Group, Job
-from semif_serve.engine.runner import DIRECT_READOUT, IDLE_PREFILL_TOKENS
+from semif_serve.engine.runner import DIRECT_MAX_TOKENS, DIRECT_READOUT, IDLE_PREFILL_TOKENS
 from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, prefill, state_digest
 from semif_serve.service.startup import Service
 
@@ -208,6 +208,31 @@ def test_system_one_asks_a_lone_question_like_decide_and_serves_its_follow_up_fr
         assert max(abs(a - b) for a, b in zip(semif["option_logits"].values(), logits, strict=True)) <= TOL
         assert semif["prompt_sha256"] == sha and semif["input_tokens"] == tokens
         assert reply["usage"]["input_tokens"] == tokens
+
+
+def test_a_lone_question_over_a_state_past_the_direct_bound_is_prefilled_in_chunks_not_one_forward(
+    fresh, engine
+):
+    state = " ".join(f"line {i}: zone {i % 7} healthy." for i in range(900))  # well past 4,096 tokens
+    assert len(engine.codec.encode(state)) > DIRECT_MAX_TOKENS
+    noul = {"type": "noul", "instructions": "Did the rollout succeed?", "x_orderings": "none"}
+
+    async def go():
+        async with client_of(fresh) as c:
+            body = {"model": "jev-latest", "state": state, "questions": {"a": noul}}
+            return await c.post("/v1/systemone", json=body, headers=AUTH)
+
+    reply = asyncio.run(go()).json()
+    assert reply["x_timing"]["prefill"] == "fresh"  # over its state, prefilled in chunks and kept
+    semif = reply["answers"]["a"]["x_semif"]
+    prompt = engine.codec.encode_prompt(
+        state, "Did the rollout succeed?", ("Yes, it is true.", "No, it is false."), 32768
+    )
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([prompt.ids]), use_cache=False).logits[0, -1].float()
+    plain = logits[torch.tensor(engine.codec.slots[:2])].tolist()
+    assert max(abs(a - b) for a, b in zip(semif["option_logits"].values(), plain, strict=True)) <= TOL
+    assert semif["input_tokens"] == len(prompt.ids)
 
 
 def test_the_plain_direct_path_setting_never_touches_the_cache(engine, checkpoint):

@@ -466,10 +466,11 @@ class TorchEngine:
 
     def _reuses(self, ids: tuple[int, ...], parts: Sequence[Part]) -> bool:
         """Whether rows over state `ids` run over the state: it is cached, several want it, or it
-        is longer than one prefill chunk (chunked like any prefill, never one unbounded forward)."""
+        is longer than DIRECT_MAX_TOKENS (prefilled in chunks like any state, never one unbounded
+        plain forward)."""
         if self.cache.has(ids):
             return True
-        if self.prefill_chunk_tokens is not None and len(ids) > self.prefill_chunk_tokens:
+        if len(ids) > DIRECT_MAX_TOKENS:
             return True
         if self.cache.budget_bytes == 0:
             return len(parts) > 1  # one prefill still serves them all, nothing to keep
@@ -594,6 +595,9 @@ class TorchEngine:
 
 
 PREFILL_STEP_CHUNKS = 1  # prefill chunks per engine step, between which other requests run
+# The longest state a lone row's plain forward covers: SemIf's own per-row limit (/decide's 4096);
+# System One's longer states are prefilled in chunks (two forwards cost about one at that length).
+DIRECT_MAX_TOKENS = 4096
 MAX_STEPPED = 1024
 PREFILL_KINDS = ("fresh", "extended", "cached")  # a request's `prefill`: the costliest of its groups'
 
