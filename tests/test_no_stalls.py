@@ -321,6 +321,14 @@ def test_the_early_row_count_is_the_number_of_rows_the_core_plans(service, quest
     assert rows_asked(json.loads(body), door.policy) == len(rows)
 
 
+@pytest.mark.parametrize("orderings", [[None], {"mode": "all"}, 7, "sideways"])
+def test_the_early_row_count_leaves_a_malformed_orderings_to_validation_a_422_not_a_500(app, orderings):
+    body = {"model": "jev-latest", "state": "s", "questions": {"q": {**NOUL, "x_orderings": orderings}}}
+    reply = asgi_post(app, "/v1/systemone", json.dumps(body).encode())
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["detail"][0]["loc"][:3] == ["body", "questions", "q"]
+
+
 def asgi_post(app, path: str, body: bytes):
     import asyncio
 

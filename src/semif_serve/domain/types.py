@@ -115,7 +115,8 @@ class DecisionOutcome:
     shared: bool
     forward_seconds: float
     total_seconds: float
-    timing: BatchTiming | None
+    timing: BatchTiming | None  # the shared path's batch
+    lone_timing: BatchTiming | None = None  # how a lone row ran (plain forward, or over a state)
 
 
 # -- errors -----------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ class Readout:
     shared: bool
     forward_seconds: float
     total_seconds: float
-    timing: BatchTiming  # a lone row's too: `prefill` says whether it ran over a state
+    timing: BatchTiming | None  # None on the direct path
+    lone_timing: BatchTiming | None = None  # a lone row's run: `prefill` says whether it ran over a state
 
 
 @dataclass(frozen=True)
@@ -395,8 +396,9 @@ class TorchEngine:
             prefill=next((k for k in PREFILL_KINDS if k in prefills), "none"),
             prefill_shared=any(r.requests > 1 for r in runs) and n_prefix > 0,
         )
-        # A lone row keeps SemIf's direct readout label whichever way it ran; its timing says how.
-        return Readout(readouts, not prepared.direct, forward_seconds, total, timing)
+        if prepared.direct:  # SemIf's direct readout whichever way it ran; `lone_timing` says how
+            return Readout(readouts, False, forward_seconds, total, None, lone_timing=timing)
+        return Readout(readouts, True, forward_seconds, total, timing)
 
     def _prefill_step(self, prefix: list[int], state_tokens: int) -> bool:
         """Prefill one step of a long `prefix` into the state cache; False when what is left

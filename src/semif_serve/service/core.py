@@ -174,6 +174,7 @@ class DecisionCore:
             forward_seconds=readout.forward_seconds,
             total_seconds=readout.total_seconds,
             timing=readout.timing,
+            lone_timing=readout.lone_timing,
         )
 
 
@@ -207,7 +208,7 @@ class RequestRecord:
     def of(cls, outcome: DecisionOutcome) -> RequestRecord:
         """The record of one answered call."""
         readouts = [r for q in outcome.questions for r in q.readouts]
-        timing = outcome.timing if outcome.shared else None  # a lone row logs as SemIf's plain forward
+        timing = outcome.timing
         return cls(
             rows=len(readouts),
             input_tokens=sum(r.input_tokens for r in readouts),

@@ -235,7 +235,7 @@ class NativeDoor(DecisionDoor):
             request, decision.state, [to_question(decision)], shared=False, limits=self.limits
         )
         result = decision_result(outcome.questions[0], outcome, self.service.core.model_info)
-        if outcome.shared and outcome.timing is not None:  # SemIf's plain result dict for a lone row
+        if outcome.timing is not None:
             result.timing = timing_body(outcome.timing)
         return result
 

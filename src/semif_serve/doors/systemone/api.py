@@ -213,7 +213,10 @@ def rows_asked(data: dict[str, Any], policy: Policy) -> int:
         criteria = question.get("criteria")
         n = 2 if kind == "noul" else len(criteria) if isinstance(criteria, (dict, list)) else 0
         mode = question.get("x_orderings") or policy.orderings[kind]
-        if mode not in CORE_ORDERINGS or (mode == "all" and n > MAX_ALL_OPTIONS) or n < 2:
+        if not isinstance(mode, str) or mode not in CORE_ORDERINGS or n < 2:
+            rows += 1
+            continue
+        if mode == "all" and n > MAX_ALL_OPTIONS:
             rows += 1
             continue
         rows += order_count(n, CORE_ORDERINGS[mode])
@@ -302,9 +305,10 @@ def answer_body(kind: str, answer: QuestionOutcome) -> NoulAnswer | ChoiceAnswer
 
 def timing_block(outcome: DecisionOutcome) -> BatchTimingBlock:
     """`x_timing`: how the batch ran (prefill fresh, extended or cached; merging) and the engine's seconds."""
-    assert outcome.timing is not None  # the runner times every request, a lone row's too
+    timing = outcome.timing or outcome.lone_timing
+    assert timing is not None  # the runner times every request: the shared batch, or the lone row
     return BatchTimingBlock(
-        **outcome.timing.as_dict(),
+        **timing.as_dict(),
         forward_seconds=outcome.forward_seconds,
         total_seconds=outcome.total_seconds,
     )
