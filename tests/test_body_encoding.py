@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import TOKEN, decision, make_settings
 from test_admission import Exchange, scope
-from test_hardening import read_response
+from test_hardening import read_response, wait_until
 
 from acceptance.server import LoopbackServer, read_rss, reset_peak_rss
 from semif_serve.app import create_app
@@ -316,4 +316,5 @@ def test_a_compressed_body_that_stops_arriving_still_gets_408(engine, checkpoint
             status, _, body = read_response(sock)
         assert status == 408
         assert json.loads(body)["error"]["code"] == "body_timeout"
-        assert app.admission.in_progress == 0
+        # The slot is freed just after the last byte is sent: give the server's loop that moment.
+        assert wait_until(lambda: app.admission.in_progress == 0, 2.0)
