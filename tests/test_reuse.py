@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 from conftest import TOKEN, make_settings
+from test_merging import EngineGate
 
 from semif_serve.app import create_app
 from semif_serve.domain.types import PromptRow
@@ -93,20 +94,6 @@ def test_a_second_decide_about_a_state_skips_its_prefill_and_both_equal_the_plai
     for reply in (first.json(), second.json()):  # /decide's reply is the same whichever way it ran
         assert reply["readout"] == DIRECT_READOUT and "timing" not in reply
         assert "serving_config" not in reply["model"]
-
-
-class EngineGate:
-    """Holds the engine thread inside the batcher until opened, so queued calls meet in one take."""
-
-    def __init__(self) -> None:
-        self.engine = self
-        self.started = threading.Event()
-        self.opened = threading.Event()
-
-    def run_group(self, group):
-        self.started.set()
-        self.opened.wait(30)
-        return {p.job.id: [None] for p in group.parts}
 
 
 def test_eight_concurrent_decides_about_one_new_state_share_one_prefill_and_each_equals_the_plain_forward(
