@@ -210,7 +210,8 @@ def test_an_out_of_memory_forward_gets_503_returns_to_baseline_and_the_next_requ
     assert memory.reserved == baseline
     answered = post(app, "/decide", decision())
     assert answered.status_code == 200
-    assert memory.reserved <= baseline + service.worker.policy.margin_bytes
+    # The answer may leave its state queued for an idle prefill, which the cache's budget covers.
+    assert memory.reserved <= service.worker.policy.baseline_bytes + service.worker.policy.margin_bytes
 
 
 def test_a_burst_that_grows_past_the_margin_is_given_back(engine, checkpoint):
