@@ -23,7 +23,7 @@ from semif_serve.domain.prompt import PROMPT_VERSION
 from semif_serve.doors.base import DecisionDoor, door_of
 from semif_serve.doors.native.api import NativeDoor
 from semif_serve.doors.native.schemas import MAX_OPTIONS, ErrorEnvelope, HealthBody
-from semif_serve.doors.systemone.api import READS_IMAGES, SystemOneDoor
+from semif_serve.doors.systemone.api import SystemOneDoor
 from semif_serve.doors.systemone.schemas import MAX_OPTIONS as SYSTEMONE_MAX_OPTIONS
 from semif_serve.http.admission import Admission, ASGIApp
 from semif_serve.http.auth import Authenticator
@@ -68,7 +68,7 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
         "demo": service.demo,
         "limits": limits,
         "images": {
-            "reads_images": READS_IMAGES,
+            "reads_images": service.core.reads_images,
             "max_images": settings.systemone_max_images,
             "max_image_pixels": settings.systemone_max_image_pixels,
             "max_image_bytes": settings.systemone_max_image_bytes,

@@ -13,8 +13,10 @@ the ids of the rest. Otherwise every prompt is encoded whole, as before.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,17 @@ SYSTEM_PROMPT = (
 )
 NATIVE_ALPHABET_SIZE = len(NATIVE_CODES)  # the native door's option limit
 LETTERS = NATIVE_CODES
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """What one image placeholder becomes in a prompt's ids: the vision start token, one id per
+    image token (the same negative id throughout, derived from the image's digest, so that two
+    images never share a prefix key), the vision end token."""
+
+    placeholder: str  # as the request's strings hold it
+    token_ids: tuple[int, ...]
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,19 @@ class PromptCodec:
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._boundary_tokens = [t.content for t in added.values() if not getattr(t, "rstrip", False)]
         self._splits_after_state: bool | None = None
+        self._spans: dict[str, ImageSpan] = {}  # placeholder as rendered in JSON -> its image
+        self._span_pattern: re.Pattern[str] | None = None
+
+    def with_images(self, spans: Sequence[ImageSpan]) -> PromptCodec:
+        """This codec for one request's images: every placeholder (as the rendered JSON shows it)
+        is encoded as its image's span, and each prompt's SHA-256 covers the images it shows.
+        Shares the tokenizer checks already made."""
+        _ = self.splits_after_state  # probed once, on the shared codec
+        view = copy.copy(self)
+        view._spans = {json.dumps(s.placeholder, ensure_ascii=False)[1:-1]: s for s in spans}
+        alternatives = sorted(view._spans, key=len, reverse=True)  # a longer placeholder wins
+        view._span_pattern = re.compile("|".join(re.escape(a) for a in alternatives)) if spans else None
+        return view
 
     @property
     def capacity(self) -> int:
@@ -213,8 +239,27 @@ class PromptCodec:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids without special tokens added, as SemIf encodes."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids without special tokens added, as SemIf encodes; an image placeholder becomes
+        its span (the tokenizer splits at special tokens before anything else, so this equals
+        encoding the text with the image's vision tokens written in)."""
+        if self._span_pattern is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        at = 0
+        for match in self._span_pattern.finditer(text):
+            ids += self.tokenizer.encode(text[at : match.start()], add_special_tokens=False)
+            ids += self._spans[match[0]].token_ids
+            at = match.end()
+        return ids + list(self.tokenizer.encode(text[at:], add_special_tokens=False))
+
+    def digest(self, text: str) -> str:
+        """A prompt's `prompt_sha256`: of its UTF-8 text, then of each image's SHA-256 (hex) in the
+        order the text shows them (two prompts that differ only in an image differ here)."""
+        h = hashlib.sha256(text.encode("utf-8"))
+        if self._span_pattern is not None:
+            for match in self._span_pattern.finditer(text):
+                h.update(self._spans[match[0]].sha256.encode("ascii"))
+        return h.hexdigest()
 
     def encode_prompt(
         self, state: Any, question: str, descriptions: Sequence[str], max_input_tokens: int
@@ -240,7 +285,7 @@ class PromptCodec:
         broken = self._first_broken_code(text, ids, len(descriptions), head_chars)
         if broken is not None:
             raise AnswerBoundary(self.codes[broken], broken)
-        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        digest = self.digest(text)
         user_offset = text.index(USER_OPENING)  # the system turn before it is fixed text
         return EncodedPrompt(text, ids, digest, user_offset, head_chars, head_tokens)
 

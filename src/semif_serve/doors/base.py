@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
+from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.types import DecisionError, DecisionOutcome, Question
 from semif_serve.http.errors import ServiceError, internal
 from semif_serve.service.core import RequestRecord
@@ -155,7 +156,14 @@ class DecisionDoor(ABC):
         """The door's answer to a domain error under its rule (`ids`: the questions, in order)."""
 
     async def ask(
-        self, request: Request, state: Any, questions: Sequence[Question], *, shared: bool, limits: Limits
+        self,
+        request: Request,
+        state: Any,
+        questions: Sequence[Question],
+        *,
+        shared: bool,
+        limits: Limits,
+        images: Sequence[ImageAsset] = (),
     ) -> DecisionOutcome:
         """Ask the core, record the call for the log line and the metrics, and turn a domain
         error into the door's refusal through its table."""
@@ -168,6 +176,7 @@ class DecisionDoor(ABC):
                 max_options=limits.max_options,
                 max_rows=limits.max_rows,
                 max_request_tokens=limits.max_request_tokens,
+                images=images,
             )
         except DecisionError as exc:
             rule = rule_for(self.errors, exc)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from semif_serve.domain.prompt import PromptCodec
 from semif_serve.domain.types import ConfigurationError
 from semif_serve.engine.memory import CudaMemory, DeviceMemory, HostMemory
+from semif_serve.engine.vision import VisionTower, has_vision_tower
 
 log = logging.getLogger("semif_serve.engine")
 
@@ -69,11 +70,12 @@ class ModelIdentity:
 class LoadedModel:
     """A checkpoint on its device: the model, its prompt codec, identity and memory view."""
 
-    model: Any
+    model: Any  # the text model (for a vision-language checkpoint: a view of its text side)
     codec: PromptCodec
     identity: ModelIdentity
     memory: DeviceMemory
     skipped_tensors: int
+    vision: VisionTower | None = None  # the checkpoint's vision tower, where it has one
 
 
 def checkpoint_tensor_names(directory: Path) -> list[str]:
@@ -91,13 +93,21 @@ def load_model(spec: CheckpointSpec, memory: DeviceMemory | None = None) -> Load
     """Load a local Qwen3.5 checkpoint; refuse anything that cannot be served faithfully.
 
     Never downloads. Checks the architecture and the device; refuses missing or mismatched
-    weights and loader errors; skips the multimodal checkpoint's unused vision and MTP
-    weights (logged once). A checkpoint with DEMO.json is a demo model whatever the spec
+    weights and loader errors. A checkpoint with a vision tower loads as the vision-language
+    class (`Qwen3_5ForConditionalGeneration`), its text side serving every text row exactly as
+    the text class would; one without loads the text class. Unused (MTP) weights are skipped
+    (logged once). A checkpoint with DEMO.json is a demo model whatever the spec
     says. The tokenizer's answer codes are computed here; the first 16 are always A..P, so
     native prompts never change.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+    )
 
     directory = spec.directory
     if memory is None:
@@ -109,7 +119,10 @@ def load_model(spec: CheckpointSpec, memory: DeviceMemory | None = None) -> Load
     except Exception as exc:
         raise CheckpointError(f"cannot read {directory}/config.json: {exc}") from None
     model_cls: Any
-    if config.model_type in QWEN35_MODEL_TYPES:
+    multimodal = config.model_type in QWEN35_MODEL_TYPES and has_vision_tower(config)
+    if multimodal:
+        model_cls, model_config = Qwen3_5ForConditionalGeneration, config
+    elif config.model_type in QWEN35_MODEL_TYPES:
         model_cls, model_config = Qwen3_5ForCausalLM, config.get_text_config()
     elif spec.allow_any_architecture:
         model_cls, model_config = AutoModelForCausalLM, config
@@ -139,10 +152,14 @@ def load_model(spec: CheckpointSpec, memory: DeviceMemory | None = None) -> Load
     used = sum(1 for _ in model.named_parameters())
     skipped = max(0, len(checkpoint_tensor_names(directory)) - used)
     if skipped:
-        log.info("skipped %d checkpoint tensors the text model does not use", skipped)
+        log.info("skipped %d checkpoint tensors the model does not use", skipped)
     model.to(spec.device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    vision = None
+    if multimodal:
+        vision = VisionTower(model, tokenizer)
+        model = text_side(model, Qwen3_5ForCausalLM)
     identity = ModelIdentity(
         source=spec.source,
         revision=spec.revision,
@@ -150,7 +167,19 @@ def load_model(spec: CheckpointSpec, memory: DeviceMemory | None = None) -> Load
         device=spec.device,
         demo=spec.demo or (directory / "DEMO.json").exists(),
     )
-    return LoadedModel(model, PromptCodec(tokenizer), identity, memory, skipped)
+    return LoadedModel(model, PromptCodec(tokenizer), identity, memory, skipped, vision)
+
+
+def text_side(model: Any, text_class: Any) -> Any:
+    """The text class over a vision-language model's own language model and head (no copy):
+    text rows run through exactly the modules the full model would use."""
+    import torch
+
+    with torch.device("meta"):
+        text = text_class(model.config.get_text_config())
+    text.model = model.model.language_model
+    text.lm_head = model.lm_head
+    return text.eval()
 
 
 def device_memory(spec: CheckpointSpec, torch: Any) -> DeviceMemory:

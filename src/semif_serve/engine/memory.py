@@ -196,6 +196,7 @@ class MemoryEstimate:
             4 * config.hidden_size + 3 * config.intermediate_size + 2 * conv_dim
         )
         self.logits_per_row = config.vocab_size * (element_bytes + 4)
+        self.element_bytes = element_bytes
 
     def row_bytes(self, prefix_tokens: int, width: int, chunk_tokens: int | None = None) -> int:
         """Estimated bytes one more row adds to a suffix forward (run `chunk_tokens` columns at

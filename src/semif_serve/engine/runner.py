@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
 from semif_serve.domain.types import BatchTiming, PromptRow, TooLargeForMemory
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part
@@ -35,6 +36,7 @@ from semif_serve.engine.state_cache import (
     prefill,
     prefix_digest,
 )
+from semif_serve.engine.vision import ImageSet, VisionTower, has_image_tokens
 
 log = logging.getLogger("semif_serve.engine")
 
@@ -88,6 +90,7 @@ class PreparedRows:
     encode_seconds: float
     state_ids: tuple[int, ...] = ()  # the question-independent state prefix (a lone row's state)
     demand_key: str | None = None  # the raw state's digest (`state_digest`), set by the worker
+    images: ImageSet | None = None  # the images its rows show (None: text only)
 
     def job(self, job_id: Hashable) -> Job:
         """The batching job for these rows (rows sized after the prefix)."""
@@ -145,6 +148,7 @@ class TorchEngine:
         cache: StateCache | None = None,
         prefill_chunk_tokens: int | None = None,
         direct_path: str = "reuse",
+        vision: VisionTower | None = None,
     ) -> None:
         import torch
 
@@ -161,6 +165,7 @@ class TorchEngine:
         if direct_path not in DIRECT_PATHS:
             raise ValueError(f"direct_path must be one of {DIRECT_PATHS}")
         self.direct_path = direct_path
+        self.vision = vision
         self._deferred: OrderedDict[str, _DeferredFill] = OrderedDict()  # engine thread only
         self.device = torch.device(identity.device)
         self.slot_ids = torch.tensor(codec.slots, device=self.device)
@@ -173,12 +178,17 @@ class TorchEngine:
     @classmethod
     def over(cls, loaded: LoadedModel) -> TorchEngine:
         """An engine over a loaded checkpoint (no state cache until startup gives it one)."""
-        return cls(loaded.model, loaded.codec, loaded.identity, loaded.memory)
+        return cls(loaded.model, loaded.codec, loaded.identity, loaded.memory, vision=loaded.vision)
 
     @property
     def capacity(self) -> int:
         """How many answer codes the loaded tokenizer can read (System One's option cap)."""
         return self.codec.capacity
+
+    @property
+    def reads_images(self) -> bool:
+        """Whether the loaded model has a vision tower (requests may show it images)."""
+        return self.vision is not None
 
     def with_memory(self, memory: DeviceMemory, headroom_bytes: int | None = None) -> TorchEngine:
         """The same weights, codec and state cache on another memory view and headroom (a new engine)."""
@@ -191,6 +201,7 @@ class TorchEngine:
             self.cache,
             self.prefill_chunk_tokens,
             self.direct_path,
+            self.vision,
         )
 
     def with_state_cache(self, cache: StateCache, prefill_chunk_tokens: int | None) -> TorchEngine:
@@ -204,6 +215,7 @@ class TorchEngine:
             cache,
             prefill_chunk_tokens,
             self.direct_path,
+            self.vision,
         )
 
     def with_direct_path(self, direct_path: str) -> TorchEngine:
@@ -217,6 +229,7 @@ class TorchEngine:
             self.cache,
             self.prefill_chunk_tokens,
             direct_path,
+            self.vision,
         )
 
     # -- reading ------------------------------------------------------------------------------
@@ -229,6 +242,7 @@ class TorchEngine:
         shared: bool,
         max_input_tokens: int,
         max_request_tokens: int | None = None,
+        images: Sequence[ImageAsset] = (),
     ) -> Readout:
         """Read rows over one state, alone. `shared=False` with one row runs SemIf's plain
         forward; otherwise the state prefix is prefilled once (or found in the state cache)
@@ -244,6 +258,7 @@ class TorchEngine:
             shared=shared,
             max_input_tokens=max_input_tokens,
             max_request_tokens=max_request_tokens,
+            images=images,
         )
         job = prepared.job(0)
         group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
@@ -259,20 +274,33 @@ class TorchEngine:
         shared: bool,
         max_input_tokens: int,
         max_request_tokens: int | None = None,
+        images: Sequence[ImageAsset] = (),
     ) -> PreparedRows:
         """Encode (the state once) and check one request's rows and find what they share; refuses
         (TooManyTokens, for a row or past `max_request_tokens` for the request; AnswerBoundary,
-        TooLargeForMemory; with `row` set) before anything runs."""
+        TooLargeForMemory; with `row` set) before anything runs.
+
+        `images` (the request's, each with its placeholder) are preprocessed here and every
+        placeholder becomes its image's tokens; they need a model that reads images
+        (`reads_images`), which the door checks first."""
         started = time.perf_counter()
-        prompts = self.codec.encode_prompts(state, rows, max_input_tokens, max_request_tokens)
+        image_set = None
+        codec = self.codec
+        if images:
+            if self.vision is None:
+                raise ValueError("images for a model without a vision tower")
+            image_set = self.vision.prepare(images)
+            self._tower_fits(image_set)
+            codec = codec.with_images(image_set.spans)
+        prompts = codec.encode_prompts(state, rows, max_input_tokens, max_request_tokens)
         direct = not shared and len(rows) == 1
         prefix: list[int] = []
         state_tokens = 0
         state_ids: tuple[int, ...] = ()
         if direct and self.direct_path == "reuse":
-            state_ids = tuple(shared_token_prefix(self.codec.state_prefix(state, prompts[0]), prompts))
+            state_ids = tuple(shared_token_prefix(codec.state_prefix(state, prompts[0]), prompts))
         if not direct:
-            state_prefix = self.codec.state_prefix(state, prompts[0])
+            state_prefix = codec.state_prefix(state, prompts[0])
             prefix = shared_token_prefix(state_prefix, prompts)
             state_tokens = min(len(state_prefix), len(prefix))
             widest = max(range(len(prompts)), key=lambda i: len(prompts[i].ids))
@@ -286,6 +314,7 @@ class TorchEngine:
             direct=direct,
             encode_seconds=time.perf_counter() - started,
             state_ids=state_ids,
+            images=image_set,
         )
 
     def run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]] | Any:
@@ -307,16 +336,17 @@ class TorchEngine:
         call prefills one step, keeps it in the state cache and returns UNFINISHED, so the
         batcher can run other requests' groups before the next step (the cache must be on)."""
         parts = group.parts
+        images = ImageSet.union([p.job.payload.images for p in parts])
         if len(parts) == 1 and parts[0].job.payload.direct:
             prepared = parts[0].job.payload
-            (logits, probs), seconds = self._direct(prepared.prompts[0].ids, prepared.n_options[0])
+            (logits, probs), seconds = self._direct(prepared.prompts[0].ids, prepared.n_options[0], images)
             run = GroupRun(0, "none", 0.0, 0.0, seconds, 1, 1, 1, len(prepared.prompts[0].ids), True)
             return {parts[0].job.id: [ScoredRow(logits, probs, run)]}
         first: PreparedRows = parts[0].job.payload
         prefix = first.prefix if group.prefix_key is not None else []
-        if self._prefill_step(prefix, first.state_tokens):
+        if self._prefill_step(prefix, first.state_tokens, images):
             return UNFINISHED
-        stored, how, prefill_seconds = self._state(prefix, first.state_tokens)
+        stored, how, prefill_seconds = self._state(prefix, first.state_tokens, images)
         rows = [
             (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i])
             for p in parts
@@ -342,6 +372,8 @@ class TorchEngine:
                     [s for s, _ in chunk],
                     self.pad_id,
                     self.prefill_chunk_tokens,
+                    images,
+                    prefix,
                 )
                 del cache
                 readouts.extend(self._readout(logits[i], n) for i, (_, n) in enumerate(chunk))
@@ -400,7 +432,7 @@ class TorchEngine:
             return Readout(readouts, False, forward_seconds, total, None, lone_timing=timing)
         return Readout(readouts, True, forward_seconds, total, timing)
 
-    def _prefill_step(self, prefix: list[int], state_tokens: int) -> bool:
+    def _prefill_step(self, prefix: list[int], state_tokens: int, images: ImageSet | None = None) -> bool:
         """Prefill one step of a long `prefix` into the state cache; False when what is left
         fits in one step (or the cache cannot keep a step), so `_state` finishes it now."""
         if not prefix or not self.prefill_chunk_tokens or self.cache.holds(prefix):
@@ -416,7 +448,7 @@ class TorchEngine:
         boundary = state_tokens if done < state_tokens else len(prefix)
         target = min(boundary, done + step)
         t0 = time.perf_counter()
-        stored = self._prefill(prefix[:target], start, STATE if target <= state_tokens else QUESTION)
+        stored = self._prefill(prefix[:target], start, STATE if target <= state_tokens else QUESTION, images)
         self.memory.synchronize()
         if not self.cache.holds(stored.ids):
             return False
@@ -474,6 +506,8 @@ class TorchEngine:
             return True
         if len(ids) > DIRECT_MAX_TOKENS:
             return True
+        if self.cache.budget_bytes and has_image_tokens(ids):
+            return True  # kept now: an idle prefill later would have to run the tower again
         if self.cache.budget_bytes == 0:
             return len(parts) > 1  # one prefill still serves them all, nothing to keep
         wanted = max(self.cache.demand.count(p.job.payload.demand_key) for p in parts)
@@ -481,7 +515,7 @@ class TorchEngine:
 
     def _defer_prefill(self, ids: tuple[int, ...]) -> None:
         """Queue a state for an idle prefill (newest first; the oldest dropped past MAX_DEFERRED)."""
-        if not ids or self.cache.budget_bytes == 0 or self.cache.has(ids):
+        if not ids or self.cache.budget_bytes == 0 or self.cache.has(ids) or has_image_tokens(ids):
             return
         key = prefix_digest(ids)
         self._deferred.pop(key, None)
@@ -518,7 +552,9 @@ class TorchEngine:
         """Forget every deferred prefill (after a failure: memory comes first)."""
         self._deferred.clear()
 
-    def _state(self, prefix: list[int], state_tokens: int) -> tuple[StoredState | None, str, float]:
+    def _state(
+        self, prefix: list[int], state_tokens: int, images: ImageSet | None = None
+    ) -> tuple[StoredState | None, str, float]:
         """The state over exactly `prefix`: from the cache, extended from a cached shorter one,
         or prefilled (in chunks). A prefix longer than the state prefix (it covers a question)
         starts from the state prefix, looked up (and stored when fresh) on its own, so that
@@ -539,7 +575,7 @@ class TorchEngine:
             if start is None:
                 state = prefix[:state_tokens]
                 superseded = self.cache.longest_prefix(state)
-                start = self._prefill(state, superseded, STATE)
+                start = self._prefill(state, superseded, STATE, images)
         else:
             start = self.cache.longest_prefix(prefix)
             how = "extended" if start is not None and stepped is None else "fresh"
@@ -547,16 +583,17 @@ class TorchEngine:
             longer = self.cache.longest_prefix(prefix)
             if longer is not None and (start is None or len(longer) > len(start)):
                 superseded, start = start, longer
-        stored = self._prefill(prefix, start, kind)
+        stored = self._prefill(prefix, start, kind, images)
         self.memory.synchronize()
         for slice_ in (superseded, start if stepped is not None else None):
             self._drop_slice(slice_, state_tokens)
         return stored, how, time.perf_counter() - t0 + (stepped or 0.0)
 
-    def _prefill(self, ids: list[int], start: StoredState | None, kind: str = STATE) -> StoredState:
-        return self.cache.put(
-            ids, prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens), kind
-        )
+    def _prefill(
+        self, ids: list[int], start: StoredState | None, kind: str = STATE, images: ImageSet | None = None
+    ) -> StoredState:
+        cache = prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens, images=images)
+        return self.cache.put(ids, cache, kind)
 
     def _rows_per_forward(self, n_prefix: int, width: int) -> int | None:
         """Rows per suffix forward under the headroom (None: no limit); at least one."""
@@ -584,14 +621,29 @@ class TorchEngine:
         option = last_logits[self.slot_ids[:n_options]].float()  # the slots alone, not the vocabulary
         return option.tolist(), self.torch.softmax(option, dim=-1).tolist()
 
-    def _direct(self, ids: list[int], n_options: int) -> tuple[tuple[list[float], list[float]], float]:
+    def _tower_fits(self, images: ImageSet) -> None:
+        """Refuse images whose largest needs more memory in the tower than the headroom has."""
+        if self.headroom_bytes is None or self.vision is None:
+            return
+        need = self.vision.activation_bytes(self.vision.patches(list(images.images.values())), self.estimate)
+        if need > self.headroom_bytes:
+            raise TooLargeForMemory(need, self.headroom_bytes)
+
+    def _direct(
+        self, ids: list[int], n_options: int, images: ImageSet | None = None
+    ) -> tuple[tuple[list[float], list[float]], float]:
         torch = self.torch
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device), use_cache=False, logits_to_keep=1
-            )
-            readout = self._readout(out.logits[0, -1], n_options)
+            if images is not None and has_image_tokens(ids):  # embeddings and 3-D positions
+                last = logits_over(
+                    self.model, None, 0, [ids], self.pad_id, self.prefill_chunk_tokens, images
+                )[0]
+            else:
+                last = self.model(
+                    input_ids=torch.tensor([ids], device=self.device), use_cache=False, logits_to_keep=1
+                ).logits[0, -1]
+            readout = self._readout(last, n_options)
         self.memory.synchronize()
         return readout, time.perf_counter() - t0
 

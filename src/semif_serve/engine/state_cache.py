@@ -27,7 +27,20 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class RowImages(Protocol):
+    """What a forward over rows with image tokens needs (engine.vision.ImageSet provides it)."""
+
+    def positions(self, ids: Sequence[int]) -> Any:
+        """The 3-D rotary positions `[3, len(ids)]` of a row from position 0."""
+        ...
+
+    def embeddings(self, embed: Any, ids: Sequence[int], start: int, stop: int) -> Any:
+        """The input embeddings `[stop - start, hidden]` of `ids[start:stop]`."""
+        ...
+
 
 # Per-layer tensor dicts of a linear-attention cache layer, written in place by the forward.
 _LINEAR_STATE_DICTS = ("conv_states", "recurrent_states")
@@ -41,12 +54,16 @@ def prefix_digest(ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def state_digest(state: Any) -> str:
-    """A digest of a request's raw state as the prompt renders it (JSON, keys in their order):
-    equal digests render the same state prefix, so requests in flight can be matched before
-    they are encoded. Only ever steers which path runs, never what a row computes."""
+def state_digest(state: Any, images: Sequence[str] = ()) -> str:
+    """A digest of a request's raw state as the prompt renders it (JSON, keys in their order)
+    and of its images' SHA-256s: equal digests render the same state prefix, so requests in
+    flight can be matched before they are encoded. Only ever steers which path runs, never
+    what a row computes."""
     text = json.dumps(state, ensure_ascii=False)
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16)
+    for sha in images:
+        h.update(sha.encode("ascii"))
+    return h.hexdigest()
 
 
 def state_bytes(cache: Any) -> int:
@@ -325,11 +342,18 @@ class StateCache:
 
 
 def prefill(
-    model: Any, ids: Sequence[int], start: StoredState | None = None, chunk_tokens: int | None = None
+    model: Any,
+    ids: Sequence[int],
+    start: StoredState | None = None,
+    chunk_tokens: int | None = None,
+    images: RowImages | None = None,
 ):
     """The one-row cache after `ids`, continuing from `start` (a state over a prefix of `ids`)
     and feeding the remaining tokens in chunks of at most `chunk_tokens` (bounds activation
-    memory on long states; None: one chunk). Returns a fresh cache, ready for `StateCache.put`."""
+    memory on long states; None: one chunk). Returns a fresh cache, ready for `StateCache.put`.
+
+    `ids` holding image tokens need `images`: those chunks are fed as embeddings (the images'
+    features in place) at the model's 3-D positions; a chunk may split an image."""
     import torch
     from transformers import DynamicCache
 
@@ -348,17 +372,24 @@ def prefill(
     step = chunk_tokens or len(ids)
     if step < 1:
         raise ValueError("chunk_tokens must be >= 1")
+    multimodal = images is not None and any(t < 0 for t in ids)
+    rows = list(ids) if multimodal else ids
+    axes = images.positions(rows) if images is not None and multimodal else None
     with torch.inference_mode():
         while done < len(ids):
-            chunk = list(ids[done : done + step])
-            positions = torch.arange(done, done + len(chunk), device=device)[None]
-            decoder(
-                input_ids=torch.tensor([chunk], device=device),
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            done += len(chunk)
+            stop = min(len(ids), done + step)
+            if images is not None and axes is not None:
+                feed = {
+                    "inputs_embeds": images.embeddings(model.get_input_embeddings(), rows, done, stop)[None],
+                    "position_ids": axes[:, None, done:stop].to(device),
+                }
+            else:
+                feed = {
+                    "input_ids": torch.tensor([list(ids[done:stop])], device=device),
+                    "position_ids": torch.arange(done, stop, device=device)[None],
+                }
+            decoder(**feed, past_key_values=cache, use_cache=True)
+            done = stop
     return cache
 
 
@@ -401,6 +432,8 @@ def logits_over(
     suffixes: Sequence[Sequence[int]],
     pad_id: int,
     chunk_tokens: int | None = None,
+    images: RowImages | None = None,
+    prefix: Sequence[int] = (),
 ):
     """`suffix_logits` over an already forked cache of `n_prefix` tokens (None: no prefix), which
     the forward consumes: attention mask over prefix + suffix, explicit positions, only the read
@@ -409,6 +442,9 @@ def logits_over(
     Suffixes wider than `chunk_tokens` (None: never) run `chunk_tokens` columns per forward
     over the growing cache, like a chunked prefill, so a long question's activations are
     bounded like a long state's; each row is read in the chunk that holds its last position.
+
+    Where the `prefix` (its ids) or a suffix holds image tokens, `images` gives the rows'
+    embeddings and 3-D positions (`image_rows`).
     """
     import torch
 
@@ -421,7 +457,11 @@ def logits_over(
         raise ValueError("chunk_tokens must be >= 1")
     width = max(lengths)
     input_ids, mask = padded_suffixes(suffixes, n_prefix, pad_id)
-    positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(suffixes), width)
+    embeds = None
+    if images is not None and any(t < 0 for row in (prefix, *suffixes) for t in row):
+        embeds, positions = image_rows(model, images, prefix, suffixes, pad_id, width)
+    else:
+        positions = (torch.arange(width, dtype=torch.long) + n_prefix).expand(len(suffixes), width)
     last = [n - 1 for n in lengths]
     step = min(width, chunk_tokens or width)
     with torch.inference_mode():
@@ -432,10 +472,15 @@ def logits_over(
         reads: list[Any] = [None] * len(suffixes)
         for start in range(0, width, step):
             stop = min(width, start + step)
+            feed = (
+                {"inputs_embeds": embeds[:, start:stop]}
+                if embeds is not None
+                else {"input_ids": input_ids[:, start:stop].to(device)}
+            )
             hidden = decoder(
-                input_ids=input_ids[:, start:stop].to(device),
+                **feed,
                 attention_mask=mask[:, : n_prefix + stop].to(device),
-                position_ids=positions[:, start:stop].to(device),
+                position_ids=positions[..., start:stop].to(device),
                 past_key_values=cache,
                 use_cache=cache is not None,
             ).last_hidden_state
@@ -444,3 +489,36 @@ def logits_over(
                     reads[i] = hidden[i, at - start]
             del hidden
         return model.get_output_embeddings()(torch.stack(reads)).float()
+
+
+def image_rows(
+    model: Any,
+    images: RowImages,
+    prefix: Sequence[int],
+    suffixes: Sequence[Sequence[int]],
+    pad_id: int,
+    width: int,
+) -> tuple[Any, Any]:
+    """Suffix rows after `prefix` as embeddings `[rows, width, hidden]` (right-padded with the
+    pad token's) and 3-D positions `[3, rows, width]`: a text-only suffix continues one past
+    the prefix's highest position; a suffix with its own images is placed over the whole row."""
+    import torch
+
+    embed = model.get_input_embeddings()
+    n = len(prefix)
+    after = int(images.positions(list(prefix)).max()) + 1 if n else 0
+    with torch.inference_mode():
+        embeds = embed(torch.full((len(suffixes), width), pad_id, device=embed.weight.device))
+        positions = torch.zeros((3, len(suffixes), width), dtype=torch.long)
+        for i, suffix in enumerate(suffixes):
+            if any(t < 0 for t in suffix):
+                row = [*prefix, *suffix]
+                embeds[i, : len(suffix)] = images.embeddings(embed, row, n, len(row))
+                positions[:, i, : len(suffix)] = images.positions(row)[:, n:]
+                tail = int(positions[:, i, : len(suffix)].max()) + 1
+            else:
+                embeds[i, : len(suffix)] = embed(torch.tensor(list(suffix), device=embed.weight.device))
+                positions[:, i, : len(suffix)] = torch.arange(after, after + len(suffix))
+                tail = after + len(suffix)
+            positions[:, i, len(suffix) :] = torch.arange(tail, tail + width - len(suffix))
+    return embeds, positions

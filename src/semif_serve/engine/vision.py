@@ -1,14 +1,19 @@
 """Images through the model's own vision tower, into a state prefix with 3-D rotary positions.
 
-The building blocks of the image path of the shared prefix (not yet wired into the runner;
-see docs/images.md): transformers' own image processor with its Pillow backend pinned
-(`Qwen2VLImageProcessorPil`; the torchvision backend differs by up to 0.015 after a resize)
-at the checkpoint's patch geometry; each image's `<|image_pad|>` expanded to its token count;
-the vision tower run once per image and its features placed in the prefix's embeddings; the
-model's own `get_rope_index` for the prefix's 3-D positions; a chunked prefill over those
-embeddings and positions (a chunk may split an image); and the suffix rows at their text
-positions plus the offset the images leave. Exact against a full forward of the
-vision-language model on the whole prompt (tests/test_vision.py).
+`VisionTower` (the loaded vision-language model's tower, its image processor and its special
+tokens) turns a request's images into an `ImageSet`: each image preprocessed once, its span of
+ids for the prompt (`ImageSpan`), its features computed at most once, on the engine thread,
+when a forward first needs them, and the embeddings and 3-D positions of any row of ids that
+holds image tokens. An image's tokens carry a negative id derived from its SHA-256
+(`image_token_id`), so the prefix keys of the state cache and the batcher tell images apart.
+
+The building blocks below it (see docs/images.md): transformers' own image processor with
+its Pillow backend pinned (`Qwen2VLImageProcessorPil`; the torchvision backend differs by up
+to 0.015 after a resize) at the checkpoint's patch geometry; the vision tower run once per
+image, its features placed in the embeddings; the model's own `get_rope_index` for the 3-D
+positions; a chunked prefill over embeddings and positions (a chunk may split an image); the
+suffix rows at their text positions plus the offset the images leave. Exact against a full
+forward of the vision-language model on the whole prompt (tests/test_vision.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from semif_serve.domain.images import ImageAsset
+from semif_serve.domain.prompt import ImageSpan
 from semif_serve.engine.state_cache import padded_suffixes
 
 VISION_START = "<|vision_start|>"
@@ -199,3 +205,183 @@ def suffix_logits_after_images(
         ).last_hidden_state
         read = hidden[torch.arange(len(suffixes), device=device), torch.tensor(lengths, device=device) - 1]
         return model.get_output_embeddings()(read).float()
+
+
+def image_token_id(sha256: str) -> int:
+    """The id of every token of one image in a prompt's ids: negative (never a vocabulary id),
+    from the first 60 bits of the image's SHA-256, so equal prefix ids mean equal images."""
+    return -1 - int(sha256[:15], 16)
+
+
+def has_image_tokens(ids: Sequence[int]) -> bool:
+    """Whether a row of ids holds image tokens."""
+    return any(t < 0 for t in ids)
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image, preprocessed: its token id, the processor's grid and patches, its token count."""
+
+    sha256: str
+    token_id: int
+    grid_thw: tuple[int, int, int]
+    tokens: int
+    pixel_values: Any  # [patches, channels * temporal * patch * patch], on the host
+
+
+class VisionTower:
+    """The vision side of a loaded vision-language model: its processor, tower and tokens."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model  # Qwen3_5ForConditionalGeneration; its text side serves text rows
+        self.processor = image_processor(model.config)
+        vision = model.config.vision_config
+        self.merge = vision.spatial_merge_size
+        self.patch = vision.patch_size
+        self.hidden = vision.hidden_size
+        self.intermediate = vision.intermediate_size
+        self.depth = vision.depth
+        self.out_hidden = vision.out_hidden_size
+        self.pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        self.start_id = tokenizer.convert_tokens_to_ids(VISION_START)
+        self.end_id = tokenizer.convert_tokens_to_ids(VISION_END)
+
+    def prepare(self, images: Sequence[ImageAsset]) -> ImageSet:
+        """Decode and preprocess a request's images (host work, off the engine thread)."""
+        pixels = preprocess(self.processor, images, self.merge)
+        prepared: dict[str, PreparedImage] = {}
+        spans: list[ImageSpan] = []
+        start = 0
+        for image, grid, tokens in zip(images, pixels.grid_thw.tolist(), pixels.tokens, strict=True):
+            patches = int(grid[0] * grid[1] * grid[2])
+            token_id = image_token_id(image.sha256)
+            prepared.setdefault(
+                image.sha256,
+                PreparedImage(
+                    image.sha256,
+                    token_id,
+                    (int(grid[0]), int(grid[1]), int(grid[2])),
+                    tokens,
+                    pixels.pixel_values[start : start + patches],
+                ),
+            )
+            spans.append(
+                ImageSpan(image.placeholder, (self.start_id, *[token_id] * tokens, self.end_id), image.sha256)
+            )
+            start += patches
+        return ImageSet(self, {p.token_id: p for p in prepared.values()}, tuple(spans))
+
+    def activation_bytes(self, patches: int, estimate: Any) -> int:
+        """Estimated bytes of running the tower on one image of `patches` patches (see
+        docs/memory.md): a layer's working set per patch (residual, attention projections, MLP)
+        and the merged features, with the text estimate's element size and safety factor."""
+        per_patch = estimate.element_bytes * (6 * self.hidden + 2 * self.intermediate)
+        merged = estimate.element_bytes * self.out_hidden * patches // self.merge**2
+        return int((per_patch * patches + merged) * estimate.SAFETY)
+
+    def patches(self, images: Sequence[PreparedImage]) -> int:
+        """The most patches one image of `images` feeds the tower (it runs once per image)."""
+        return max((int(i.pixel_values.shape[0]) for i in images), default=0)
+
+
+class ImageSet:
+    """The images a request's rows show, by token id (a merged group's: the union); each
+    image's features are computed at most once, when a forward first feeds its tokens."""
+
+    def __init__(
+        self, tower: VisionTower, images: dict[int, PreparedImage], spans: tuple[ImageSpan, ...]
+    ) -> None:
+        self.tower = tower
+        self.images = images
+        self.spans = spans
+        self._features: dict[int, Any] = {}
+        self._last_blocks: tuple[Sequence[int], list[tuple[int, int, int]]] | None = None
+        self.tower_runs = 0
+
+    @staticmethod
+    def union(sets: Sequence[ImageSet | None]) -> ImageSet | None:
+        """One set over every image of `sets` (None when none has images); features already
+        computed are kept."""
+        present = [s for s in sets if s is not None]
+        if len(present) <= 1:
+            return present[0] if present else None
+        joined = ImageSet(present[0].tower, {}, ())
+        for part in present:
+            joined.images.update(part.images)
+            joined._features.update(part._features)
+        return joined
+
+    def features(self, token_id: int) -> Any:
+        """One image's features `[tokens, hidden]` (the tower runs on first use only)."""
+        if token_id not in self._features:
+            image = self.images[token_id]
+            import torch
+
+            grid = torch.tensor([image.grid_thw])
+            model = self.tower.model
+            device = next(model.model.visual.parameters()).device
+            pixels = image.pixel_values.to(device, next(model.model.visual.parameters()).dtype)
+            with torch.inference_mode():
+                out = model.model.get_image_features(pixels, grid.to(device))
+            self._features[token_id] = out.pooler_output[0]
+            self.tower_runs += 1
+        return self._features[token_id]
+
+    def _blocks(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(start, stop, token id) of each image's run of tokens in `ids`, in order (kept for
+        the last row asked: a chunked prefill asks for the same row once per chunk)."""
+        if self._last_blocks is not None and self._last_blocks[0] is ids:
+            return self._last_blocks[1]
+        blocks: list[tuple[int, int, int]] = []
+        at = 0
+        n = len(ids)
+        while at < n:
+            if ids[at] < 0:
+                stop = at
+                while stop < n and ids[stop] == ids[at]:
+                    stop += 1
+                image = self.images[ids[at]]
+                if stop - at != image.tokens and not (stop == n and stop - at < image.tokens):
+                    raise ValueError(f"an image of {image.tokens} tokens shows {stop - at} in the row")
+                blocks.append((at, stop, ids[at]))
+                at = stop
+            else:
+                at += 1
+        self._last_blocks = (ids, blocks)
+        return blocks
+
+    def positions(self, ids: Sequence[int]) -> Any:
+        """The model's own 3-D rotary positions `[3, len(ids)]` of a row from position 0 (a row
+        that ends inside an image, a prefill step's slice, is placed as if the image were whole)."""
+        import torch
+
+        blocks = self._blocks(ids)
+        if blocks and blocks[-1][1] - blocks[-1][0] < self.images[blocks[-1][2]].tokens:
+            first, last, token_id = blocks[-1]
+            whole = [*ids, *[token_id] * (self.images[token_id].tokens - (last - first))]
+            return self.positions(whole)[:, : len(ids)]
+        tensor = torch.tensor([[t if t >= 0 else self.tower.pad_id for t in ids]])
+        kinds = torch.zeros_like(tensor, dtype=torch.int)
+        for start, stop, _ in blocks:
+            kinds[0, start:stop] = 1
+        grid = torch.tensor([self.images[t].grid_thw for *_, t in blocks]) if blocks else None
+        positions, _ = self.tower.model.model.get_rope_index(
+            tensor, mm_token_type_ids=kinds, image_grid_thw=grid
+        )
+        return positions[:, 0]
+
+    def embeddings(self, embed: Any, ids: Sequence[int], start: int, stop: int) -> Any:
+        """The input embeddings `[stop - start, hidden]` of `ids[start:stop]`: the token
+        embeddings, with each image token's row its image's feature row."""
+        import torch
+
+        device = embed.weight.device
+        chunk = torch.tensor([t if t >= 0 else self.tower.pad_id for t in ids[start:stop]], device=device)
+        with torch.inference_mode():
+            rows = embed(chunk)
+            for first, last, token_id in self._blocks(ids):
+                lo, hi = max(first, start), min(last, stop)
+                if lo < hi:
+                    feature = self.features(token_id)[lo - first : hi - first]
+                    rows[lo - start : hi - start] = feature.to(device, rows.dtype)
+        return rows

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.types import DecisionError, EngineFailure, OutOfMemory, PromptRow, Refusal
 from semif_serve.engine.batching import Batcher, Bounds, Group
 from semif_serve.engine.memory import ReleasePolicy
@@ -77,6 +78,7 @@ class EngineWorker:
         shared: bool,
         max_input_tokens: int,
         max_request_tokens: int | None = None,
+        images: Sequence[ImageAsset] = (),
     ) -> Readout:
         """`engine.score` for one request, merged with whatever else is queued when the engine
         is free; the numbers are those of the request alone. A cancelled caller's rows are
@@ -85,7 +87,7 @@ class EngineWorker:
         self.pending += 1
         self._engine = engine
         # Counted from before encoding, so a lone row can see that others want its state too.
-        demand_key = state_digest(state)
+        demand_key = state_digest(state, [image.sha256 for image in images])
         engine.cache.demand.enter(demand_key)
         try:
             prepared = await loop.run_in_executor(
@@ -96,6 +98,7 @@ class EngineWorker:
                     shared=shared,
                     max_input_tokens=max_input_tokens,
                     max_request_tokens=max_request_tokens,
+                    images=images,
                 ),
             )
             prepared = dataclasses.replace(prepared, demand_key=demand_key)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from semif_serve.domain.calibration import CalibrationTable, calibrated_probabilities
+from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.orderings import combine, mean_option_logits, option_orders, order_count
 from semif_serve.domain.types import (
     Calibrated,
@@ -133,6 +134,11 @@ class DecisionCore:
         """How many options one question can have: the tokenizer's answer codes."""
         return self.engine.capacity
 
+    @property
+    def reads_images(self) -> bool:
+        """Whether the loaded model reads images (it has a vision tower)."""
+        return self.engine.reads_images
+
     async def decide(
         self,
         state: Any,
@@ -143,6 +149,7 @@ class DecisionCore:
         max_options: int,
         max_rows: int,
         max_request_tokens: int | None = None,
+        images: Sequence[ImageAsset] = (),
     ) -> DecisionOutcome:
         """Ask every question (in every ordering) over `state` in one engine batch (merged with
         other requests queued at the same time; the numbers are those of the call alone).
@@ -152,6 +159,8 @@ class DecisionCore:
         budget) bounds the state's tokens plus every row's tokens after it. Raises a
         `DecisionError` that names the question (and option, in the caller's order) it concerns
         by position. Planning runs off the event loop (it is linear in the rows' text).
+        `images` (each with its placeholder) are shown where their placeholders stand, in the
+        state and in the questions; they need `reads_images`.
         """
         planned, rows = await asyncio.to_thread(
             plan_rows, questions, max_rows=max_rows, max_options=max_options, calibration=self.calibration
@@ -164,6 +173,7 @@ class DecisionCore:
                 shared=shared,
                 max_input_tokens=max_input_tokens,
                 max_request_tokens=max_request_tokens,
+                images=images,
             )
         except DecisionError as exc:
             _locate(exc, planned)

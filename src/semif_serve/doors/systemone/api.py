@@ -131,11 +131,11 @@ HTTP_ERROR_TYPES = {
 }
 # The door's own refusals, outside the core.
 UNKNOWN_MODEL = ErrorRule(400, "api_usage_error", when="`model` is neither the loaded model nor an alias")
-# The engine loads the checkpoint's text model only: no image reaches the model, so none is accepted.
-READS_IMAGES = False
+# A checkpoint without a vision tower reads no image, so none is accepted.
 NO_VISION = ErrorRule(
     400, "api_usage_error", when="a request with images, and the loaded model does not read them"
 )
+NO_BOXES = ErrorRule(400, "api_usage_error", when="a box question (its readout is not built yet)")
 
 
 def systemone_body(error: ServiceError) -> tuple[int, dict[str, Any]]:
@@ -460,7 +460,7 @@ class SystemOneDoor(DecisionDoor):
             x_max_options=self.max_options,
             x_answer_codes=self.service.core.capacity,
             x_max_input_tokens=self.service.settings.systemone_max_input_tokens,
-            x_reads_images=READS_IMAGES,
+            x_reads_images=self.service.core.reads_images,
             x_max_images=self.image_limits.max_images,
             x_max_image_pixels=self.image_limits.max_image_pixels,
             x_max_image_bytes=self.image_limits.max_image_bytes,
@@ -493,20 +493,30 @@ class SystemOneDoor(DecisionDoor):
                 UNKNOWN_MODEL.code,
                 f"unknown model {parsed.model!r}; this server serves {self.model_name!r}{aliases}",
             )
-        if images:  # until the engine reads images (docs/images.md), every one is refused
+        if images and not self.service.core.reads_images:
             raise ServiceError(
                 NO_VISION.status,
                 NO_VISION.code,
-                f"the loaded model {self.model_name!r} does not read images: this server loads its "
-                "text model only, so a request with `assets` is refused rather than answered from "
+                f"the loaded model {self.model_name!r} does not read images: its checkpoint has no "
+                "vision tower, so a request with `assets` is refused rather than answered from "
                 "the placeholder text",
                 "assets",
+            )
+        boxes = [qid for qid, q in parsed.questions.items() if isinstance(q, BoxQuestion)]
+        if boxes:  # the box readout is not built yet (docs/images.md)
+            raise ServiceError(
+                NO_BOXES.status,
+                NO_BOXES.code,
+                f"questions.{boxes[0]}: box questions are not answered yet",
+                "questions",
             )
         questions = await asyncio.to_thread(
             lambda: [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]
         )
         # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
-        outcome = await self.ask(request, parsed.state, questions, shared=False, limits=self.limits)
+        outcome = await self.ask(
+            request, parsed.state, questions, shared=False, limits=self.limits, images=images
+        )
         answers = {
             qid: answer_body(parsed.questions[qid].type, answer)
             for qid, answer in zip(parsed.questions, outcome.questions, strict=True)
