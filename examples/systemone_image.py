@@ -6,8 +6,8 @@
 
 The SDK sends the `Image` as multipart/form-data (a `request` part, then the image's bytes as
 `asset-0`), zstd-compressed from 1 KiB up. The script prints the answer, or exits 1 with the
-service's refusal: a model that does not read images refuses the request (400) rather than
-answer it from the placeholder text.
+service's refusal (a model without a vision tower refuses images with 400 rather than answer
+from the placeholder text).
 """
 
 from __future__ import annotations

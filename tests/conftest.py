@@ -57,10 +57,38 @@ def service(engine, checkpoint) -> Service:
     return Service.start(make_settings(checkpoint), engine=engine)
 
 
+@pytest.fixture(scope="session")
+def vision_checkpoint(tmp_path_factory) -> Path:
+    """The demo's checkpoint: the tiny Qwen3.5 with a vision tower."""
+    return write_checkpoint(tmp_path_factory.mktemp("vision-model"), multimodal=True)
+
+
+@pytest.fixture(scope="session")
+def vision_engine(vision_checkpoint) -> TorchEngine:
+    return load_engine(make_settings(vision_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def vision_service(vision_engine, vision_checkpoint) -> Service:
+    return Service.start(make_settings(vision_checkpoint), engine=vision_engine)
+
+
+@pytest.fixture(scope="session")
+def vision_reference(vision_checkpoint):
+    """The vision checkpoint as transformers' own classes load it (the independent side)."""
+    from vision_reference import load_reference
+
+    return load_reference(vision_checkpoint)
+
+
 @pytest.fixture
 def client(service):
     """An in-process client of the real app (admission included)."""
-    app = create_app(service)
+    return in_process_client(create_app(service))
+
+
+def in_process_client(app):
+    """A client of `app` through httpx's ASGI transport, with the bearer token by default."""
     transport = httpx.ASGITransport(app=app)
     with_auth = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -366,10 +366,10 @@ def test_models_lists_the_real_identity_then_the_aliases(app, service):
     )
 
 
-@pytest.mark.parametrize("model", ["jev-latest", "jev-preview", "Qwen/Qwen3.5-4B@demo-random-weights-v2"])
+@pytest.mark.parametrize("model", ["jev-latest", "jev-preview", "Qwen/Qwen3.5-4B@demo-random-weights-v3"])
 def test_the_real_name_and_every_alias_are_served_and_answered_as_the_real_identity(app, model):
     body = ask(app, {"q": {"type": "noul"}}, model=model)
-    assert body["model"] == "Qwen/Qwen3.5-4B@demo-random-weights-v2"
+    assert body["model"] == "Qwen/Qwen3.5-4B@demo-random-weights-v3"
 
 
 def test_an_unknown_model_is_400_api_usage_error(app):
@@ -518,7 +518,7 @@ def test_a_workload_temperature_applies_before_score_and_confidence(operator_app
     answer = ask(
         operator_app,
         {"s": {"type": "score", "criteria": ["a", "b", "c", "d"]}},
-        model="Qwen/Qwen3.5-4B@demo-random-weights-v2",
+        model="Qwen/Qwen3.5-4B@demo-random-weights-v3",
     )["answers"]["s"]
     logits = list(answer["x_semif"]["option_logits"].values())
     exps = [math.exp(v / 2.0) for v in logits]
@@ -532,7 +532,7 @@ def test_x_workload_and_x_orderings_override_the_operators_defaults(operator_app
     answer = ask(
         operator_app,
         {"c": choice(6, x_orderings="shifts", x_workload="routing")},
-        model="Qwen/Qwen3.5-4B@demo-random-weights-v2",
+        model="Qwen/Qwen3.5-4B@demo-random-weights-v3",
     )["answers"]["c"]
     semif = answer["x_semif"]
     assert (semif["orderings"], semif["rows"], semif["workload"], semif["temperature"]) == (
@@ -545,7 +545,7 @@ def test_x_workload_and_x_orderings_override_the_operators_defaults(operator_app
 
 def test_policy_none_asks_every_type_once(operator_app):
     answers = ask(
-        operator_app, {"n": {"type": "noul"}, "c": choice(5)}, model="Qwen/Qwen3.5-4B@demo-random-weights-v2"
+        operator_app, {"n": {"type": "noul"}, "c": choice(5)}, model="Qwen/Qwen3.5-4B@demo-random-weights-v3"
     )["answers"]
     assert all(a["x_semif"]["rows"] == 1 and a["x_semif"]["orderings"] == "none" for a in answers.values())
 
@@ -559,7 +559,7 @@ def test_aliases_are_refused_when_the_operator_turns_them_off(operator_app):
     )
     assert response.status_code == 400 and response.json()["detail"]["error_type"] == "api_usage_error"
     assert [m["name"] for m in call(operator_app, "GET", "/v1/models").json()["models"]] == [
-        "Qwen/Qwen3.5-4B@demo-random-weights-v2"
+        "Qwen/Qwen3.5-4B@demo-random-weights-v3"
     ]
 
 
@@ -569,7 +569,7 @@ def test_a_state_over_the_token_budget_is_413_with_the_need_never_a_5xx(operator
         "POST",
         "/v1/systemone",
         json={
-            "model": "Qwen/Qwen3.5-4B@demo-random-weights-v2",
+            "model": "Qwen/Qwen3.5-4B@demo-random-weights-v3",
             "state": "word " * 400,
             "questions": {"first": {"type": "noul"}, "long one": {"type": "noul"}},
         },
@@ -586,7 +586,7 @@ def test_an_unknown_x_workload_is_400_naming_the_known_ones(operator_app):
         "POST",
         "/v1/systemone",
         json={
-            "model": "Qwen/Qwen3.5-4B@demo-random-weights-v2",
+            "model": "Qwen/Qwen3.5-4B@demo-random-weights-v3",
             "state": "s",
             "questions": {"q": {"type": "noul", "x_workload": "nope"}},
         },

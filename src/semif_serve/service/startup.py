@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from semif_serve.domain.calibration import CalibrationTable, load_calibration
+from semif_serve.domain.images import ImageAsset, read_image
 from semif_serve.domain.numerics import MIB
 from semif_serve.domain.types import ConfigurationError, PromptRow
 from semif_serve.engine.batching import Bounds
@@ -105,10 +106,30 @@ def load_engine(settings: Settings, memory: DeviceMemory | None = None) -> Torch
 
 
 def warm_up(engine: TorchEngine, worker: EngineWorker, max_input_tokens: int) -> None:
-    """Read a real decision on both paths through the worker's guard."""
+    """Read a real decision on both paths through the worker's guard, and one over an image
+    where the model reads images (the tower's kernels are warm before the first request)."""
     worker.run_now(
         lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS[:1], shared=False, max_input_tokens=max_input_tokens)
     )
     worker.run_now(
         lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS, shared=True, max_input_tokens=max_input_tokens)
     )
+    if engine.reads_images:
+        image = warm_up_image()
+        state = {**WARM_UP_STATE, "image": image.placeholder}
+        worker.run_now(
+            lambda: engine.score(
+                state, WARM_UP_ROWS[:1], shared=True, max_input_tokens=max_input_tokens, images=[image]
+            )
+        )
+
+
+def warm_up_image() -> ImageAsset:
+    """A 64 x 64 grey PNG, made here (nothing is downloaded)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64), (128, 128, 128)).save(out, format="PNG")
+    return read_image("<image:warm-up>", out.getvalue(), claimed="png", max_pixels=64 * 64)

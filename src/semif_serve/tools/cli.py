@@ -42,7 +42,7 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
     marker = directory / "DEMO.json"
     if not marker.exists() or json.loads(marker.read_text()).get("revision") != DEMO_REVISION:
         print(f"building the random-weight demo checkpoint in {directory} ...", flush=True)
-        write_checkpoint(directory)
+        write_checkpoint(directory, multimodal=True)  # the demo reads images, as Qwen3.5 does
     return directory
 
 
@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo-model":
         from semif_serve.tools.demo import write_checkpoint
 
-        write_checkpoint(args.directory)
-        print(f"wrote a random-weight demo checkpoint to {args.directory}")
+        write_checkpoint(args.directory, multimodal=True)
+        print(f"wrote a random-weight demo checkpoint (with a vision tower) to {args.directory}")
         return 0
     if args.command == "env-template":
         from semif_serve.tools.env_template import render_env_template

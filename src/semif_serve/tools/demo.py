@@ -12,8 +12,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# v2: Qwen3.5's real tokenizer (v1 had a toy BPE); a demo cache of another revision is rebuilt.
-DEMO_REVISION = "demo-random-weights-v2"
+# v2: Qwen3.5's real tokenizer (v1 had a toy BPE); v3: the demo checkpoint has a vision tower.
+# A demo cache of another revision is rebuilt.
+DEMO_REVISION = "demo-random-weights-v3"
 
 # Qwen3.5's embedding rows: 248,044 ranks + 33 added tokens, padded to a multiple of 256.
 QWEN35_VOCAB_SIZE = 248320

@@ -1,0 +1,241 @@
+"""System One with images on the demo's checkpoint (the tiny Qwen3.5 WITH a vision tower),
+through the real app and through the official SDK against a live service: every answer equals
+an independent full forward of the vision-language model on the whole prompt
+(tests/vision_reference.py), base64 and multipart read the same, images are told apart, and the
+image tokens are counted."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import pytest
+from conftest import TOKEN, in_process_client
+from typesafe_sdk import Choice, Image, Noul, TypeSafeClient
+from vision_reference import expected_row, noise_png
+
+from acceptance.server import LoopbackServer
+from semif_serve.app import create_app
+from semif_serve.doors.systemone.api import Policy, to_question
+from semif_serve.doors.systemone.schemas import SystemOneRequest
+
+TOL = 1e-5
+PHOTO = "<image:0123456789abcdef0123456789abcdef>"
+CHOICE = {
+    "type": "choice",
+    "instructions": "Which colour dominates the photo?",
+    "criteria": {"red": "Mostly red.", "blue": "Mostly blue.", "green": "Mostly green."},
+}
+
+
+@pytest.fixture(scope="module")
+def app(vision_service):
+    return create_app(vision_service)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return in_process_client(app)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def request_body(state, questions, images: dict[str, bytes]) -> dict:
+    body = {"model": "jev-latest", "state": state, "questions": questions}
+    if images:
+        body["assets"] = {
+            name: {"type": "image", "format": "png", "data_base64": b64(data)}
+            for name, data in images.items()
+        }
+    return body
+
+
+def expected_answers(service, body: dict, images: dict[str, bytes], reference) -> dict:
+    """Each question's slot logits from the reference forward of the prompt the door builds
+    (the door's mapping to a question, SemIf's rendering, the caller's order)."""
+    parsed = SystemOneRequest.model_validate(body)
+    settings = service.settings
+    policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
+    out = {}
+    for qid, question in parsed.questions.items():
+        domain = to_question(qid, question, policy)
+        descriptions = [o.description for o in domain.options]
+        text = service.engine.codec.render_prompt(parsed.state, domain.text, descriptions)
+        out[qid] = (domain, expected_row(reference, text, len(descriptions), images))
+    return out
+
+
+def assert_answers_match(reply: dict, expected: dict) -> None:
+    for qid, (domain, (logits, _, tokens)) in expected.items():
+        semif = reply["answers"][qid]["x_semif"]
+        got = [semif["option_logits"][o.id] for o in domain.options]
+        assert max(abs(a - b) for a, b in zip(got, logits, strict=True)) < TOL, (got, logits)
+        assert semif["input_tokens"] == tokens
+
+
+def test_an_image_in_the_state_is_read_and_equals_the_full_forward_of_its_prompt(
+    client, vision_service, vision_reference
+):
+    images = {PHOTO: noise_png(21)}
+    body = request_body({"photo": PHOTO, "caption": "a product"}, {"c": CHOICE}, images)
+    reply = client.post("/v1/systemone", json=body)
+    assert reply.status_code == 200, reply.text
+    assert_answers_match(reply.json(), expected_answers(vision_service, body, images, vision_reference))
+
+
+def test_images_in_an_instruction_and_in_a_criterion_are_read_where_they_stand(
+    client, vision_service, vision_reference
+):
+    other = "<image:fedcba9876543210fedcba9876543210>"
+    images = {PHOTO: noise_png(22), other: noise_png(23, size=(24, 32))}
+    questions = {
+        "n": {"type": "noul", "instructions": f"Does {PHOTO} show a cat?"},
+        "c": {**CHOICE, "criteria": {"like": f"Like {other}.", "unlike": "Unlike it."}},
+    }
+    body = request_body("Two photos.", questions, images)
+    reply = client.post("/v1/systemone", json=body)
+    assert reply.status_code == 200, reply.text
+    assert_answers_match(reply.json(), expected_answers(vision_service, body, images, vision_reference))
+
+
+def test_the_same_image_as_base64_and_as_a_multipart_part_gives_identical_answers(client):
+    data = noise_png(24)
+    body = request_body({"photo": PHOTO}, {"c": CHOICE}, {PHOTO: data})
+    as_json = client.post("/v1/systemone", json=body).json()
+    parted = {**body, "assets": {PHOTO: {"type": "image", "part": "asset-0"}}}
+    boundary = "b0undary"
+    content = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="request"\r\n'
+        "Content-Type: application/json\r\n\r\n"
+    ).encode() + json.dumps(parted).encode()
+    content += (
+        f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="asset-0"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode() + data
+    content += f"\r\n--{boundary}--\r\n".encode()
+    as_part = client.post(
+        "/v1/systemone",
+        content=content,
+        headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+    )
+    assert as_part.status_code == 200, as_part.text
+    assert as_part.json()["answers"] == as_json["answers"]
+
+
+def test_two_images_give_different_answers_and_prompt_digests(client):
+    replies = [
+        client.post(
+            "/v1/systemone", json=request_body({"photo": PHOTO}, {"c": CHOICE}, {PHOTO: noise_png(s)})
+        )
+        for s in (25, 26)
+    ]
+    a, b = (r.json()["answers"]["c"]["x_semif"] for r in replies)
+    assert a["prompt_sha256"] != b["prompt_sha256"]
+    assert max(abs(a["option_logits"][k] - b["option_logits"][k]) for k in a["option_logits"]) > 1e-4
+
+
+def test_the_prompt_digest_is_the_texts_then_each_images(client, vision_service):
+    data = noise_png(27)
+    body = request_body({"photo": PHOTO}, {"c": CHOICE}, {PHOTO: data})
+    reply = client.post("/v1/systemone", json=body).json()
+    ((domain, _),) = expected_answers_without_forward(vision_service, body)
+    text = vision_service.engine.codec.render_prompt(
+        body["state"], domain.text, [o.description for o in domain.options]
+    )
+    digest = hashlib.sha256(text.encode() + hashlib.sha256(data).hexdigest().encode()).hexdigest()
+    assert reply["answers"]["c"]["x_semif"]["prompt_sha256"] == digest
+
+
+def expected_answers_without_forward(service, body):
+    parsed = SystemOneRequest.model_validate(body)
+    settings = service.settings
+    policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
+    return [(to_question(qid, q, policy), None) for qid, q in parsed.questions.items()]
+
+
+def test_usage_counts_the_image_tokens(client, vision_service, vision_reference):
+    images = {PHOTO: noise_png(28)}
+    body = request_body({"photo": PHOTO}, {"c": {**CHOICE, "x_orderings": "none"}}, images)
+    reply = client.post("/v1/systemone", json=body).json()
+    ((_, (_, _, tokens)),) = expected_answers(vision_service, body, images, vision_reference).values()
+    assert reply["usage"]["input_tokens"] == tokens  # one row: its whole prompt, image tokens included
+    text_only = client.post("/v1/systemone", json=request_body({"photo": "x"}, body["questions"], {})).json()
+    assert reply["usage"]["input_tokens"] > text_only["usage"]["input_tokens"] + 50  # 60 image tokens
+
+
+def test_models_and_health_say_the_model_reads_images(client):
+    (real, *_) = client.get("/v1/models").json()["models"]
+    assert real["x_reads_images"] is True
+    assert client.get("/health").json()["images"]["reads_images"] is True
+
+
+def test_the_native_door_stays_text_only_and_ignores_assets_as_semif_ignores_unknown_fields(client):
+    decision = {
+        "id": "d",
+        "state": {"photo": PHOTO},
+        "question": "Is it red?",
+        "options": [{"id": "y", "description": "Yes."}, {"id": "n", "description": "No."}],
+    }
+    assets = {PHOTO: {"type": "image", "format": "png", "data_base64": b64(noise_png(29))}}
+    with_assets = client.post("/decide", json={**decision, "assets": assets})
+    without = client.post("/decide", json=decision)
+    assert with_assets.status_code == without.status_code == 200, with_assets.text
+    for key in ("option_logits", "prompt_sha256", "input_tokens"):
+        assert with_assets.json()[key] == without.json()[key]
+
+
+# -- the official SDK against a live service ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    with LoopbackServer(app) as running:
+        yield running
+
+
+@pytest.mark.parametrize("where", ["state", "instructions", "criteria"])
+def test_the_sdk_sends_an_image_and_reads_the_answer_its_base64_twin_gets(server, client, where):
+    data = noise_png(30)
+    image = Image(data)
+    placeholder = str(image)
+    state: object = {"photo": image, "caption": "a product"}
+    json_state: object = {"photo": placeholder, "caption": "a product"}
+    question = Choice(instructions="Which colour dominates?", criteria={"red": "Mostly red.", "blue": None})
+    wire = {
+        "type": "choice",
+        "instructions": "Which colour dominates?",
+        "criteria": {"red": "Mostly red.", "blue": None},
+    }
+    if where == "instructions":
+        state = json_state = "A photo."
+        question = Choice(
+            instructions=f"Which colour dominates {image}?", criteria={"red": "Mostly red.", "blue": None}
+        )
+        wire = {**wire, "instructions": f"Which colour dominates {placeholder}?"}
+    elif where == "criteria":
+        state = json_state = "A photo."
+        question = Choice(instructions="Which colour?", criteria={"red": f"Like {image}.", "blue": None})
+        wire = {
+            **wire,
+            "instructions": "Which colour?",
+            "criteria": {"red": f"Like {placeholder}.", "blue": None},
+        }
+    with TypeSafeClient(api_key=TOKEN, base_url=server.url) as sdk, sdk.attach_assets(image):
+        answer = sdk.system_one(state=state, questions={"q": question})
+    twin = client.post("/v1/systemone", json=request_body(json_state, {"q": wire}, {placeholder: data}))
+    assert twin.status_code == 200, twin.text
+    expected = twin.json()["answers"]["q"]
+    got = answer.answers["q"]
+    assert got.choice == expected["choice"]
+    assert got.probabilities == pytest.approx(expected["probabilities"], abs=1e-12)
+
+
+def test_the_sdk_sends_a_noul_about_an_image_from_bytes(server):
+    with TypeSafeClient(api_key=TOKEN, base_url=server.url) as sdk:
+        image = Image(noise_png(31))
+        with sdk.attach_assets(image):
+            answer = sdk.system_one(state=image, questions={"n": Noul(instructions="Is it a photo?")})
+    assert 0.0 < answer.answers["n"].noul < 1.0
