@@ -169,3 +169,27 @@ def test_image_tokens_count_toward_the_per_row_token_limit(vision_engine):
             max_input_tokens=text_only.rows[0].input_tokens + 10,
             images=[asset(noise_png(12))],
         )
+
+
+def test_the_vision_tower_runs_once_per_image_of_a_request_and_not_for_a_cached_state(
+    vision_engine, monkeypatch
+):
+    inner = vision_engine.vision.model.model
+    calls: list[int] = []
+    real = inner.get_image_features
+
+    def counted(pixel_values, grid, *args, **kwargs):
+        calls.append(int(pixel_values.shape[0]))
+        return real(pixel_values, grid, *args, **kwargs)
+
+    monkeypatch.setattr(inner, "get_image_features", counted)
+    engine = vision_engine.with_state_cache(StateCache(1 << 30), 7)  # many prefill steps over the image
+    question, options = SHAPE
+    rows = [RED, (question, options), (question, options[::-1])]
+    score(engine, rows, {PHOTO: noise_png(13)}, shared=True)
+    assert len(calls) == 1
+    score(engine, [SHAPE], {PHOTO: noise_png(13)})  # the state over that image is cached
+    assert len(calls) == 1
+    two = {PHOTO: noise_png(14), "<image:other>": noise_png(15)}
+    score(engine, [RED], two, state={"a": PHOTO, "b": "<image:other>"})
+    assert len(calls) == 3

@@ -184,13 +184,15 @@ def test_the_demo_rebuilds_a_cached_checkpoint_of_another_revision(tmp_path, mon
     from semif_serve.tools.cli import ensure_demo_checkpoint
 
     built = []
-    monkeypatch.setattr("semif_serve.tools.demo.write_checkpoint", built.append)
-    (tmp_path / "DEMO.json").write_text(json.dumps({"revision": "demo-random-weights-v1"}))
+    monkeypatch.setattr(
+        "semif_serve.tools.demo.write_checkpoint", lambda directory, **kw: built.append((directory, kw))
+    )
+    (tmp_path / "DEMO.json").write_text(json.dumps({"revision": "demo-random-weights-v2"}))
     ensure_demo_checkpoint(tmp_path)
-    assert built == [tmp_path]
+    assert built == [(tmp_path, {"multimodal": True})]  # the demo has a vision tower
     (tmp_path / "DEMO.json").write_text(json.dumps({"revision": DEMO_REVISION}))
     ensure_demo_checkpoint(tmp_path)
-    assert built == [tmp_path]
+    assert len(built) == 1
 
 
 def test_a_demo_checkpoint_is_a_demo_everywhere_whatever_the_setting_says(service, client):

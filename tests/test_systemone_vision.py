@@ -11,7 +11,7 @@ import hashlib
 import json
 
 import pytest
-from conftest import TOKEN, in_process_client
+from conftest import TOKEN, in_process_client, make_settings
 from typesafe_sdk import Choice, Image, Noul, TypeSafeClient
 from vision_reference import expected_row, noise_png
 
@@ -239,3 +239,45 @@ def test_the_sdk_sends_a_noul_about_an_image_from_bytes(server):
         with sdk.attach_assets(image):
             answer = sdk.system_one(state=image, questions={"n": Noul(instructions="Is it a photo?")})
     assert 0.0 < answer.answers["n"].noul < 1.0
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+
+
+def test_an_image_too_large_for_the_memory_cap_is_a_413_with_its_need_before_any_forward(
+    vision_engine, vision_checkpoint
+):
+    from memory_sim import SimulatedMemory
+    from test_memory import service_on
+
+    from semif_serve.engine.vision import VisionTower
+
+    small, large = noise_png(40), noise_png(41, size=(224, 224))
+    tower: VisionTower = vision_engine.vision
+    needs = {}
+    for data in (small, large):
+        patches = tower.patches(list(tower.prepare([asset_of(data)]).images.values()))
+        needs[data] = tower.activation_bytes(patches, vision_engine.estimate)
+    assert needs[large] > 4 * needs[small]
+    # Headroom (cap - baseline, the baseline holding the state cache's budget) below the large need.
+    budget = make_settings(vision_checkpoint).state_cache_mib * 2**20
+    memory = SimulatedMemory(floor=0, cap=budget + needs[large] - 1)
+    client = in_process_client(create_app(service_on(vision_engine, vision_checkpoint, memory)))
+    answered = client.post(
+        "/v1/systemone", json=request_body({"photo": PHOTO}, {"c": CHOICE}, {PHOTO: small})
+    )
+    assert answered.status_code == 200, answered.text
+    memory.fail_next = AssertionError("a forward ran")  # the refusal comes before any device work
+    refused = client.post("/v1/systemone", json=request_body({"photo": PHOTO}, {"c": CHOICE}, {PHOTO: large}))
+    assert memory.fail_next is not None
+    memory.fail_next = None
+    assert refused.status_code == 413, refused.text
+    detail = refused.json()["detail"]
+    assert detail["error_type"] == "request_too_large"
+    assert "vision tower" in detail["message"] and "GiB" in detail["message"]
+
+
+def asset_of(data: bytes):
+    from semif_serve.domain.images import read_image
+
+    return read_image(PHOTO, data, claimed="png", max_pixels=10**7)

@@ -189,6 +189,23 @@ class TooLargeForMemory(Refusal):
         self.available_bytes = available_bytes
 
 
+class ImageTooLargeForMemory(TooLargeForMemory):
+    """An image of the call needs more memory in the vision tower than the cap leaves."""
+
+    def __init__(self, need_bytes: int, available_bytes: int, patches: int) -> None:
+        from semif_serve.domain.numerics import GIB
+
+        Refusal.__init__(
+            self,
+            f"an image of this request ({patches} patches after the processor's resize) needs an "
+            f"estimated {need_bytes / GIB:.2f} GiB in the vision tower, more than the "
+            f"{available_bytes / GIB:.2f} GiB the memory cap leaves; send a smaller image",
+        )
+        self.need_bytes = need_bytes
+        self.available_bytes = available_bytes
+        self.patches = patches
+
+
 class UnknownWorkload(Refusal):
     """A question names a workload the calibration table does not hold."""
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
-from semif_serve.domain.types import BatchTiming, PromptRow, TooLargeForMemory
+from semif_serve.domain.types import BatchTiming, ImageTooLargeForMemory, PromptRow, TooLargeForMemory
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
@@ -625,9 +625,10 @@ class TorchEngine:
         """Refuse images whose largest needs more memory in the tower than the headroom has."""
         if self.headroom_bytes is None or self.vision is None:
             return
-        need = self.vision.activation_bytes(self.vision.patches(list(images.images.values())), self.estimate)
+        patches = self.vision.patches(list(images.images.values()))
+        need = self.vision.activation_bytes(patches, self.estimate)
         if need > self.headroom_bytes:
-            raise TooLargeForMemory(need, self.headroom_bytes)
+            raise ImageTooLargeForMemory(need, self.headroom_bytes, patches)
 
     def _direct(
         self, ids: list[int], n_options: int, images: ImageSet | None = None
