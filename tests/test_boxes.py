@@ -165,10 +165,9 @@ def test_a_box_question_becomes_four_edge_questions_of_twenty_one_positions():
         assert (question.orderings, question.workload) == ("reversal", "boxes")
         assert "the brown dog" in question.text and f"{edge} edge" in question.text
         assert [o.id for o in question.options] == [f"{x:.2f}" for x in GRID]
-        along = "down from the top" if edge in ("top", "bottom") else "across from the left"
-        assert [o.description for o in question.options] == [
-            f"{5 * i}% of the way {along} of the image" for i in range(21)
-        ]
+        assert [o.description for o in question.options] == [f"{5 * i}%" for i in range(21)]
+        side = "height" if edge in ("top", "bottom") else "width"
+        assert f"a percentage of the image's {side}, from 0% (" in question.text
     assert len({q.text for q in questions}) == 4  # each edge asks its own question
 
 

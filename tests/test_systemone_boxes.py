@@ -111,7 +111,8 @@ def test_a_box_beside_other_questions_equals_the_pair_rule_over_plain_forwards_o
     assert edges[0].text == (
         "Locate in the image: the red square\n"
         "How far down from the top of the image is the top edge of the smallest box around it "
-        "(its highest point)?"
+        "(its highest point)? Each option is a percentage of the image's height, from 0% (its top) "
+        "to 100% (its bottom)."
     )
     probabilities = {}
     for edge, question in zip(EDGES, edges, strict=True):

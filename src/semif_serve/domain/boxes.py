@@ -28,12 +28,12 @@ DEFAULT_TARGET = "the main subject of the image"
 # A probability of exactly 0 (a float64 softmax that underflowed) weighs as the smallest normal float.
 FLOOR = sys.float_info.min
 
-# Per edge: how far along which side, and which extreme of the object the edge touches.
+# Per edge: how far along which side, which extreme of the object it touches, and the scale.
 _EDGE_WORDING = {
-    "top": ("down from the top", "top", "highest"),
-    "bottom": ("down from the top", "bottom", "lowest"),
-    "left": ("across from the left", "left", "leftmost"),
-    "right": ("across from the left", "right", "rightmost"),
+    "top": ("down from the top", "top", "highest", "height", "its top", "its bottom"),
+    "bottom": ("down from the top", "bottom", "lowest", "height", "its top", "its bottom"),
+    "left": ("across from the left", "left", "leftmost", "width", "its left side", "its right side"),
+    "right": ("across from the left", "right", "rightmost", "width", "its left side", "its right side"),
 }
 
 
@@ -50,21 +50,21 @@ def position_id(position: float) -> str:
 
 
 def edge_text(edge: str, target: str) -> str:
-    """The criterion an edge question asks: the target, then which edge, measured from where."""
-    along, name, extreme = _EDGE_WORDING[edge]
+    """The criterion an edge question asks: the target, which edge measured from where, and the
+    scale its options are on (so that each option can be a bare percentage)."""
+    along, name, extreme, side, start, end = _EDGE_WORDING[edge]
     return (
         f"Locate in the image: {target}\n"
         f"How far {along} of the image is the {name} edge of the smallest box around it "
-        f"(its {extreme} point)?"
+        f"(its {extreme} point)? Each option is a percentage of the image's {side}, "
+        f"from 0% ({start}) to 100% ({end})."
     )
 
 
-def edge_options(edge: str, count: int = POSITIONS) -> tuple[Option, ...]:
-    """An edge's options, low to high: id the position, description the percentage of the side."""
-    along = _EDGE_WORDING[edge][0]
-    return tuple(
-        Option(position_id(x), f"{round(x * 100)}% of the way {along} of the image") for x in positions(count)
-    )
+def edge_options(count: int = POSITIONS) -> tuple[Option, ...]:
+    """An edge's options, low to high: id the position (`"0.05"`), description its percentage
+    of the side (`"5%"`); the same for every edge, the criterion says which side."""
+    return tuple(Option(position_id(x), f"{round(x * 100)}%") for x in positions(count))
 
 
 def edge_questions(
@@ -81,7 +81,7 @@ def edge_questions(
         Question(
             id=question_id,
             text=edge_text(edge, target),
-            options=edge_options(edge, count),
+            options=edge_options(count),
             orderings=orderings,
             workload=workload,
         )
