@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import make_settings
 from test_systemone import STATE, answer_codes_by_hand, assert_close, call, plain_forward
 
 from semif_serve.app import create_app
@@ -25,6 +26,7 @@ from semif_serve.doors.systemone.api import (
     timing_block,
 )
 from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
+from semif_serve.service.startup import Service
 
 EDGES = ("top", "bottom", "left", "right")
 GRID = np.array([i / 20 for i in range(21)])  # the documented positions, written out
@@ -152,6 +154,23 @@ def test_each_edge_asked_in_reversal_is_the_log_mean_of_both_orders_plain_forwar
     got = answers["where"]
     assert_close([getattr(got.box, e) for e in EDGES], [box[e] for e in EDGES], TOL)
     assert got.confidence == pytest.approx(confidence, abs=TOL)
+
+
+def test_a_workload_temperature_applies_to_each_edge_before_the_pair_rule(engine, checkpoint, tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"boxes": 2.0}))
+    service = Service.start(make_settings(checkpoint, calibration=calibration), engine=engine)
+    answers, _, _ = answered(service, SystemOneDoor(service), {"where": {**BOX, "x_workload": "boxes"}})
+    probabilities = {}
+    for edge in EDGES:
+        reading = answers["where"].x_edges[edge]
+        assert (reading.x_semif.workload, reading.x_semif.temperature) == ("boxes", 2.0)
+        probabilities[edge] = by_hand([v / 2.0 for v in reading.x_semif.option_logits.values()])
+        assert_close(list(reading.probabilities.values()), list(probabilities[edge]), 1e-9)
+    box, confidence = expected_box(probabilities)
+    got = answers["where"]
+    assert_close([getattr(got.box, e) for e in EDGES], [box[e] for e in EDGES], 1e-9)
+    assert got.confidence == pytest.approx(confidence, abs=1e-9)
 
 
 def test_a_box_is_four_rows_of_the_batch_and_its_prefix_counts_once_in_usage(service, door):
