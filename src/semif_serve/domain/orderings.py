@@ -19,11 +19,13 @@ MAX_SHIFTS = 4  # "shifts": at most this many evenly spaced cyclic shifts, whate
 
 ANSWER_TYPES = ("noul", "choice", "score")
 NO_ORDERINGS = "none"
-# Which orderings each answer type may be asked in: score levels keep their order (reversal only).
+# Which orderings each question type may be asked in: score levels and box positions keep their
+# order (reversal only). A box has no operator default (SEMIF_SYSTEMONE_ORDERINGS): asked once.
 ALLOWED_ORDERINGS: dict[str, tuple[str, ...]] = {
     "noul": (NO_ORDERINGS, "rotations", "reversal"),
     "choice": (NO_ORDERINGS, "rotations", "shifts", "reversal", "all"),
     "score": (NO_ORDERINGS, "reversal"),
+    "box": (NO_ORDERINGS, "reversal"),  # per edge question; positions keep their order (domain/boxes.py)
 }
 OrderingName = Literal["none", "rotations", "shifts", "reversal", "all"]
 # The core's orderings for each name (`none`: asked once, in the caller's order).

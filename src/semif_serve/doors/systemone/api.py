@@ -1,10 +1,10 @@
 """The System One door: `POST /v1/systemone` and `GET /v1/models`, TypeSafe's wire format.
 
-Map each typed question (noul, choice, score) onto the decision core's options, ask every
-question of a request (in every ordering) as one shared batch, and map the outcome back to
-System One answers, or a domain error through `SYSTEMONE_ERRORS`, the one table of this door.
-Every error on these paths, whoever raises it (admission, routing, the door), is rendered by
-`SystemOneDoor.render` in TypeSafe's shapes.
+Map each typed question (noul, choice, score; a box as its four edge questions) onto the
+decision core's options, ask every question of a request (in every ordering) as one shared
+batch, and map the outcome back to System One answers, or a domain error through
+`SYSTEMONE_ERRORS`, the one table of this door. Every error on these paths, whoever raises it
+(admission, routing, the door), is rendered by `SystemOneDoor.render` in TypeSafe's shapes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from semif_serve import __version__
 from semif_serve.domain import types as domain
+from semif_serve.domain.boxes import DEFAULT_TARGET, EDGES, POSITIONS, edge_questions, read_box
 from semif_serve.domain.numerics import argmax
 from semif_serve.domain.orderings import (
     ANSWER_TYPES,
@@ -47,6 +48,9 @@ from semif_serve.doors.systemone.schemas import (
     MODELS_PATH,
     SYSTEMONE_PATH,
     BatchTimingBlock,
+    BoxAnswer,
+    BoxCoordinates,
+    BoxEdge,
     BoxQuestion,
     ChoiceAnswer,
     ChoiceQuestion,
@@ -135,7 +139,6 @@ UNKNOWN_MODEL = ErrorRule(400, "api_usage_error", when="`model` is neither the l
 NO_VISION = ErrorRule(
     400, "api_usage_error", when="a request with images, and the loaded model does not read them"
 )
-NO_BOXES = ErrorRule(400, "api_usage_error", when="a box question (its readout is not built yet)")
 
 
 def systemone_body(error: ServiceError) -> tuple[int, dict[str, Any]]:
@@ -166,12 +169,9 @@ class Policy:
 
 
 def to_question(
-    question_id: str, body: NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion, policy: Policy
+    question_id: str, body: NoulQuestion | ChoiceQuestion | ScoreQuestion, policy: Policy
 ) -> Question:
     """One System One question as the core's domain question (option ids = names / "true" / "0")."""
-    if isinstance(body, BoxQuestion):
-        # Unreachable: a box question needs an image, and images are refused before questions are mapped.
-        raise TypeError("a box question is read from an image, which this engine does not read")
     kind = body.type
     text = DEFAULT_INSTRUCTIONS[kind] if body.instructions is None else as_text(body.instructions)
     options: tuple[Option, ...]
@@ -198,28 +198,53 @@ def to_question(
     )
 
 
+def box_questions(question_id: str, body: BoxQuestion) -> tuple[Question, ...]:
+    """A box question as its four edge questions (domain/boxes.py), in `EDGES` order: asked in
+    the caller's `x_orderings` (`none` or `reversal`; no operator default), with its workload."""
+    target = DEFAULT_TARGET if body.instructions is None else as_text(body.instructions)
+    return edge_questions(
+        question_id,
+        target,
+        orderings=CORE_ORDERINGS[body.x_orderings or NO_ORDERINGS],
+        workload=body.x_workload,
+    )
+
+
+def core_questions(
+    question_id: str, body: NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion, policy: Policy
+) -> tuple[Question, ...]:
+    """The core's questions one System One question is asked as: four for a box, else one."""
+    if isinstance(body, BoxQuestion):
+        return box_questions(question_id, body)
+    return (to_question(question_id, body, policy),)
+
+
 def rows_asked(data: dict[str, Any], policy: Policy) -> int:
     """The rows a decoded (not yet validated) request asks for: each well-formed question's option
-    count in its orderings; what is malformed counts one row and is left to validation."""
+    count in its orderings (a box: its four edges'); what is malformed counts one row and is left
+    to validation."""
     questions = data.get("questions")
     if not isinstance(questions, dict):
         return 0
     rows = 0
     for question in questions.values():
         kind = question.get("type") if isinstance(question, dict) else None
-        if kind not in ANSWER_TYPES:
+        if kind == "box":
+            n, mode, asked = POSITIONS, question.get("x_orderings") or NO_ORDERINGS, len(EDGES)
+        elif kind in ANSWER_TYPES:
+            criteria = question.get("criteria")
+            n = 2 if kind == "noul" else len(criteria) if isinstance(criteria, (dict, list)) else 0
+            mode, asked = question.get("x_orderings") or policy.orderings[kind], 1
+        else:
             rows += 1
             continue
-        criteria = question.get("criteria")
-        n = 2 if kind == "noul" else len(criteria) if isinstance(criteria, (dict, list)) else 0
-        mode = question.get("x_orderings") or policy.orderings[kind]
         if not isinstance(mode, str) or mode not in CORE_ORDERINGS or n < 2:
             rows += 1
             continue
         if mode == "all" and n > MAX_ALL_OPTIONS:
             rows += 1
             continue
-        rows += order_count(n, CORE_ORDERINGS[mode])
+        rows += asked * order_count(n, CORE_ORDERINGS[mode])
     return rows
 
 
@@ -251,6 +276,12 @@ def score_confidence(probabilities: list[float]) -> float:
     k = argmax(probabilities)
     spread = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
     return min(1.0, max(0.0, 1 - sum(p * abs(i - k) for i, p in enumerate(probabilities)) / spread))
+
+
+def box_confidence(marginals: Sequence[Sequence[float]]) -> float:
+    """The least sure edge's: TypeSafe's score confidence of each edge's distribution after the
+    pair rule (positions are evenly spaced levels), the smallest of the four."""
+    return min(score_confidence(list(m)) for m in marginals)
 
 
 def semif_block(answer: QuestionOutcome) -> SemIfBlock:
@@ -301,6 +332,43 @@ def answer_body(kind: str, answer: QuestionOutcome) -> NoulAnswer | ChoiceAnswer
         confidence=score_confidence(probabilities),
         x_semif=semif_block(answer),
     )
+
+
+def box_answer(edges: Sequence[QuestionOutcome]) -> BoxAnswer:
+    """A box answer from its four edge questions' outcomes (in `EDGES` order): each edge's final
+    probabilities read jointly with its side's other edge (the pair rule of domain/boxes.py)."""
+    probabilities = [final_probabilities(edge) for edge in edges]
+    reading = read_box(*probabilities)
+    names = [o.id for o in edges[0].question.options]
+    return BoxAnswer(
+        type="box",
+        box=BoxCoordinates(top=reading.top, bottom=reading.bottom, left=reading.left, right=reading.right),
+        confidence=box_confidence([reading.marginals[edge] for edge in EDGES]),
+        x_edges={
+            edge: BoxEdge(
+                probabilities=dict(zip(names, p, strict=True)),
+                ordered=dict(zip(names, reading.marginals[edge], strict=True)),
+                x_semif=semif_block(outcome),
+            )
+            for edge, p, outcome in zip(EDGES, probabilities, edges, strict=True)
+        },
+    )
+
+
+def answers_of(
+    bodies: dict[str, NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion],
+    asked: Sequence[tuple[Question, ...]],
+    outcomes: Sequence[QuestionOutcome],
+) -> dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer]:
+    """Every System One answer by id from the core's outcomes, `asked[k]` being the core
+    questions the k-th question was asked as (its outcomes follow in that order)."""
+    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer] = {}
+    start = 0
+    for (qid, body), questions in zip(bodies.items(), asked, strict=True):
+        own = outcomes[start : start + len(questions)]
+        start += len(questions)
+        answers[qid] = box_answer(own) if isinstance(body, BoxQuestion) else answer_body(body.type, own[0])
+    return answers
 
 
 def timing_block(outcome: DecisionOutcome) -> BatchTimingBlock:
@@ -502,28 +570,17 @@ class SystemOneDoor(DecisionDoor):
                 "the placeholder text",
                 "assets",
             )
-        boxes = [qid for qid, q in parsed.questions.items() if isinstance(q, BoxQuestion)]
-        if boxes:  # the box readout is not built yet (docs/images.md)
-            raise ServiceError(
-                NO_BOXES.status,
-                NO_BOXES.code,
-                f"questions.{boxes[0]}: box questions are not answered yet",
-                "questions",
-            )
-        questions = await asyncio.to_thread(
-            lambda: [to_question(qid, q, self.policy) for qid, q in parsed.questions.items()]
+        asked = await asyncio.to_thread(
+            lambda: [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
         )
+        questions = [question for own in asked for question in own]
         # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
         outcome = await self.ask(
             request, parsed.state, questions, shared=False, limits=self.limits, images=images
         )
-        answers = {
-            qid: answer_body(parsed.questions[qid].type, answer)
-            for qid, answer in zip(parsed.questions, outcome.questions, strict=True)
-        }
         return SystemOneResponse(
             model=self.model_name,
-            answers=answers,
+            answers=answers_of(parsed.questions, asked, outcome.questions),
             usage=Usage(input_tokens=evaluated_tokens(outcome), output_tokens=0),
             x_timing=timing_block(outcome),
         )
@@ -536,7 +593,7 @@ class SystemOneDoor(DecisionDoor):
             router,
             SYSTEMONE_PATH,
             name="systemone",
-            summary="System One: noul, choice and score questions over one state, one batch",
+            summary="System One: noul, choice, score and box questions over one state, one batch",
             body=SystemOneRequest,
             reply=SystemOneResponse,
             build=self.answer,

@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from semif_serve.domain.boxes import POSITIONS
 from semif_serve.domain.orderings import ALLOWED_ORDERINGS, MAX_ALL_OPTIONS, OrderingName
 from semif_serve.doors.base import TimingBody
 from semif_serve.http.errors import ServiceError
@@ -136,9 +137,15 @@ class ScoreQuestion(_Question):
 
 
 class BoxQuestion(_Question):
-    """Where something is in the request's image: a box of fractions of its height and width."""
+    """Where something is in the request's image: a box of fractions of its height and width,
+    asked as four edge questions of `POSITIONS` positions each (domain/boxes.py)."""
 
     type: Literal["box"]
+
+    @model_validator(mode="after")
+    def _orderings(self) -> BoxQuestion:
+        _check_ordering("box", self.x_orderings, POSITIONS)
+        return self
 
 
 SystemOneQuestion = Annotated[
@@ -272,6 +279,35 @@ class ScoreAnswer(BaseModel):
     x_semif: SemIfBlock
 
 
+class BoxCoordinates(BaseModel):
+    """A box's edges: fractions of the image's height from its top (`top` < `bottom`) and of its
+    width from its left (`left` < `right`), each the expected value of its edge's position."""
+
+    top: float
+    bottom: float
+    left: float
+    right: float
+
+
+class BoxEdge(BaseModel):
+    """How one edge was read: its own distribution over the positions (keys `"0.00"`..`"1.00"`),
+    the distribution after the pair rule (whose expectation is the edge), and its question's
+    `x_semif`."""
+
+    probabilities: dict[str, float]
+    ordered: dict[str, float]
+    x_semif: SemIfBlock
+
+
+class BoxAnswer(BaseModel):
+    """The box, its confidence (the least sure edge's), and each edge's reading."""
+
+    type: Literal["box"]
+    box: BoxCoordinates
+    confidence: float | None
+    x_edges: dict[str, BoxEdge]
+
+
 class Usage(BaseModel):
     """Tokens evaluated (the shared state once); no token is generated."""
 
@@ -290,7 +326,7 @@ class SystemOneResponse(BaseModel):
     """The model that answered (its real identity), one answer per question id, usage, and timing."""
 
     model: str
-    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer]
+    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer]
     usage: Usage
     x_timing: BatchTimingBlock
 
