@@ -12,12 +12,12 @@ import json
 
 import pytest
 from conftest import TOKEN, in_process_client, make_settings
-from typesafe_sdk import Choice, Image, Noul, TypeSafeClient
+from typesafe_sdk import Box, Choice, Image, Noul, TypeSafeClient
 from vision_reference import expected_row, noise_png
 
 from acceptance.server import LoopbackServer
 from semif_serve.app import create_app
-from semif_serve.doors.systemone.api import Policy, to_question
+from semif_serve.doors.systemone.api import Policy, core_questions, to_question
 from semif_serve.doors.systemone.schemas import SystemOneRequest
 
 TOL = 1e-5
@@ -187,6 +187,37 @@ def test_the_native_door_stays_text_only_and_ignores_assets_as_semif_ignores_unk
         assert with_assets.json()[key] == without.json()[key]
 
 
+# -- box questions ---------------------------------------------------------------------------------------
+
+
+def test_a_box_about_an_image_equals_the_pair_rule_over_full_forwards_of_its_edge_prompts(
+    client, vision_service, vision_reference
+):
+    from test_systemone_boxes import EDGES, by_hand, expected_box
+
+    images = {PHOTO: noise_png(50, size=(48, 32))}
+    questions = {"where": {"type": "box", "instructions": "the brightest patch"}, "c": CHOICE}
+    body = request_body({"photo": PHOTO, "caption": "a test card"}, questions, images)
+    reply = client.post("/v1/systemone", json=body)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()["answers"]["where"]
+    parsed = SystemOneRequest.model_validate(body)
+    settings = vision_service.settings
+    policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
+    edges = core_questions("where", parsed.questions["where"], policy)
+    probabilities = {}
+    for edge, question in zip(EDGES, edges, strict=True):
+        descriptions = [o.description for o in question.options]
+        text = vision_service.engine.codec.render_prompt(parsed.state, question.text, descriptions)
+        logits, _, _ = expected_row(vision_reference, text, len(descriptions), images)
+        probabilities[edge] = by_hand(logits)
+    box, confidence = expected_box(probabilities)
+    for edge in EDGES:
+        assert abs(answer["box"][edge] - box[edge]) < TOL
+    assert answer["box"]["top"] < answer["box"]["bottom"] and answer["box"]["left"] < answer["box"]["right"]
+    assert answer["confidence"] == pytest.approx(confidence, abs=TOL)
+
+
 # -- the official SDK against a live service ----------------------------------------------------------
 
 
@@ -281,3 +312,20 @@ def asset_of(data: bytes):
     from semif_serve.domain.images import read_image
 
     return read_image(PHOTO, data, claimed="png", max_pixels=10**7)
+
+
+def test_the_sdk_asks_a_box_about_an_image_and_parses_the_box(server, client):
+    data = noise_png(51)
+    image = Image(data)
+    with TypeSafeClient(api_key=TOKEN, base_url=server.url) as sdk, sdk.attach_assets(image):
+        answer = sdk.system_one(state=image, questions={"where": Box(instructions="the brightest patch")})
+    twin = client.post(
+        "/v1/systemone",
+        json=request_body(
+            str(image), {"where": {"type": "box", "instructions": "the brightest patch"}}, {str(image): data}
+        ),
+    ).json()["answers"]["where"]
+    got = answer.answers["where"]
+    assert got.box.top == pytest.approx(twin["box"]["top"], abs=1e-12)
+    assert got.box.right == pytest.approx(twin["box"]["right"], abs=1e-12)
+    assert 0 <= got.box.top < got.box.bottom <= 1 and 0 <= got.box.left < got.box.right <= 1
