@@ -68,6 +68,14 @@ from .common import (
     print_table,
     write_result,
 )
+from .gpu_images import (
+    IMAGE_SIZES,
+    VISION_GEOMETRY,
+    image_gates,
+    image_table,
+    measure_images,
+    vision_language_model,
+)
 from .kernels import block_kernel_packages, bound_kernels, fast_linear_attention, kernel_check
 from .latency import measure_latency, print_latency
 from .server import LoopbackServer
@@ -122,6 +130,9 @@ class Device:
     def adopt(self, model: Any) -> None:
         """Called once the model is built on the device (nothing to do on a real GPU)."""
 
+    def adopt_vision(self, tower: Any) -> None:
+        """Called once the vision tower is built on the device (nothing to do on a real GPU)."""
+
 
 def real_device() -> Device:
     import torch
@@ -151,6 +162,8 @@ class RunOptions:
     burst: tuple[int, int] = BURST
     forced_oom_room_mib: int = FORCED_OOM_ROOM_MIB
     max_rows: int = MAX_ROWS
+    image_sizes: tuple[tuple[int, int], ...] | None = None  # None: the shape's (gpu_images.IMAGE_SIZES)
+    image_repeats: int = 3  # timed runs of each image measurement (after one warm-up)
     seed: int = 0
 
 
@@ -219,6 +232,8 @@ class GpuRun:
         }
         self.current = "start"
         self.service = None
+        self.model: Any = None  # the text model the service runs, and its tokenizer
+        self.tokenizer: Any = None
         self.client: Client | None = None
         self._stack = contextlib.ExitStack()
         self._lock = threading.Lock()
@@ -393,6 +408,7 @@ class GpuRun:
         self.device.adopt(model)
         self.device.cuda.synchronize()
         build_s = time.monotonic() - t0
+        self.model, self.tokenizer = model, tokenizer
         extra = {} if opts.state_cache_mib is None else {"state_cache_mib": opts.state_cache_mib}
         settings = load_settings(
             model_path=directory,
@@ -679,7 +695,35 @@ class GpuRun:
             "spec_0_1_3": SPEC_CAPACITY.get(target),
         }
 
-    # -- 8. batching (issue 12's measurements, through the core rather than HTTP)
+    # -- 8. images (issue 17: the vision tower at the real geometry, through the engine's image blocks)
+
+    def images(self) -> tuple[dict[str, Any], list[Gate]]:
+        self.needs("service")
+        opts = self.options
+        t0 = time.monotonic()
+        model = vision_language_model(
+            self.model, VISION_GEOMETRY[opts.shape], self.device.tensor_device, opts.seed
+        )
+        self.device.adopt_vision(model.model.visual)
+        self.device.cuda.synchronize()
+        build_s = time.monotonic() - t0
+        data = measure_images(
+            model,
+            self.tokenizer,
+            self.device.cuda,
+            self.device.tensor_device,
+            opts.image_sizes or IMAGE_SIZES[opts.shape],
+            keep_going=lambda: self.deadline.allows(10),
+            repeats=opts.image_repeats,
+        )
+        data["build_seconds"] = build_s
+        head, body = image_table(data)
+        print_table(
+            head, body, title=f"images (vision tower {data['vision_weights_bytes'] / GIB:.2f} GiB BF16)"
+        )
+        return data, image_gates(data)
+
+    # -- 9. batching (issue 12's measurements, through the core rather than HTTP)
 
     def batching(self) -> tuple[dict[str, Any], list[Gate]]:
         self.needs("service")
@@ -721,6 +765,7 @@ class GpuRun:
             self.phase("memory", 20, self.memory)
             self.phase("latency", 30, self.latency)
             self.phase("capacity", 35, self.capacity)
+            self.phase("images", 30, self.images)
             self.phase("batching", 25, self.batching)
         finally:
             watchdog.cancel()
