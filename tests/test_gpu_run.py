@@ -441,3 +441,31 @@ def test_the_simulated_allocator_returns_cached_blocks_before_it_fails():
     with pytest.raises(torch.cuda.OutOfMemoryError):
         cuda.allocate(11 * MIB)
     assert cuda.out_of_memory_events == 1
+
+
+def test_only_runs_the_phases_asked_after_the_environment_and_the_service(tmp_path):
+    from acceptance.gpu_run import OPTIONAL_PHASES, parse_args
+
+    assert parse_args(["--only", "images,latency"]).only == ("images", "latency")
+    assert parse_args([]).only is None
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "images,imagse"])
+
+    class Recording(GpuRun):
+        """The run's own phase loop over phases that only record that they ran."""
+
+        def __getattribute__(self, name):
+            if name in ("environment", "start_service", *OPTIONAL_PHASES):
+                return lambda: ({}, [])
+            return super().__getattribute__(name)
+
+    out = tmp_path / "gpu-run.json"
+    Recording(RunOptions(out=out, only=("images",)), SimulatedDevice(SimulatedCuda())).run()
+    assert list(json.loads(out.read_text())["phases"]) == ["environment", "service", "images"]
+    Recording(RunOptions(out=out), SimulatedDevice(SimulatedCuda())).run()
+    assert list(json.loads(out.read_text())["phases"]) == [
+        "environment",
+        "kernel",
+        "service",
+        *OPTIONAL_PHASES[1:],
+    ]
