@@ -1,6 +1,7 @@
 """One prepared run on a lent GPU: every CUDA-only table of the spec in one command, under a deadline.
 
     python3 -m acceptance.gpu_run [--out RESULT.json] [--deadline 400] [--kernels auto|fast|reference]
+                                  [--only PHASE[,PHASE]]
 
 It builds a random-weight model of Qwen3.5-4B's text geometry ONCE, directly on the GPU in BF16
 (no float32 build, no checkpoint on disk: a temporary directory holds only the tokenizer and
@@ -21,10 +22,16 @@ rewritten after every phase, so an error or the deadline loses only the phase it
 6. capacity at ~140 / 520 / 1,960 / 3,900 prefix tokens: the out-of-memory boundary (the engine's
    estimate off, the batcher's row bound raised past it), the rows the estimate allows, and what
    the estimate does at those counts (one forward; split, refused or 503 at the boundary);
-7. batching, with what time is left: issue 12's three measurements (`bench/batching.py`, quick:
+7. images (acceptance/gpu_images.py): a random vision tower at Qwen3.5-4B's real vision geometry
+   joined to the run's text model; for 448x448, 1024x768 and 1920x1080 images its weights, time
+   and peak memory, image tokens, one question with the image vs without, eight questions vs one,
+   a second question over the kept image state vs the first, the readout vs a full forward;
+8. batching, with what time is left: issue 12's three measurements (`bench/batching.py`, quick:
    16 clients vs 1, the second question about a ~2,000-token state vs the first, prefills for 8
    clients over one state) through the decision core;
-8. gates: every phase's pass/fail in one table.
+9. gates: every phase's pass/fail in one table.
+
+`--only images` (or any comma-separated phases) runs just those, after environment and service.
 
 Random weights cost what the real ones cost in time and memory; the answers mean nothing.
 Exit status: 0 every gate passed, 1 a gate failed or a phase was skipped, 2 the run could not
@@ -68,6 +75,14 @@ from .common import (
     print_table,
     write_result,
 )
+from .gpu_images import (
+    IMAGE_SIZES,
+    VISION_GEOMETRY,
+    image_gates,
+    image_table,
+    measure_images,
+    vision_language_model,
+)
 from .kernels import block_kernel_packages, bound_kernels, fast_linear_attention, kernel_check
 from .latency import measure_latency, print_latency
 from .server import LoopbackServer
@@ -102,6 +117,7 @@ PREFLIGHT_TIMEOUT_S = 240.0  # the first triton compile and autotune of the fla 
 KERNEL_CHECK_TOKENS = 1024
 GIB = 1024**3
 MIB = 1024**2
+OPTIONAL_PHASES = ("kernel", "parity", "memory", "latency", "capacity", "images", "batching")
 
 
 # -- the device -------------------------------------------------------------------------------
@@ -121,6 +137,9 @@ class Device:
 
     def adopt(self, model: Any) -> None:
         """Called once the model is built on the device (nothing to do on a real GPU)."""
+
+    def adopt_vision(self, tower: Any) -> None:
+        """Called once the vision tower is built on the device (nothing to do on a real GPU)."""
 
 
 def real_device() -> Device:
@@ -151,6 +170,9 @@ class RunOptions:
     burst: tuple[int, int] = BURST
     forced_oom_room_mib: int = FORCED_OOM_ROOM_MIB
     max_rows: int = MAX_ROWS
+    image_sizes: tuple[tuple[int, int], ...] | None = None  # None: the shape's (gpu_images.IMAGE_SIZES)
+    image_repeats: int = 3  # timed runs of each image measurement (after one warm-up)
+    only: tuple[str, ...] | None = None  # run just these phases (with environment and service)
     seed: int = 0
 
 
@@ -219,6 +241,8 @@ class GpuRun:
         }
         self.current = "start"
         self.service = None
+        self.model: Any = None  # the text model the service runs, and its tokenizer
+        self.tokenizer: Any = None
         self.client: Client | None = None
         self._stack = contextlib.ExitStack()
         self._lock = threading.Lock()
@@ -393,6 +417,7 @@ class GpuRun:
         self.device.adopt(model)
         self.device.cuda.synchronize()
         build_s = time.monotonic() - t0
+        self.model, self.tokenizer = model, tokenizer
         extra = {} if opts.state_cache_mib is None else {"state_cache_mib": opts.state_cache_mib}
         settings = load_settings(
             model_path=directory,
@@ -679,7 +704,35 @@ class GpuRun:
             "spec_0_1_3": SPEC_CAPACITY.get(target),
         }
 
-    # -- 8. batching (issue 12's measurements, through the core rather than HTTP)
+    # -- 8. images (issue 17: the vision tower at the real geometry, through the engine's image blocks)
+
+    def images(self) -> tuple[dict[str, Any], list[Gate]]:
+        self.needs("service")
+        opts = self.options
+        t0 = time.monotonic()
+        model = vision_language_model(
+            self.model, VISION_GEOMETRY[opts.shape], self.device.tensor_device, opts.seed
+        )
+        self.device.adopt_vision(model.model.visual)
+        self.device.cuda.synchronize()
+        build_s = time.monotonic() - t0
+        data = measure_images(
+            model,
+            self.tokenizer,
+            self.device.cuda,
+            self.device.tensor_device,
+            opts.image_sizes or IMAGE_SIZES[opts.shape],
+            keep_going=lambda: self.deadline.allows(10),
+            repeats=opts.image_repeats,
+        )
+        data["build_seconds"] = build_s
+        head, body = image_table(data)
+        print_table(
+            head, body, title=f"images (vision tower {data['vision_weights_bytes'] / GIB:.2f} GiB BF16)"
+        )
+        return data, image_gates(data)
+
+    # -- 9. batching (issue 12's measurements, through the core rather than HTTP)
 
     def batching(self) -> tuple[dict[str, Any], list[Gate]]:
         self.needs("service")
@@ -715,13 +768,20 @@ class GpuRun:
         watchdog.start()
         try:
             started = self.phase("environment", 0, self.environment)
-            self.phase("kernel", 30, self.kernel)
-            self.phase("service", 60, self.start_service)
-            self.phase("parity", 20, self.parity)
-            self.phase("memory", 20, self.memory)
-            self.phase("latency", 30, self.latency)
-            self.phase("capacity", 35, self.capacity)
-            self.phase("batching", 25, self.batching)
+            steps: list[tuple[str, float, Callable[[], tuple[dict[str, Any], list[Gate]]]]] = [
+                ("kernel", 30, self.kernel),
+                ("service", 60, self.start_service),
+                ("parity", 20, self.parity),
+                ("memory", 20, self.memory),
+                ("latency", 30, self.latency),
+                ("capacity", 35, self.capacity),
+                ("images", 30, self.images),
+                ("batching", 25, self.batching),
+            ]
+            only = self.options.only
+            for name, need_s, run in steps:
+                if only is None or name == "service" or name in only:
+                    self.phase(name, need_s, run)
         finally:
             watchdog.cancel()
             self.current = "shutdown"
@@ -1006,8 +1066,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="latency runs (N)")
     parser.add_argument("--requests", type=int, default=20, help="latency requests per run and row (M)")
     parser.add_argument("--shape", choices=("4b", "demo"), default="4b", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--only",
+        type=lambda text: tuple(p for p in text.split(",") if p),
+        default=None,
+        metavar="PHASE[,PHASE]",
+        help=f"run just these phases ({', '.join(OPTIONAL_PHASES)}); environment and service always run",
+    )
     parser.add_argument("--kernel-preflight", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - set(OPTIONAL_PHASES))
+    if unknown:
+        parser.error(f"--only: unknown phases {', '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None, device: Device | None = None) -> int:
@@ -1024,6 +1095,7 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> int:
         shape=args.shape,
         runs=args.runs,
         requests=args.requests,
+        only=args.only,
     )
     return GpuRun(options, device or real_device()).run()
 

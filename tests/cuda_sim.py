@@ -37,7 +37,8 @@ class SimulatedCuda:
     `torch.cuda.OutOfMemoryError` (the real class) if allocated memory alone would pass it.
 
     A tracked model's decoder forward over `rows` rows of `q` new tokens after `past` cached ones
-    allocates `rows * (row_bytes + (past + q) * token_bytes)` for its duration.
+    allocates `rows * (row_bytes + (past + q) * token_bytes)` for its duration; a tracked vision
+    tower's forward over `patches` patches, `patches * patch_bytes`.
     """
 
     OutOfMemoryError = torch.cuda.OutOfMemoryError
@@ -48,14 +49,17 @@ class SimulatedCuda:
         name: str = "Simulated NVIDIA H200",
         row_bytes: int = MIB,
         token_bytes: int = 8 * 1024,
+        patch_bytes: int = 4 * 1024,
     ) -> None:
         self.properties = Properties(name, total_memory)
         self.fraction = 1.0
         self.allocated = 0
         self.reserved = 0
         self.peak_reserved = 0
+        self.peak_allocated = 0
         self.row_bytes = row_bytes
         self.token_bytes = token_bytes
+        self.patch_bytes = patch_bytes
         self.out_of_memory_events = 0
         self.empty_cache_calls = 0
         self.forwards: list[tuple[int, int, int]] = []
@@ -95,6 +99,15 @@ class SimulatedCuda:
         self._index(device)
         return self.peak_reserved
 
+    def max_memory_allocated(self, device=None) -> int:
+        self._index(device)
+        return self.peak_allocated
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self._index(device)
+        self.peak_allocated = self.allocated
+        self.peak_reserved = self.reserved
+
     def empty_cache(self) -> None:
         self.empty_cache_calls += 1
         self.reserved = self.allocated
@@ -119,6 +132,7 @@ class SimulatedCuda:
             self.empty_cache()  # the cached blocks go back before an allocation fails
         self.allocated += nbytes
         self.reserved = max(self.reserved, self.allocated)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def free(self, nbytes: int) -> None:
@@ -135,9 +149,11 @@ class SimulatedCuda:
 
         def before(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None:  # a prefix fed as embeddings (the image path)
+                ids = kwargs["inputs_embeds"]
             cache = kwargs.get("past_key_values")
             past = int(cache.get_seq_length()) if cache is not None else 0
-            rows, new = ids.shape
+            rows, new = ids.shape[:2]
             self.forwards.append((rows, past, new))
             nbytes = self.forward_bytes(rows, past, new)
             self.allocate(nbytes)
@@ -149,6 +165,25 @@ class SimulatedCuda:
 
         decoder.register_forward_pre_hook(before, with_kwargs=True)
         decoder.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+    def track_vision(self, tower) -> None:
+        """Account a vision tower's weights, and allocate `patches * patch_bytes` for each of its
+        forwards (over the `[patches, ...]` pixel values it is given)."""
+        self.allocate(sum(p.numel() * p.element_size() for p in tower.parameters()))
+        live: list[int] = []
+
+        def before(module, args, kwargs):
+            pixels = kwargs.get("hidden_states", args[0] if args else None)
+            nbytes = int(pixels.shape[0]) * self.patch_bytes
+            self.allocate(nbytes)
+            live.append(nbytes)
+
+        def after(module, args, kwargs, output):
+            if live:
+                self.free(live.pop())
+
+        tower.register_forward_pre_hook(before, with_kwargs=True)
+        tower.register_forward_hook(after, with_kwargs=True, always_call=True)
 
     # -- torch's device-index rules
 

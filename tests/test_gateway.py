@@ -21,6 +21,14 @@ import httpx
 import pytest
 import uvicorn
 from conftest import TOKEN, decision
+from proxy_bodies import (
+    JSON_LIMIT,
+    PHOTO_BYTES,
+    PHOTO_LIMIT,
+    photo_multipart,
+    refused_by_a_replica,
+    too_large_for_systemone,
+)
 
 from semif_serve.app import create_app
 from semif_serve.http.server import server_config
@@ -165,6 +173,38 @@ def test_a_body_over_the_limit_is_refused_at_the_gateway_in_the_service_envelope
     response = httpx.post(f"{gateway.url}/decide", content=b"x" * (1048576 + 1), headers=AUTH, timeout=30)
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "body_too_large"
+    assert REPLICA_HEADER not in response.headers  # answered by the gateway itself
+
+
+def test_a_photo_past_the_json_limit_reaches_a_replica_on_systemone_only(gateway):
+    content_type, body = photo_multipart(PHOTO_BYTES)
+    assert JSON_LIMIT < len(body) < PHOTO_LIMIT
+    headers = {**AUTH, "Content-Type": content_type}
+    photo = httpx.post(f"{gateway.url}/v1/systemone", content=body, headers=headers, timeout=60)
+    assert refused_by_a_replica(photo), photo.text  # the replica read the photo and said why
+    assert photo.headers[REPLICA_HEADER].startswith("least_load/")
+    elsewhere = httpx.post(f"{gateway.url}/decide", content=body, headers=headers, timeout=60)
+    assert elsewhere.status_code == 413 and elsewhere.json()["error"]["code"] == "body_too_large"
+    assert REPLICA_HEADER not in elsewhere.headers
+
+
+def test_systemone_bodies_past_their_limits_are_refused_at_the_gateway_in_typesafe_s_shape(gateway):
+    content_type, body = photo_multipart(PHOTO_LIMIT + 1)
+    over = httpx.post(
+        f"{gateway.url}/v1/systemone",
+        content=body,
+        headers={**AUTH, "Content-Type": content_type},
+        timeout=60,
+    )
+    assert too_large_for_systemone(over, PHOTO_LIMIT) and REPLICA_HEADER not in over.headers
+    # A JSON body keeps the JSON limit there too (the service allows the photo limit to multipart only).
+    json_body = httpx.post(
+        f"{gateway.url}/v1/systemone",
+        content=b"x" * (JSON_LIMIT + 1),
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert too_large_for_systemone(json_body, JSON_LIMIT) and REPLICA_HEADER not in json_body.headers
 
 
 def owner(replicas, gateway: Gateway, state: str):

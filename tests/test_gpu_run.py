@@ -14,6 +14,7 @@ from cuda_sim import MIB, SimulatedCuda
 
 from acceptance.capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
 from acceptance.common import ServiceCallError
+from acceptance.gpu_images import image_gates
 from acceptance.gpu_run import (
     Device,
     GpuRun,
@@ -34,6 +35,9 @@ class SimulatedDevice(Device):
     def adopt(self, model) -> None:
         self.cuda.track(model)
 
+    def adopt_vision(self, tower) -> None:
+        self.cuda.track_vision(tower)
+
 
 def expected_boundary(cuda: SimulatedCuda, weights: int, prefix: int, width: int) -> int:
     """The simulated card's own limit: rows whose suffix forward fits beside the weights."""
@@ -41,7 +45,7 @@ def expected_boundary(cuda: SimulatedCuda, weights: int, prefix: int, width: int
 
 
 def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
-    cuda = SimulatedCuda(row_bytes=MIB, token_bytes=8 * 1024)
+    cuda = SimulatedCuda(row_bytes=MIB, token_bytes=8 * 1024, patch_bytes=4096)
     out = tmp_path / "gpu-run.json"
     options = RunOptions(
         out=out,
@@ -53,6 +57,8 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
         burst=(1960, 8),
         forced_oom_room_mib=16,
         capacity_tokens=(140, 3900),  # the shortest and the longest state: the test stays under a minute
+        image_sizes=IMAGE_SIZES,
+        image_repeats=1,
         deadline_s=600,
         hard_limit_s=3600,
     )
@@ -71,6 +77,7 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
         "memory",
         "latency",
         "capacity",
+        "images",
         "batching",
     ]
     assert result["simulated_device"] is True and result["environment"]["gpu"] == "Simulated NVIDIA H200"
@@ -106,6 +113,7 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
         too_many = row["estimate_rows"] > boundary
         assert row["estimate_at_its_rows"] == ("out_of_memory" if too_many else "ok")
     assert rows[140]["max_rows"] > 64  # the batcher's row bound was raised past the boundary
+    check_images(phases["images"], cuda, tmp_path)
     assert phases["batching"]["prefills_for_8_clients"] == 1
     gates = {(g["phase"], g["name"]): g["passed"] for g in result["gates"]}
     assert gates[("capacity", "boundary is an OOM")] is True
@@ -116,6 +124,45 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
     assert status == (0 if all(gates.values()) else 1)
     printed = capsys.readouterr().out
     assert "OOM boundary" in printed and "spec 0.1.3 ms" in printed and "gates" in printed
+    assert "images (vision tower" in printed
+
+
+IMAGE_SIZES = ((40, 24), (96, 64))  # one upscaled to the processor's minimum, one kept as it is
+
+
+def check_images(images, cuda: SimulatedCuda, tmp_path) -> None:
+    """The image phase against independent computations: the tower's weights read from a demo
+    vision checkpoint's safetensors headers, the tokens from transformers' own resize rule, the
+    peaks from the simulated card's own accounting, the readouts from a full forward."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from semif_serve.engine.vision import MAX_PIXELS, MIN_PIXELS, vision_tower_elements
+    from semif_serve.tools.demo import write_checkpoint
+
+    elements = vision_tower_elements(write_checkpoint(tmp_path / "vl", multimodal=True))
+    assert images["vision_parameters"] == elements
+    assert images["vision_weights_bytes"] == 2 * elements  # BF16
+    config = images["vision_config"]
+    factor = config["patch_size"] * config["spatial_merge_size"]
+    rows = images["rows"]
+    assert [(r["width"], r["height"]) for r in rows] == list(IMAGE_SIZES)
+    for row in rows:
+        height, width = smart_resize(row["height"], row["width"], factor, MIN_PIXELS, MAX_PIXELS)
+        assert row["resized"] == [width, height]
+        patches = (height // config["patch_size"]) * (width // config["patch_size"])
+        assert (
+            row["patches"] == patches and row["image_tokens"] == patches // config["spatial_merge_size"] ** 2
+        )
+        # The prefix holds the image's tokens and the state's text; the text-only state, its text alone.
+        assert row["prefix_tokens"] >= row["text_prefix_tokens"] + row["image_tokens"]
+        assert row["tower_peak_bytes"] == patches * cuda.patch_bytes
+        assert row["prefill_peak_bytes"] == cuda.forward_bytes(1, 0, row["prefix_tokens"])
+        assert row["readout_vs_full_forward_gap"] < 1e-2  # BF16 on the CPU
+        assert row["kept_state_gap"] == 0.0 and row["eight_rows_vs_one_gap"] < 1e-2
+        for key in ("tower_seconds", "prefill_seconds", "one_question_seconds", "without_image_seconds"):
+            assert row[key] > 0, key
+    assert rows[0]["resized"] != [40, 24]  # below the processor's minimum: upscaled
+    assert rows[1]["image_tokens"] > rows[0]["image_tokens"]
 
 
 # -- the pure parts ------------------------------------------------------------------------------
@@ -219,6 +266,40 @@ def test_the_memory_gates_pass_a_release_and_fail_a_leak():
     assert [g.name for g in memory_gates(leaked) if not g.passed] == ["back to baseline after OOM"]
     kept = {**healthy, "after_burst_gib": 12.6, "forced_oom": "500 internal_error"}
     assert {g.name for g in memory_gates(kept) if not g.passed} == {"burst given back", "forced OOM is 503"}
+
+
+def image_row(**overrides):
+    row = {
+        "width": 448,
+        "height": 448,
+        "readout_vs_full_forward_gap": 0.01,
+        "eight_rows_vs_one_gap": 0.004,
+        "kept_state_gap": 0.0,
+        "eight_vs_one": 1.2,
+        "first_vs_second": 9.0,
+    }
+    return {**row, **overrides}
+
+
+@pytest.mark.parametrize(
+    "change,failing",
+    [
+        ({}, set()),
+        ({"readout_vs_full_forward_gap": 0.2}, {"image path vs full forward"}),
+        ({"eight_rows_vs_one_gap": 0.11}, {"eight rows read as one"}),
+        ({"kept_state_gap": 0.01}, {"kept image state reads as fresh"}),
+        ({"eight_vs_one": 1.6}, {"goal: eight questions <= 1.5x one"}),
+        ({"first_vs_second": 4.0}, {"goal: second question >= 5x faster"}),
+    ],
+)
+def test_each_image_gate_fails_on_its_own_defect(change, failing):
+    gates = image_gates({"rows": [image_row(), image_row(width=1920, height=1080, **change)]})
+    assert {g.name for g in gates if not g.passed} == failing
+
+
+def test_an_image_size_the_deadline_skipped_fails_the_image_table():
+    gates = image_gates({"rows": [image_row(), {"width": 1920, "height": 1080, "skipped": "deadline"}]})
+    assert [g.name for g in gates if not g.passed] == ["image sizes measured"]
 
 
 def result(probabilities, sha="abc"):
@@ -360,3 +441,31 @@ def test_the_simulated_allocator_returns_cached_blocks_before_it_fails():
     with pytest.raises(torch.cuda.OutOfMemoryError):
         cuda.allocate(11 * MIB)
     assert cuda.out_of_memory_events == 1
+
+
+def test_only_runs_the_phases_asked_after_the_environment_and_the_service(tmp_path):
+    from acceptance.gpu_run import OPTIONAL_PHASES, parse_args
+
+    assert parse_args(["--only", "images,latency"]).only == ("images", "latency")
+    assert parse_args([]).only is None
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "images,imagse"])
+
+    class Recording(GpuRun):
+        """The run's own phase loop over phases that only record that they ran."""
+
+        def __getattribute__(self, name):
+            if name in ("environment", "start_service", *OPTIONAL_PHASES):
+                return lambda: ({}, [])
+            return super().__getattribute__(name)
+
+    out = tmp_path / "gpu-run.json"
+    Recording(RunOptions(out=out, only=("images",)), SimulatedDevice(SimulatedCuda())).run()
+    assert list(json.loads(out.read_text())["phases"]) == ["environment", "service", "images"]
+    Recording(RunOptions(out=out), SimulatedDevice(SimulatedCuda())).run()
+    assert list(json.loads(out.read_text())["phases"]) == [
+        "environment",
+        "kernel",
+        "service",
+        *OPTIONAL_PHASES[1:],
+    ]

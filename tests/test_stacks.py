@@ -268,12 +268,22 @@ def test_nginx_conf_matches_the_stack():
         assert port == "8032", host
         assert re.search(r"\bmax_fails=\d+", params) and re.search(r"\bfail_timeout=\d+", params)
 
-    # The body limit equals the service's (SEMIF_MAX_BODY_BYTES).
-    (limit,) = re.findall(r"client_max_body_size\s+(\S+);", conf)
-    factor = {"k": 1024, "m": 1024**2, "g": 1024**3}
-    size = int(limit[:-1]) * factor[limit[-1].lower()] if limit[-1].isalpha() else int(limit)
+    # The body limits equal the service's: SEMIF_MAX_BODY_BYTES for the server, and on
+    # /v1/systemone that plus SEMIF_SYSTEMONE_MAX_IMAGE_BYTES (a multipart body's photos).
+    def size(limit: str) -> int:
+        factor = {"k": 1024, "m": 1024**2, "g": 1024**3}
+        return int(limit[:-1]) * factor[limit[-1].lower()] if limit[-1].isalpha() else int(limit)
+
+    server_level = re.sub(r"location\s[^{]*\{[^}]*\}", "", conf.split("server {", 1)[1])
+    (limit,) = re.findall(r"client_max_body_size\s+(\S+);", server_level)
     service_limit = replicas(compose)["semif-gpu0"]["environment"]["SEMIF_MAX_BODY_BYTES"]
-    assert size == int(service_limit) == Settings.model_fields["max_body_bytes"].default
+    assert size(limit) == int(service_limit) == Settings.model_fields["max_body_bytes"].default
+    systemone = re.search(r"location\s+=\s+/v1/systemone\s*\{(?P<body>[^}]*)\}", conf)
+    assert systemone, "location = /v1/systemone { ... }"
+    (photo_limit,) = re.findall(r"client_max_body_size\s+(\S+);", systemone["body"])
+    image_bytes = Settings.model_fields["systemone_max_image_bytes"].default
+    assert size(photo_limit) == int(service_limit) + image_bytes
+    assert re.search(r"proxy_pass\s+http://semif;", systemone["body"])
 
     # 429 and its Retry-After reach the client: never retried, never intercepted.
     rules = re.findall(r"proxy_next_upstream\s+([^;]*);", conf)
@@ -543,3 +553,35 @@ def test_multi_stack_haproxy_gateway_serves_the_charts_config_over_every_replica
         timeout=30,
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_proxies_refuse_past_the_service_s_body_limits_naming_them():
+    """haproxy.cfg's 413 rules and nginx.conf's 413 pages say the service's default limits: 1 MiB,
+    and on /v1/systemone 1 MiB + 20 MiB for a multipart body (each message names its limit)."""
+    from semif_serve.doors.systemone.schemas import SYSTEMONE_PATH
+
+    json_limit = Settings.model_fields["max_body_bytes"].default
+    photo_limit = json_limit + Settings.model_fields["systemone_max_image_bytes"].default
+    gateway = (ROOT / "stacks" / "semif-k8s" / "files" / "haproxy.cfg").read_text(encoding="utf-8")
+    assert re.search(rf"^\s*acl systemone path {re.escape(SYSTEMONE_PATH)}$", gateway, re.M)
+    assert re.search(
+        r"^\s*acl multipart req\.hdr\(content-type\) -m beg -i multipart/form-data$", gateway, re.M
+    )
+    rules = re.findall(
+        r"^\s*http-request return status 413 .*?over the limit of (\d+) bytes.*? if (.*?) "
+        r"\{ req\.hdr_val\(content-length\) gt (\d+) \}$",
+        gateway,
+        re.M,
+    )
+    limits = {condition: (int(named), int(over)) for named, condition, over in rules}
+    assert limits == {
+        "systemone multipart": (photo_limit, photo_limit),
+        "systemone !multipart": (json_limit, json_limit),
+        "!systemone": (json_limit, json_limit),
+    }
+    values = (ROOT / "stacks" / "semif-k8s" / "values.yaml").read_text(encoding="utf-8")
+    assert f'SEMIF_MAX_BODY_BYTES: "{json_limit}"' in values
+    conf = nginx_directives(NGINX_CONF.read_text(encoding="utf-8"))
+    pages = dict(re.findall(r"location\s+(@\w+)\s*\{[^}]*over the limit of (\d+) bytes", conf))
+    assert pages == {"@body_too_large": str(json_limit), "@systemone_too_large": str(photo_limit)}
+    assert re.search(r"location\s+=\s+/v1/systemone\s*\{[^}]*error_page 413 @systemone_too_large;", conf)

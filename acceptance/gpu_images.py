@@ -1,0 +1,426 @@
+"""The `images` phase of gpu_run: what an image costs at Qwen3.5-4B's real vision geometry.
+
+A random-weight vision tower at the geometry of Qwen3.5-4B's `vision_config` is built on the
+device in BF16 and joined to the run's text model (its weights shared, not copied) as a
+`Qwen3_5ForConditionalGeneration`. Through the engine's image building blocks
+(`semif_serve.engine.vision`), for images of several sizes after the processor's resize:
+
+- the vision tower's weights (bytes), each image's patches, tokens, tower time and peak memory;
+- one question over a state with the image vs the same state without it;
+- eight questions about the image in one forward vs one question (goal <= 1.5x);
+- a second question over the kept image state (its suffix only) vs the first (goal >= 5x);
+- the image path's readout against a full forward of the vision-language model on the whole
+  prompt (the model places the features and computes its own 3-D positions).
+
+Random weights cost what the real ones cost in time and memory; the answers mean nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .common import Gate
+
+# Qwen3.5-4B's `vision_config` (config.json of Qwen/Qwen3.5-4B and of its fine-tunes with the same
+# text geometry, e.g. the "chandra" Qwen3_5ForConditionalGeneration config: text 2560 x 32 layers,
+# image_token_id 248056; transformers 5.17's Qwen3_5VisionConfig defaults are the larger towers').
+# 24 blocks of 1024 give 333.5 M weights, 0.62 GiB in BF16, as the published f16 "mmproj" vision
+# file of Qwen3.5-4B (~644 MB) says.
+QWEN35_4B_VISION: dict[str, Any] = {
+    "depth": 24,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 2304,
+    "hidden_act": "gelu_pytorch_tanh",
+}
+# tools/demo.py's multimodal checkpoint: the tiny tower the tests run.
+DEMO_VISION: dict[str, Any] = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+VISION_GEOMETRY = {"4b": QWEN35_4B_VISION, "demo": DEMO_VISION}
+IMAGE_SIZES = {
+    "4b": ((448, 448), (1024, 768), (1920, 1080)),
+    "demo": ((40, 24), (64, 48), (96, 64)),
+}
+PLACEHOLDER = "<image:photo>"
+STATE = {"photo": PLACEHOLDER, "caption": "A photo of the shipment as it arrived at the dock."}
+TEXT_STATE = {"caption": STATE["caption"]}  # the same state without its image
+QUESTIONS = [
+    ("Is the package damaged?", ["Yes, visibly damaged.", "No, it looks intact."]),
+    ("What is the package made of?", ["Cardboard.", "Plastic.", "Wood."]),
+    ("Is a shipping label visible?", ["Yes.", "No."]),
+    ("How many packages are shown?", ["One.", "Two.", "More than two."]),
+    ("Is the photo taken indoors?", ["Indoors.", "Outdoors."]),
+    ("Is the package open?", ["Open.", "Closed."]),
+    ("Which colour dominates the photo?", ["Brown.", "White.", "Another colour."]),
+    ("Should the shipment be refused?", ["Refuse it.", "Accept it.", "Inspect it first."]),
+]
+EIGHT_VS_ONE_GOAL = 1.5
+SECOND_VS_FIRST_GOAL = 5.0
+READOUT_MAX_GAP = 0.10  # as gpu_run's parity gate: option probabilities, BF16
+KEPT_STATE_MAX_GAP = 1e-3  # the same suffix over a copy of the same state
+
+
+def vision_language_model(text_model: Any, vision: dict[str, Any], tensor_device: str, seed: int = 0) -> Any:
+    """`text_model` (a Qwen3_5ForCausalLM) inside a Qwen3_5ForConditionalGeneration whose vision
+    tower of geometry `vision` is created on the device in BF16 with random weights; the text
+    weights are the text model's own tensors (shared: no second copy on the device)."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    text = text_model.config
+    config = Qwen3_5Config(
+        text_config=text.to_dict(),
+        vision_config={**vision, "out_hidden_size": text.hidden_size},
+        tie_word_embeddings=text.tie_word_embeddings,
+    )
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(config)
+    model.model.language_model = text_model.model
+    model.lm_head = text_model.lm_head
+    torch.manual_seed(seed)
+    with torch.device(tensor_device):
+        model.model.visual = Qwen3_5VisionModel._from_config(config.vision_config, dtype=torch.bfloat16)
+    model.eval()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device: {left[:5]}")
+    return model
+
+
+def synthetic_png(width: int, height: int, seed: int) -> bytes:
+    """A PNG of `width` x `height`: a colour gradient with noise (the pixels only cost time)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([255 * x / max(1, width - 1), 255 * y / max(1, height - 1), np.full_like(x, 128)], -1)
+    pixels = np.clip(base + rng.normal(0, 24, base.shape), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+@dataclass
+class Timer:
+    """Median wall time of a device computation over `repeats` runs after one warm-up."""
+
+    synchronize: Callable[[], None]
+    repeats: int = 3
+
+    def __call__(self, run: Callable[[], Any]) -> tuple[float, Any]:
+        out = run()
+        self.synchronize()
+        times = []
+        for _ in range(self.repeats):
+            started = time.perf_counter()
+            out = run()
+            self.synchronize()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times), out
+
+
+class ImageBench:
+    """The measurements over one vision-language model, its tokenizer and the run's device."""
+
+    def __init__(self, model: Any, tokenizer: Any, cuda: Any, tensor_device: str, repeats: int = 3) -> None:
+        from semif_serve.domain.prompt import PromptCodec
+        from semif_serve.engine import vision
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cuda = cuda
+        self.tensor_device = tensor_device
+        self.codec = PromptCodec(tokenizer)
+        self.vision = vision
+        self.processor = vision.image_processor(model.config)
+        self.merge = model.config.vision_config.spatial_merge_size
+        self.pad = tokenizer.convert_tokens_to_ids(vision.IMAGE_PAD)
+        self.timer = Timer(lambda: cuda.synchronize(), repeats)
+
+    # -- prompts
+
+    def rows(self, state: Any, tokens: Sequence[int]) -> list[list[int]]:
+        """Each question's prompt ids over `state`, every image pad expanded to its tokens."""
+        out = []
+        for question, options in QUESTIONS:
+            text = self.codec.render_prompt(state, question, options)
+            ids = self.codec.encode(text.replace(PLACEHOLDER, self.vision.VISION_BLOCK))
+            out.append(self.vision.expand_image_pads(ids, self.pad, tokens))
+        return out
+
+    def letters(self, n: int) -> list[int]:
+        return [self.tokenizer.convert_tokens_to_ids(c) for c in self.codec.codes[:n]]
+
+    def probabilities(self, logits: Any, question: int) -> list[float]:
+        """The option letters' probabilities of one question, from its row's logits."""
+        letters = self.letters(len(QUESTIONS[question][1]))
+        return [float(p) for p in logits[letters].float().softmax(-1)]
+
+    # -- the pieces
+
+    def on_device(self, pixels: Any) -> Any:
+        """The processor's output with its tensors on the device, as the tower needs them."""
+        return self.vision.PixelInputs(
+            pixels.pixel_values.to(self.tensor_device),
+            pixels.grid_thw.to(self.tensor_device),
+            pixels.tokens,
+        )
+
+    def state(self, prefix: Sequence[int], features: Sequence[Any], grid: Any) -> tuple[Any, int]:
+        """The prefilled one-row cache of `prefix` (its images' features placed) and the offset."""
+        embeds = self.vision.prefix_embeddings(self.model, prefix, self.pad, features)
+        positions, offset = self.vision.rope_positions(self.model, prefix, self.pad, grid)
+        return self.vision.prefill_embeddings(self.model, embeds, positions), offset
+
+    def readout(self, cache: Any, n_prefix: int, offset: int, suffixes: Sequence[Sequence[int]]) -> Any:
+        """Float32 logits of each suffix over a copy of `cache` (the kept state is unchanged)."""
+        from semif_serve.engine.state_cache import fork_cache
+
+        return self.vision.suffix_logits_after_images(
+            self.model, fork_cache(cache, len(suffixes)), n_prefix, offset, suffixes, 0
+        )
+
+    def peak(self, run: Callable[[], Any]) -> tuple[int, Any]:
+        """Bytes `run` allocates on the device at its peak, over what was allocated before."""
+        self.cuda.synchronize()
+        self.cuda.reset_peak_memory_stats()
+        before = int(self.cuda.memory_allocated())
+        out = run()
+        self.cuda.synchronize()
+        return int(self.cuda.max_memory_allocated()) - before, out
+
+    def full_forward(self, ids: Sequence[int], pixels: Any) -> Any:
+        """The last position's logits of one forward of the whole model on the whole prompt."""
+        import torch
+
+        tensor = torch.tensor([list(ids)], device=self.tensor_device)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=tensor,
+                pixel_values=pixels.pixel_values,
+                image_grid_thw=pixels.grid_thw,
+                mm_token_type_ids=(tensor == self.pad).int(),
+                logits_to_keep=1,
+            )
+        return out.logits[0, -1].float()
+
+    # -- one image size
+
+    def measure(self, width: int, height: int, seed: int = 0) -> dict[str, Any]:
+        from semif_serve.domain.images import read_image
+
+        data = synthetic_png(width, height, seed)
+        asset = read_image(PLACEHOLDER, data, claimed="png", max_pixels=width * height)
+        started = time.perf_counter()
+        host = self.vision.preprocess(self.processor, [asset], self.merge)
+        preprocess_s = time.perf_counter() - started
+        pixels = self.on_device(host)
+        (t, h, w) = (int(v) for v in host.grid_thw[0].tolist())
+        patch = self.model.config.vision_config.patch_size
+
+        tower_bytes, _ = self.peak(lambda: self.vision.image_features(self.model, pixels))
+        tower_s, features = self.timer(lambda: self.vision.image_features(self.model, pixels))
+
+        rows = self.rows(STATE, host.tokens)
+        n = common_prefix(rows)
+        prefix, suffixes = rows[0][:n], [r[n:] for r in rows]
+        text_rows = self.rows(TEXT_STATE, ())
+        m = common_prefix(text_rows)
+        text_prefix, text_suffixes = text_rows[0][:m], [r[m:] for r in text_rows]
+
+        prefill_bytes, (cache, offset) = self.peak(lambda: self.state(prefix, features, host.grid_thw))
+        prefill_s, (cache, offset) = self.timer(lambda: self.state(prefix, features, host.grid_thw))
+        one_s, one = self.timer(lambda: self.readout(cache, n, offset, suffixes[:1]))
+        eight_s, eight = self.timer(lambda: self.readout(cache, n, offset, suffixes))
+        text_prefill_s, (text_cache, text_offset) = self.timer(
+            lambda: self.state(text_prefix, [], host.grid_thw[:0])
+        )
+        text_one_s, _ = self.timer(lambda: self.readout(text_cache, m, text_offset, text_suffixes[:1]))
+        again = self.readout(cache, n, offset, suffixes[:1])  # the second question over the kept state
+
+        first_s = tower_s + prefill_s + one_s
+        expected = self.full_forward(rows[0], pixels)
+        probabilities = self.probabilities(one[0], 0)
+        return {
+            "width": width,
+            "height": height,
+            "image_bytes": len(data),
+            "resized": [w * patch, h * patch],  # width x height after the processor's resize
+            "grid_thw": [t, h, w],
+            "patches": t * h * w,
+            "image_tokens": host.tokens[0],
+            "prefix_tokens": n,
+            "text_prefix_tokens": m,
+            "rope_offset": offset,
+            "preprocess_seconds": preprocess_s,
+            "tower_seconds": tower_s,
+            "tower_peak_bytes": tower_bytes,
+            "prefill_seconds": prefill_s,
+            "prefill_peak_bytes": prefill_bytes,
+            "one_question_seconds": first_s,
+            "without_image_seconds": text_prefill_s + text_one_s,
+            "eight_questions_seconds": tower_s + prefill_s + eight_s,
+            "second_question_seconds": one_s,
+            "image_vs_none": first_s / (text_prefill_s + text_one_s),
+            "eight_vs_one": (tower_s + prefill_s + eight_s) / first_s,
+            "first_vs_second": first_s / one_s,
+            "readout_vs_full_forward_gap": max_gap(probabilities, self.probabilities(expected, 0)),
+            "eight_rows_vs_one_gap": max_gap(probabilities, self.probabilities(eight[0], 0)),
+            "kept_state_gap": max_gap(probabilities, self.probabilities(again[0], 0)),
+            "probabilities": probabilities,
+        }
+
+
+def measure_images(
+    model: Any,
+    tokenizer: Any,
+    cuda: Any,
+    tensor_device: str,
+    sizes: Sequence[tuple[int, int]],
+    keep_going: Callable[[], bool] = lambda: True,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """The image phase's data: the tower's geometry and weights, and one row per image size (a
+    size the deadline leaves no time for is recorded as skipped)."""
+    visual = model.model.visual
+    bench = ImageBench(model, tokenizer, cuda, tensor_device, repeats)
+    rows: list[dict[str, Any]] = []
+    for k, (width, height) in enumerate(sizes):
+        if not keep_going():
+            rows.append({"width": width, "height": height, "skipped": "deadline"})
+            continue
+        rows.append(bench.measure(width, height, seed=k))
+    config = model.config.vision_config
+    return {
+        "vision_config": {
+            key: getattr(config, key)
+            for key in (
+                "depth",
+                "hidden_size",
+                "intermediate_size",
+                "num_heads",
+                "patch_size",
+                "spatial_merge_size",
+                "temporal_patch_size",
+                "out_hidden_size",
+                "num_position_embeddings",
+            )
+        },
+        "vision_parameters": sum(p.numel() for p in visual.parameters()),
+        "vision_weights_bytes": sum(p.numel() * p.element_size() for p in visual.parameters()),
+        "processor": type(bench.processor).__name__,
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def image_gates(data: dict[str, Any]) -> list[Gate]:
+    """Every size measured; the image path reads as the full forward, eight rows and a kept
+    state read as one fresh row; the issue's two goals (eight vs one, second vs first)."""
+    rows = [r for r in data["rows"] if "skipped" not in r]
+    skipped = len(data["rows"]) - len(rows)
+
+    def each(key: str) -> str:
+        return "; ".join(f"{r['width']}x{r['height']}: {r[key]:.3g}" for r in rows)
+
+    return [
+        Gate(
+            "image sizes measured",
+            bool(rows) and not skipped,
+            f"{len(rows)}/{len(data['rows'])}" + (f", {skipped} skipped (deadline)" if skipped else ""),
+        ),
+        Gate(
+            "image path vs full forward",
+            all(r["readout_vs_full_forward_gap"] <= READOUT_MAX_GAP for r in rows),
+            f"max probability gap {each('readout_vs_full_forward_gap')} (limit {READOUT_MAX_GAP})",
+        ),
+        Gate(
+            "eight rows read as one",
+            all(r["eight_rows_vs_one_gap"] <= READOUT_MAX_GAP for r in rows),
+            f"gap {each('eight_rows_vs_one_gap')} (limit {READOUT_MAX_GAP})",
+        ),
+        Gate(
+            "kept image state reads as fresh",
+            all(r["kept_state_gap"] <= KEPT_STATE_MAX_GAP for r in rows),
+            f"gap {each('kept_state_gap')} (limit {KEPT_STATE_MAX_GAP})",
+        ),
+        Gate(
+            "goal: eight questions <= 1.5x one",
+            all(r["eight_vs_one"] <= EIGHT_VS_ONE_GOAL for r in rows),
+            f"{each('eight_vs_one')}",
+        ),
+        Gate(
+            "goal: second question >= 5x faster",
+            all(r["first_vs_second"] >= SECOND_VS_FIRST_GOAL for r in rows),
+            f"{each('first_vs_second')}",
+        ),
+    ]
+
+
+def image_table(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """The phase's printed table: one line per image size."""
+    head = [
+        "image",
+        "resized",
+        "tokens",
+        "tower ms",
+        "tower MiB",
+        "prefill ms",
+        "1 q ms",
+        "no image ms",
+        "8 q / 1 q",
+        "1st / 2nd",
+        "gap vs full",
+    ]
+    body = []
+    for r in data["rows"]:
+        if "skipped" in r:
+            body.append([f"{r['width']}x{r['height']}", "skipped (deadline)", *["-"] * (len(head) - 2)])
+            continue
+        body.append(
+            [
+                f"{r['width']}x{r['height']}",
+                "x".join(map(str, r["resized"])),
+                r["image_tokens"],
+                1000 * r["tower_seconds"],
+                r["tower_peak_bytes"] / 1024**2,
+                1000 * r["prefill_seconds"],
+                1000 * r["one_question_seconds"],
+                1000 * r["without_image_seconds"],
+                r["eight_vs_one"],
+                r["first_vs_second"],
+                r["readout_vs_full_forward_gap"],
+            ]
+        )
+    return head, body
+
+
+def common_prefix(rows: Sequence[Sequence[int]]) -> int:
+    """How many leading ids every row shares, leaving each at least one id of its own."""
+    n = 0
+    while all(len(r) > n + 1 for r in rows) and len({r[n] for r in rows}) == 1:
+        n += 1
+    return n
+
+
+def max_gap(a: Sequence[float], b: Sequence[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
