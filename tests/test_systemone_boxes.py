@@ -2,9 +2,9 @@
 Qwen3.5: a box is asked as four edge questions in the request's one batch, and its answer equals
 the pair rule written out with numpy over plain forwards of the edge prompts, softmax by hand.
 
-The engine does not read images yet, so a box question cannot reach the core over HTTP (it is
-refused: test_systemone_images.py); here the edge questions are asked over a text state through
-the same functions the door's request path calls (`core_questions`, `answers_of`)."""
+Here the edge questions are asked over a text state through the same functions the door's
+request path calls (`core_questions`, `answers_of`); about a real image, over HTTP and through
+the SDK, in test_systemone_vision.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """System One requests that carry images (`assets`, placeholders, multipart bodies, box questions),
 through the real app on the tiny Qwen3.5, and through the official SDK against a live service.
 
-The engine loads the checkpoint's text model only, so no image can reach the model: every
-request with an image must be refused with a 4xx saying so, never answered from the
-placeholder text; every broken rule about images is a 4xx in TypeSafe's shapes naming the
-field; a text-only request is answered as before.
+Here on a checkpoint WITHOUT a vision tower: every request with an image must be refused with
+a 4xx saying so, never answered from the placeholder text; every broken rule about images is a
+4xx in TypeSafe's shapes naming the field; a text-only request is answered as before. (Reading
+images, on the demo's checkpoint with a vision tower: test_systemone_vision.py.)
 """
 
 from __future__ import annotations
