@@ -157,6 +157,27 @@ def test_requests_merged_in_one_forward_each_read_their_own_image(vision_engine,
         assert_row(readout.rows[0], expected(vision_reference, vision_engine, STATE, q, o, {PHOTO: data}))
 
 
+def test_image_tokens_count_toward_the_request_token_budget(vision_engine):
+    from semif_serve.domain.types import TooManyTokens
+
+    text_only = vision_engine.score(
+        {"photo": "x", "caption": "a product photo"},
+        [PromptRow(*RED)],
+        shared=True,
+        max_input_tokens=MAX_TOKENS,
+    )
+    budget = text_only.timing.prefix_tokens + text_only.timing.true_suffix_tokens + 10
+    with pytest.raises(TooManyTokens):
+        vision_engine.score(
+            STATE,
+            [PromptRow(*RED)],
+            shared=True,
+            max_input_tokens=MAX_TOKENS,
+            max_request_tokens=budget,
+            images=[asset(noise_png(16))],
+        )
+
+
 def test_image_tokens_count_toward_the_per_row_token_limit(vision_engine):
     from semif_serve.domain.types import TooManyTokens
 
