@@ -183,8 +183,10 @@ def test_the_native_door_stays_text_only_and_ignores_assets_as_semif_ignores_unk
     with_assets = client.post("/decide", json={**decision, "assets": assets})
     without = client.post("/decide", json=decision)
     assert with_assets.status_code == without.status_code == 200, with_assets.text
-    for key in ("option_logits", "prompt_sha256", "input_tokens"):
+    for key in ("prompt_sha256", "input_tokens"):
         assert with_assets.json()[key] == without.json()[key]
+    # The second may be read from the first's cached state: the same numbers within 1e-5.
+    assert with_assets.json()["option_logits"] == pytest.approx(without.json()["option_logits"], abs=TOL)
 
 
 # -- box questions ---------------------------------------------------------------------------------------

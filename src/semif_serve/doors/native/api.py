@@ -22,6 +22,7 @@ from semif_serve.domain.types import (
     DecisionError,
     DecisionOutcome,
     EngineFailure,
+    ImageTooLargeForMemory,
     Option,
     OrderingReadout,
     OutOfMemory,
@@ -92,6 +93,13 @@ NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
         "state",
         "decisions[{question}]",
         when="one row alone needs more memory than the cap leaves; the message says how much",
+    ),
+    # The native door carries no images; the rule is here so that every domain error has one.
+    ImageTooLargeForMemory: ErrorRule(
+        413,
+        "too_large_for_memory",
+        "state",
+        when="an image needs more memory in the vision tower than the cap leaves",
     ),
     OutOfMemory: ErrorRule(
         503,

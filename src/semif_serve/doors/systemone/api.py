@@ -103,6 +103,9 @@ SYSTEMONE_ERRORS: dict[type[DecisionError], ErrorRule] = {
     domain.TooLargeForMemory: ErrorRule(
         413, "request_too_large", when="one row alone needs more memory than the cap leaves"
     ),
+    domain.ImageTooLargeForMemory: ErrorRule(
+        413, "request_too_large", when="an image needs more memory in the vision tower than the cap leaves"
+    ),
     domain.UnknownWorkload: ErrorRule(
         400, "api_usage_error", when="`x_workload` is not in the calibration file"
     ),
