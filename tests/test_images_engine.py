@@ -192,7 +192,7 @@ def test_image_tokens_count_toward_the_per_row_token_limit(vision_engine):
         )
 
 
-def test_the_vision_tower_runs_once_per_image_of_a_request_and_not_for_a_cached_state(
+def test_the_vision_tower_and_the_decoder_run_once_per_image_of_a_request_and_not_for_a_cached_state(
     vision_engine, monkeypatch
 ):
     inner = vision_engine.vision.model.model
@@ -204,13 +204,21 @@ def test_the_vision_tower_runs_once_per_image_of_a_request_and_not_for_a_cached_
         return real(pixel_values, grid, *args, **kwargs)
 
     monkeypatch.setattr(inner, "get_image_features", counted)
+    decoded: list[str] = []
+    real_pixels = vision_engine.vision.pixels
+
+    def decode(image):
+        decoded.append(image.asset.sha256)
+        return real_pixels(image)
+
+    monkeypatch.setattr(vision_engine.vision, "pixels", decode)
     engine = vision_engine.with_state_cache(StateCache(1 << 30), 7)  # many prefill steps over the image
     question, options = SHAPE
     rows = [RED, (question, options), (question, options[::-1])]
     score(engine, rows, {PHOTO: noise_png(13)}, shared=True)
     assert len(calls) == 1
     score(engine, [SHAPE], {PHOTO: noise_png(13)})  # the state over that image is cached
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(decoded) == 1  # neither the tower nor the decoder ran again
     two = {PHOTO: noise_png(14), "<image:other>": noise_png(15)}
     score(engine, [RED], two, state={"a": PHOTO, "b": "<image:other>"})
     assert len(calls) == 3

@@ -19,7 +19,7 @@ forward of the vision-language model on the whole prompt (tests/test_vision.py).
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,13 +220,19 @@ def has_image_tokens(ids: Sequence[int]) -> bool:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """One image, preprocessed: its token id, the processor's grid and patches, its token count."""
+    """One image as the prompt shows it: its token id, the processor's grid (from the image's
+    size, as the processor resizes it) and its token count; its pixels come later, if needed."""
 
-    sha256: str
+    asset: ImageAsset
     token_id: int
     grid_thw: tuple[int, int, int]
     tokens: int
-    pixel_values: Any  # [patches, channels * temporal * patch * patch], on the host
+
+    @property
+    def patches(self) -> int:
+        """Patches the tower reads for this image."""
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 class VisionTower:
@@ -247,29 +253,38 @@ class VisionTower:
         self.end_id = tokenizer.convert_tokens_to_ids(VISION_END)
 
     def prepare(self, images: Sequence[ImageAsset]) -> ImageSet:
-        """Decode and preprocess a request's images (host work, off the engine thread)."""
-        pixels = preprocess(self.processor, images, self.merge)
+        """A request's images as their prompt spans, from each image's size alone (the grid the
+        processor's resize gives); the pixels are preprocessed later (`ImageSet.preprocess`),
+        only for images whose state is not cached."""
         prepared: dict[str, PreparedImage] = {}
         spans: list[ImageSpan] = []
-        start = 0
-        for image, grid, tokens in zip(images, pixels.grid_thw.tolist(), pixels.tokens, strict=True):
-            patches = int(grid[0] * grid[1] * grid[2])
+        for image in images:
+            grid = self.grid(image.height, image.width)
+            tokens = grid[0] * grid[1] * grid[2] // self.merge**2
             token_id = image_token_id(image.sha256)
-            prepared.setdefault(
-                image.sha256,
-                PreparedImage(
-                    image.sha256,
-                    token_id,
-                    (int(grid[0]), int(grid[1]), int(grid[2])),
-                    tokens,
-                    pixels.pixel_values[start : start + patches],
-                ),
-            )
+            prepared.setdefault(image.sha256, PreparedImage(image, token_id, grid, tokens))
             spans.append(
                 ImageSpan(image.placeholder, (self.start_id, *[token_id] * tokens, self.end_id), image.sha256)
             )
-            start += patches
         return ImageSet(self, {p.token_id: p for p in prepared.values()}, tuple(spans))
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """The processor's patch grid (t, h, w) for an image of this size: its own resize rule."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch * self.merge
+        size = self.processor.size
+        h, w = smart_resize(
+            height, width, factor, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]
+        )
+        return (1, h // self.patch, w // self.patch)
+
+    def pixels(self, image: PreparedImage) -> Any:
+        """One image decoded and preprocessed: `[patches, channels * temporal * patch * patch]`."""
+        out = preprocess(self.processor, [image.asset], self.merge)
+        if tuple(out.grid_thw[0].tolist()) != image.grid_thw:
+            raise ValueError(f"the processor's grid {out.grid_thw[0].tolist()} differs from {image.grid_thw}")
+        return out.pixel_values
 
     def activation_bytes(self, patches: int, estimate: Any) -> int:
         """Estimated bytes of running the tower on one image of `patches` patches (see
@@ -281,7 +296,7 @@ class VisionTower:
 
     def patches(self, images: Sequence[PreparedImage]) -> int:
         """The most patches one image of `images` feeds the tower (it runs once per image)."""
-        return max((int(i.pixel_values.shape[0]) for i in images), default=0)
+        return max((i.patches for i in images), default=0)
 
 
 class ImageSet:
@@ -295,6 +310,7 @@ class ImageSet:
         self.images = images
         self.spans = spans
         self._features: dict[int, Any] = {}
+        self._pixels: dict[int, Any] = {}
         self._last_blocks: tuple[Sequence[int], list[tuple[int, int, int]]] | None = None
         self.tower_runs = 0
 
@@ -308,8 +324,16 @@ class ImageSet:
         joined = ImageSet(present[0].tower, {}, ())
         for part in present:
             joined.images.update(part.images)
+            joined._pixels.update(part._pixels)
             joined._features.update(part._features)
         return joined
+
+    def preprocess(self, token_ids: Iterable[int] | None = None) -> None:
+        """Decode and preprocess these images now (all: None), host work off the engine thread;
+        any left out is preprocessed when a forward first needs it."""
+        for token_id in self.images if token_ids is None else token_ids:
+            if token_id not in self._pixels and token_id not in self._features:
+                self._pixels[token_id] = self.tower.pixels(self.images[token_id])
 
     def features(self, token_id: int) -> Any:
         """One image's features `[tokens, hidden]` (the tower runs on first use only)."""
@@ -319,10 +343,11 @@ class ImageSet:
 
             grid = torch.tensor([image.grid_thw])
             model = self.tower.model
-            device = next(model.model.visual.parameters()).device
-            pixels = image.pixel_values.to(device, next(model.model.visual.parameters()).dtype)
+            weights = next(model.model.visual.parameters())
+            self.preprocess([token_id])
+            pixels = self._pixels.pop(token_id).to(weights.device, weights.dtype)
             with torch.inference_mode():
-                out = model.model.get_image_features(pixels, grid.to(device))
+                out = model.model.get_image_features(pixels, grid.to(weights.device))
             self._features[token_id] = out.pooler_output[0]
             self.tower_runs += 1
         return self._features[token_id]
