@@ -222,3 +222,12 @@ def test_the_vision_tower_and_the_decoder_run_once_per_image_of_a_request_and_no
     two = {PHOTO: noise_png(14), "<image:other>": noise_png(15)}
     score(engine, [RED], two, state={"a": PHOTO, "b": "<image:other>"})
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("size", [(1, 1), (3, 590), (600, 4)])
+def test_tiny_and_extreme_images_are_read_as_the_processor_resizes_them(
+    vision_engine, vision_reference, size
+):
+    data = noise_png(17, size=size)
+    readout = score(vision_engine, [RED], {PHOTO: data})
+    assert_row(readout.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: data}))

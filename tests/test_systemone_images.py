@@ -206,6 +206,20 @@ def test_an_asset_that_is_not_a_png_or_jpeg_image_it_claims_to_be_is_refused(cli
     )
 
 
+@pytest.mark.parametrize("size", [(2, 400), (1000, 5), (1, 200)])
+def test_an_image_whose_long_side_is_200_times_its_short_one_is_refused_naming_the_asset(client, size):
+    asset = image_asset(png(size=size))
+    message = refused_validation(
+        post(client, body(assets={PLACEHOLDER: asset})), ["body", "assets", PLACEHOLDER, "data_base64"]
+    )
+    assert f"{size[0]} x {size[1]}" in message and "200 times" in message
+
+
+def test_an_image_just_under_the_aspect_limit_is_read(client):
+    reply = post(client, body(assets={PLACEHOLDER: image_asset(png(size=(1, 199)))}))
+    assert NO_VISION in refused(reply, 400, "api_usage_error")  # past every image rule
+
+
 def test_an_asset_with_neither_bytes_nor_a_part_or_without_format_is_refused(client):
     for asset in ({"type": "image", "format": "png"}, {"type": "image", "data_base64": b64(png())}):
         refused_validation(post(client, body(assets={PLACEHOLDER: asset})), ["body", "assets", PLACEHOLDER])

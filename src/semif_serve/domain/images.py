@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 FORMATS = {"png": "png", "jpg": "jpeg", "jpeg": "jpeg"}
 SIGNATURES = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg"}
 PILLOW_FORMATS = {"PNG": "png", "JPEG": "jpeg"}
+# Qwen's image processor (smart_resize) reads no image whose long side is 200 times its short one.
+MAX_ASPECT_RATIO = 200
 
 
 class ImageRejected(ValueError):
@@ -48,7 +50,8 @@ def sniff_format(data: bytes) -> str | None:
 
 def read_image(placeholder: str, data: bytes, *, claimed: str | None, max_pixels: int) -> ImageAsset:
     """Check `data` is a whole PNG or JPEG (the `claimed` wire format, when one is given) of at
-    most `max_pixels` pixels, read from its header before decoding; raises ImageRejected."""
+    most `max_pixels` pixels and an aspect ratio under MAX_ASPECT_RATIO, both read from its
+    header before decoding; raises ImageRejected."""
     if not data:
         raise ImageRejected("the image is empty")
     found = sniff_format(data)
@@ -66,6 +69,11 @@ def read_image(placeholder: str, data: bytes, *, claimed: str | None, max_pixels
                 width, height = image.size  # from the header: nothing is decoded yet
                 if width * height > max_pixels:
                     raise ImageRejected(_too_many_pixels(width, height, max_pixels), too_large=True)
+                if max(width, height) >= MAX_ASPECT_RATIO * min(width, height):
+                    raise ImageRejected(
+                        f"the image is {width} x {height}: the model's image processor reads no image "
+                        f"whose long side is {MAX_ASPECT_RATIO} times its short side or more"
+                    )
                 if PILLOW_FORMATS.get(image.format or "") != found:
                     raise ImageRejected(f"the bytes are not a valid {found.upper()} image")
                 image.load()
