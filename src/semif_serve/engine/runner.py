@@ -280,9 +280,10 @@ class TorchEngine:
         (TooManyTokens, for a row or past `max_request_tokens` for the request; AnswerBoundary,
         TooLargeForMemory; with `row` set) before anything runs.
 
-        `images` (the request's, each with its placeholder) are preprocessed here and every
-        placeholder becomes its image's tokens; they need a model that reads images
-        (`reads_images`), which the door checks first."""
+        `images` (the request's, each with its placeholder): every placeholder becomes its
+        image's tokens, and the pixels of images whose state is not cached are decoded here
+        (off the engine thread). They need a model that reads images (`reads_images`), which
+        the door checks first; an image too large for the tower's memory is refused here."""
         started = time.perf_counter()
         image_set = None
         codec = self.codec
