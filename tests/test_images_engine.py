@@ -231,3 +231,33 @@ def test_tiny_and_extreme_images_are_read_as_the_processor_resizes_them(
     data = noise_png(17, size=size)
     readout = score(vision_engine, [RED], {PHOTO: data})
     assert_row(readout.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: data}))
+
+
+def test_requests_merged_over_one_image_run_the_tower_once_across_prefill_steps(vision_engine, monkeypatch):
+    from semif_serve.engine.batching import UNFINISHED, Group, Part
+
+    inner = vision_engine.vision.model.model
+    calls: list[int] = []
+    real = inner.get_image_features
+    monkeypatch.setattr(inner, "get_image_features", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    engine = vision_engine.with_state_cache(StateCache(1 << 30), 7)  # the image state takes many steps
+    data = noise_png(18)
+    jobs = [
+        engine.prepare(
+            STATE,
+            [PromptRow(*RED), PromptRow(*SHAPE)],
+            shared=True,
+            max_input_tokens=MAX_TOKENS,
+            images=[asset(data)],
+        ).job(i)
+        for i in range(3)
+    ]
+    group = Group(
+        jobs[0].prefix_key, jobs[0].prefix_tokens, tuple(Part(j, 0, len(j.row_tokens)) for j in jobs)
+    )
+    steps = 0
+    while (scored := engine.run_group(group)) is UNFINISHED:
+        steps += 1
+    assert steps > 3 and len(calls) == 1  # one tower run for the three requests, over every step
+    for a, b in zip(scored[0], scored[2], strict=True):
+        assert max(abs(x - y) for x, y in zip(a.option_logits, b.option_logits, strict=True)) < TOL

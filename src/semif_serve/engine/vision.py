@@ -316,8 +316,9 @@ class ImageSet:
 
     @staticmethod
     def union(sets: Sequence[ImageSet | None]) -> ImageSet | None:
-        """One set over every image of `sets` (None when none has images); features already
-        computed are kept."""
+        """One set over every image of `sets` (None when none has images). The sets come to
+        share one store of pixels and features, so an image is decoded and run through the
+        tower once for all of them, however many turns their group takes."""
         present = [s for s in sets if s is not None]
         if len(present) <= 1:
             return present[0] if present else None
@@ -326,6 +327,8 @@ class ImageSet:
             joined.images.update(part.images)
             joined._pixels.update(part._pixels)
             joined._features.update(part._features)
+        for part in present:
+            part._pixels, part._features = joined._pixels, joined._features
         return joined
 
     def preprocess(self, token_ids: Iterable[int] | None = None) -> None:
