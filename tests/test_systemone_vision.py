@@ -331,3 +331,38 @@ def test_the_sdk_asks_a_box_about_an_image_and_parses_the_box(server, client):
     assert got.box.top == pytest.approx(twin["box"]["top"], abs=1e-12)
     assert got.box.right == pytest.approx(twin["box"]["right"], abs=1e-12)
     assert 0 <= got.box.top < got.box.bottom <= 1 and 0 <= got.box.left < got.box.right <= 1
+
+
+def test_an_image_request_is_counted_in_the_metrics_and_its_log_line(client, app):
+    import io as text_io
+    import logging
+
+    from test_operations import metric
+
+    from semif_serve.http.logs import JsonFormatter
+
+    before = client.get("/metrics").text
+    stream = text_io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("semif_serve.request")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    images = {PHOTO: noise_png(60), "<image:other>": noise_png(61)}
+    try:
+        reply = client.post(
+            "/v1/systemone",
+            json=request_body({"a": PHOTO, "b": "<image:other>"}, {"c": CHOICE}, images),
+            headers={"X-Request-ID": "images-1"},
+        )
+        client.post(
+            "/v1/systemone", json=request_body("text", {"c": CHOICE}, {}), headers={"X-Request-ID": "text-1"}
+        )
+    finally:
+        logger.removeHandler(handler)
+    assert reply.status_code == 200, reply.text
+    after = client.get("/metrics").text
+    assert metric(after, "semif_images_read_total") == metric(before, "semif_images_read_total") + 2
+    lines = {line["request_id"]: line for line in map(json.loads, stream.getvalue().splitlines())}
+    assert lines["images-1"]["images"] == 2
+    assert "images" not in lines["text-1"]

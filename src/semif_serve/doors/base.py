@@ -181,7 +181,7 @@ class DecisionDoor(ABC):
         except DecisionError as exc:
             rule = rule_for(self.errors, exc)
             raise self.refusal(exc, rule, shared, [q.id for q in questions]) from None
-        request.state.record = RequestRecord.of(outcome)
+        request.state.record = RequestRecord.of(outcome, images=len(images))
         return outcome
 
     async def reply(self, request: Request, build: Build) -> JSONResponse:

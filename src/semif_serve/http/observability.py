@@ -165,6 +165,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.images = Counter(
+            "semif_images_read", "images shown to the model in answered requests", registry=self.registry
+        )
         self.prefix = Histogram(
             "semif_prefix_tokens",
             "shared state prefix tokens per request",
@@ -186,6 +189,8 @@ class Metrics:
         self.forward.observe(record.forward_seconds)
         if record.prefix_tokens is not None:
             self.prefix.observe(record.prefix_tokens)
+        if record.images:
+            self.images.inc(record.images)
 
 
 def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:

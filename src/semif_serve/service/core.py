@@ -213,10 +213,11 @@ class RequestRecord:
     merged_requests: int | None = None
     prefill: str | None = None
     workloads: tuple[str, ...] = ()
+    images: int | None = None  # images the request showed the model (None: text only)
 
     @classmethod
-    def of(cls, outcome: DecisionOutcome) -> RequestRecord:
-        """The record of one answered call."""
+    def of(cls, outcome: DecisionOutcome, images: int = 0) -> RequestRecord:
+        """The record of one answered call (that showed the model `images` images)."""
         readouts = [r for q in outcome.questions for r in q.readouts]
         timing = outcome.timing
         return cls(
@@ -229,6 +230,7 @@ class RequestRecord:
             merged_requests=timing.merged_requests if timing else None,
             prefill=timing.prefill if timing else None,
             workloads=tuple(sorted({q.question.workload for q in outcome.questions if q.question.workload})),
+            images=images or None,
         )
 
     def log_fields(self) -> dict[str, Any]:
