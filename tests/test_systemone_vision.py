@@ -137,16 +137,83 @@ def test_two_images_give_different_answers_and_prompt_digests(client):
     assert max(abs(a["option_logits"][k] - b["option_logits"][k]) for k in a["option_logits"]) > 1e-4
 
 
-def test_the_prompt_digest_is_the_texts_then_each_images(client, vision_service):
+def test_the_prompt_digest_is_the_texts_with_each_image_in_its_slot_then_each_images(client, vision_service):
     data = noise_png(27)
     body = request_body({"photo": PHOTO}, {"c": CHOICE}, {PHOTO: data})
     reply = client.post("/v1/systemone", json=body).json()
     ((domain, _),) = expected_answers_without_forward(vision_service, body)
+    sha = hashlib.sha256(data).hexdigest()
+    slot = f"<image:0:{sha}>"  # the contract's slot: the image's position in `assets`, its digest
     text = vision_service.engine.codec.render_prompt(
-        body["state"], domain.text, [o.description for o in domain.options]
+        {"photo": slot}, domain.text, [o.description for o in domain.options]
     )
-    digest = hashlib.sha256(text.encode() + hashlib.sha256(data).hexdigest().encode()).hexdigest()
+    digest = hashlib.sha256(text.encode() + sha.encode()).hexdigest()
     assert reply["answers"]["c"]["x_semif"]["prompt_sha256"] == digest
+
+
+def read_the_same(a, b) -> None:
+    """Two replies to requests that show the model the same prompt and images."""
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    x, y = a.json()["answers"]["c"]["x_semif"], b.json()["answers"]["c"]["x_semif"]
+    assert (x["prompt_sha256"], x["input_tokens"]) == (y["prompt_sha256"], y["input_tokens"])
+    assert x["option_logits"] == pytest.approx(y["option_logits"], abs=TOL)
+
+
+def test_an_asset_key_of_plain_words_is_placed_only_in_the_callers_strings(client):
+    data = noise_png(70)
+    plain = request_body({"x": "evidence"}, {"c": CHOICE}, {"evidence": data})
+    tagged = request_body({"x": PHOTO}, {"c": CHOICE}, {PHOTO: data})
+    # "evidence" is also a key of SemIf's own JSON; only the caller's string shows the image.
+    read_the_same(client.post("/v1/systemone", json=plain), client.post("/v1/systemone", json=tagged))
+
+
+def test_the_sdks_random_placeholders_do_not_change_the_prompt(client):
+    data = noise_png(71)
+    one = request_body({"x": PHOTO}, {"c": CHOICE}, {PHOTO: data})
+    other = "<image:99999999999999999999999999999999>"
+    two = request_body({"x": other}, {"c": CHOICE}, {other: data})
+    read_the_same(client.post("/v1/systemone", json=one), client.post("/v1/systemone", json=two))
+
+
+@pytest.mark.parametrize("odd", ['<image:a"b>', "<image:a\\b>", "<image:tab\tin>"])
+def test_a_placeholder_json_escapes_is_read_inside_structured_instructions(client, odd):
+    data = noise_png(72)
+    escaped = {**CHOICE, "instructions": {"look at": odd, "then": "answer"}}
+    plain = {**CHOICE, "instructions": {"look at": PHOTO, "then": "answer"}}
+    read_the_same(
+        client.post("/v1/systemone", json=request_body("s", {"c": escaped}, {odd: data})),
+        client.post("/v1/systemone", json=request_body("s", {"c": plain}, {PHOTO: data})),
+    )
+
+
+def test_an_asset_whose_key_lies_only_inside_another_assets_key_is_refused(client):
+    body = request_body(
+        {"x": "<image:ab>"}, {"c": CHOICE}, {"<image:ab>": noise_png(73), "image:ab": noise_png(74)}
+    )
+    reply = client.post("/v1/systemone", json=body)
+    assert reply.status_code == 422, reply.text
+    assert [e["loc"] for e in reply.json()["detail"]] == [["body", "assets", "image:ab"]]
+
+
+def test_an_image_only_in_an_option_name_that_has_a_description_is_refused_as_unread(client):
+    choice = {**CHOICE, "criteria": {PHOTO: "the first one", "other": "the second one"}}
+    reply = client.post("/v1/systemone", json=request_body("s", {"c": choice}, {PHOTO: noise_png(75)}))
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["detail"][0]["loc"] == ["body", "assets", PHOTO]
+
+
+def test_images_as_option_names_without_descriptions_are_shown_and_the_names_answer(client):
+    other = "<image:fedcba9876543210fedcba9876543210>"
+    choice = {
+        "type": "choice",
+        "instructions": "Which photo is darker?",
+        "criteria": {PHOTO: None, other: None},
+    }
+    images = {PHOTO: noise_png(76), other: noise_png(77)}
+    reply = client.post("/v1/systemone", json=request_body("two photos", {"c": choice}, images))
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()["answers"]["c"]
+    assert set(answer["probabilities"]) == {PHOTO, other} and answer["choice"] in (PHOTO, other)
 
 
 def expected_answers_without_forward(service, body):

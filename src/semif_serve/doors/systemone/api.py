@@ -41,7 +41,7 @@ from semif_serve.doors.base import (
     json_reply,
     rule_for,
 )
-from semif_serve.doors.systemone.assets import ImageLimits, resolve_images
+from semif_serve.doors.systemone.assets import ImageLimits, place_images, resolve_images
 from semif_serve.doors.systemone.multipart import MultipartRefused, is_multipart, parse_multipart
 from semif_serve.doors.systemone.schemas import (
     MAX_OPTIONS,
@@ -573,6 +573,7 @@ class SystemOneDoor(DecisionDoor):
                 "the placeholder text",
                 "assets",
             )
+        parsed, images = place_images(parsed, images)
         asked = await asyncio.to_thread(
             lambda: [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
         )

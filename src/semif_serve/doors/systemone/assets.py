@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,8 @@ class ImageLimits:
 
 
 def texts(request: SystemOneRequest) -> Iterator[tuple[Loc, str]]:
-    """Every string the model reads (keys and values, at any depth) with where it sits."""
+    """Every string the model reads (keys and values, at any depth) with where it sits: a
+    choice option's name only where its description is null (the name is then what is read)."""
     yield from _strings(request.state, ("body", "state"))
     for qid, question in request.questions.items():
         where: Loc = ("body", "questions", qid)
@@ -55,7 +57,13 @@ def texts(request: SystemOneRequest) -> Iterator[tuple[Loc, str]]:
                 value = getattr(question.criteria, side)
                 if value is not None:
                     yield from _strings(value, (*where, "criteria", side))
-        elif isinstance(question, ChoiceQuestion | ScoreQuestion):
+        elif isinstance(question, ChoiceQuestion):
+            for name, description in question.criteria.items():
+                if description is None:
+                    yield (*where, "criteria", name), name
+                else:
+                    yield from _strings(description, (*where, "criteria", name))
+        elif isinstance(question, ScoreQuestion):
             yield from _strings(question.criteria, (*where, "criteria"))
 
 
@@ -79,14 +87,23 @@ def _too_large(field: str, message: str) -> ServiceError:
     return ServiceError(413, "request_too_large", f"{field}: {message}", field)
 
 
+def placeholders(names: Iterable[str]) -> re.Pattern[str] | None:
+    """One pattern for a request's asset keys, a longer key first (one that holds another wins)."""
+    ordered = sorted(names, key=len, reverse=True)
+    return re.compile("|".join(re.escape(n) for n in ordered)) if ordered else None
+
+
 def check_references(request: SystemOneRequest) -> list[dict[str, Any]]:
-    """The broken reference rules: placeholders without an asset, assets no string uses, box
-    questions without an image."""
+    """The broken reference rules: placeholders without an asset, assets no string the model
+    reads uses (an asset's key counts where it is found as the images are placed: inside a
+    longer asset's key it is not), box questions without an image."""
     assets = request.assets or {}
     errors: list[dict[str, Any]] = []
     used: set[str] = set()
+    pattern = placeholders(assets)
     for loc, text in texts(request):
-        used.update(name for name in assets if name in text)
+        if pattern is not None:
+            used.update(match[0] for match in pattern.finditer(text))
         for match in PLACEHOLDER.finditer(text):
             if match[0] not in assets:
                 errors.append(_error(loc, f"the placeholder {match[0]!r} has no asset in `assets`"))
@@ -95,7 +112,9 @@ def check_references(request: SystemOneRequest) -> list[dict[str, Any]]:
             errors.append(
                 _error(
                     ("body", "assets", name),
-                    "no string of the state, the instructions or the criteria refers to this asset",
+                    "no string the model reads (the state, the instructions, the criteria; a "
+                    "choice option's name only where its description is null) refers to this "
+                    "asset outside another asset's key",
                 )
             )
     if not assets:
@@ -198,3 +217,54 @@ def _read(name: str, entry: AssetEntry, data: bytes, max_pixels: int) -> ImageAs
                 f"assets[{name!r}]", f"{exc.message} (SEMIF_SYSTEMONE_MAX_IMAGE_PIXELS)"
             ) from None
         raise SystemOneValidationError([_error(("body", "assets", name, field), exc.message)]) from None
+
+
+def shown(image: ImageAsset, index: int) -> str:
+    """How an image stands in the rendered prompt: a slot that names it by position and digest
+    (no character JSON escapes, so it reads the same at any depth of structured text, and the
+    SDK's random placeholders never change the prompt)."""
+    return f"<image:{index}:{image.sha256}>"
+
+
+def place_images(
+    request: SystemOneRequest, images: Sequence[ImageAsset]
+) -> tuple[SystemOneRequest, list[ImageAsset]]:
+    """The request with every asset key, where it appears in a string the model reads, replaced
+    by its image's slot (`shown`), and the images renamed to their slots for the engine. Nothing
+    else of the prompt (the service's own text) is touched."""
+    if not images:
+        return request, []
+    slots = {image.placeholder: shown(image, i) for i, image in enumerate(images)}
+    pattern = placeholders(slots)
+    assert pattern is not None
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(lambda m: slots[m[0]], value)
+        if isinstance(value, dict):
+            return {swap(k): swap(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        return value
+
+    questions: dict[str, Any] = {}
+    for qid, question in request.questions.items():
+        update: dict[str, Any] = {}
+        if question.instructions is not None:
+            update["instructions"] = swap(question.instructions)
+        if isinstance(question, NoulQuestion) and question.criteria is not None:
+            update["criteria"] = question.criteria.model_copy(
+                update={side: swap(getattr(question.criteria, side)) for side in ("true", "false")}
+            )
+        elif isinstance(question, ChoiceQuestion):
+            # The name stays the option's id; a null description reads the name, so it gets the slot.
+            update["criteria"] = {
+                name: swap(name if description is None else description)
+                for name, description in question.criteria.items()
+            }
+        elif isinstance(question, ScoreQuestion):
+            update["criteria"] = swap(question.criteria)
+        questions[qid] = question.model_copy(update=update)
+    placed = request.model_copy(update={"state": swap(request.state), "questions": questions})
+    renamed = [dataclasses.replace(image, placeholder=slots[image.placeholder]) for image in images]
+    return placed, renamed
