@@ -261,3 +261,47 @@ def test_requests_merged_over_one_image_run_the_tower_once_across_prefill_steps(
     assert steps > 3 and len(calls) == 1  # one tower run for the three requests, over every step
     for a, b in zip(scored[0], scored[2], strict=True):
         assert max(abs(x - y) for x, y in zip(a.option_logits, b.option_logits, strict=True)) < TOL
+
+
+def test_a_sixteen_bit_grey_png_reads_as_its_eight_bit_twin_not_as_white(vision_engine):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    ramp = np.tile(np.linspace(0, 65535, 40, dtype=np.uint16), (24, 1))
+
+    def saved(array) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(array).save(out, format="PNG")  # uint16: a 16-bit grey PNG
+        return out.getvalue()
+
+    deep, reversed_deep = saved(ramp), saved(ramp[:, ::-1].copy())
+    twin = saved((ramp >> 8).astype(np.uint8))
+    assert Image.open(io.BytesIO(deep)).mode.startswith("I")
+    a, b, c = (
+        score(vision_engine, [RED], {PHOTO: d}).rows[0].option_logits for d in (deep, twin, reversed_deep)
+    )
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < TOL
+    assert max(abs(x - y) for x, y in zip(a, c, strict=True)) > 1e-6  # the gradient is seen, not clipped
+
+
+def test_a_jpeg_turned_by_its_exif_orientation_is_read_upright(vision_engine):
+    import io
+
+    from PIL import Image
+
+    stored = Image.open(io.BytesIO(noise_png(19, size=(40, 16)))).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees clockwise to view
+    turned = io.BytesIO()
+    stored.save(turned, format="JPEG", exif=exif, quality=95)
+    viewed = Image.open(io.BytesIO(turned.getvalue())).convert("RGB").transpose(Image.Transpose.ROTATE_270)
+    upright = io.BytesIO()
+    viewed.save(upright, format="PNG")
+    image = asset(turned.getvalue())
+    assert (image.width, image.height) == (16, 40)
+    a = score(vision_engine, [RED], {PHOTO: turned.getvalue()}).rows[0]
+    b = score(vision_engine, [RED], {PHOTO: upright.getvalue()}).rows[0]
+    assert a.input_tokens == b.input_tokens
+    assert max(abs(x - y) for x, y in zip(a.option_logits, b.option_logits, strict=True)) < TOL

@@ -206,8 +206,8 @@ def test_an_asset_that_is_not_a_png_or_jpeg_image_it_claims_to_be_is_refused(cli
     )
 
 
-@pytest.mark.parametrize("size", [(2, 400), (1000, 5), (1, 200)])
-def test_an_image_whose_long_side_is_200_times_its_short_one_is_refused_naming_the_asset(client, size):
+@pytest.mark.parametrize("size", [(2, 401), (1000, 4), (1, 201)])
+def test_an_image_whose_long_side_is_over_200_times_its_short_one_is_refused_naming_the_asset(client, size):
     asset = image_asset(png(size=size))
     message = refused_validation(
         post(client, body(assets={PLACEHOLDER: asset})), ["body", "assets", PLACEHOLDER, "data_base64"]
@@ -215,9 +215,41 @@ def test_an_image_whose_long_side_is_200_times_its_short_one_is_refused_naming_t
     assert f"{size[0]} x {size[1]}" in message and "200 times" in message
 
 
-def test_an_image_just_under_the_aspect_limit_is_read(client):
-    reply = post(client, body(assets={PLACEHOLDER: image_asset(png(size=(1, 199)))}))
+def test_an_image_at_the_aspect_limit_is_read(client):
+    reply = post(client, body(assets={PLACEHOLDER: image_asset(png(size=(1, 200)))}))
     assert NO_VISION in refused(reply, 400, "api_usage_error")  # past every image rule
+
+
+def progressive_jpeg(scans_repeated: int = 0) -> bytes:
+    """A real progressive JPEG (Pillow writes about ten scans), its last scan repeated."""
+    out = io.BytesIO()
+    PILImage.new("RGB", (64, 48), (10, 200, 30)).save(out, format="JPEG", progressive=True)
+    data = out.getvalue()
+    last = data.rindex(b"\xff\xda")
+    return data[:-2] + data[last:-2] * scans_repeated + b"\xff\xd9"
+
+
+def test_a_progressive_jpeg_is_read_and_one_of_over_a_hundred_scans_is_refused(client):
+    assert 2 < progressive_jpeg().count(b"\xff\xda") < 20
+    read = post(client, body(assets={PLACEHOLDER: image_asset(progressive_jpeg(), "jpeg")}))
+    assert NO_VISION in refused(read, 400, "api_usage_error")
+    many = progressive_jpeg(100)
+    PILImage.open(io.BytesIO(many)).load()  # Pillow itself would decode every scan
+    message = refused_validation(
+        post(client, body(assets={PLACEHOLDER: image_asset(many, "jpeg")})),
+        ["body", "assets", PLACEHOLDER, "data_base64"],
+    )
+    assert "scans" in message and "100" in message
+
+
+def test_a_multi_picture_jpeg_is_read_as_a_jpeg():
+    first, second = io.BytesIO(), io.BytesIO()
+    PILImage.new("RGB", (16, 16), (200, 0, 0)).save(
+        first, format="MPO", save_all=True, append_images=[PILImage.new("RGB", (16, 16), (0, 0, 200))]
+    )
+    assert PILImage.open(io.BytesIO(first.getvalue())).format == "MPO"
+    image = read_image(PLACEHOLDER, first.getvalue(), claimed="jpg", max_pixels=10**6)
+    assert (image.format, image.width, image.height) == ("jpeg", 16, 16)
 
 
 def test_an_asset_with_neither_bytes_nor_a_part_or_without_format_is_refused(client):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from semif_serve.domain.images import ImageAsset
+from semif_serve.domain.images import ImageAsset, upright_rgb
 from semif_serve.domain.prompt import ImageSpan
 from semif_serve.engine.state_cache import padded_suffixes
 
@@ -91,7 +91,7 @@ def preprocess(processor: Any, images: Sequence[ImageAsset], merge: int) -> Pixe
     decoded = []
     for image in images:
         with Image.open(io.BytesIO(image.data)) as opened:
-            decoded.append(opened.convert("RGB"))
+            decoded.append(upright_rgb(opened))
     out = processor(images=decoded, return_tensors="pt")
     grid = out["image_grid_thw"]
     tokens = tuple(int(t * h * w) // merge**2 for t, h, w in grid.tolist())
