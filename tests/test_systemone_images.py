@@ -243,7 +243,7 @@ def test_a_progressive_jpeg_is_read_and_one_of_over_a_hundred_scans_is_refused(c
 
 
 def test_a_multi_picture_jpeg_is_read_as_a_jpeg():
-    first, second = io.BytesIO(), io.BytesIO()
+    first = io.BytesIO()
     PILImage.new("RGB", (16, 16), (200, 0, 0)).save(
         first, format="MPO", save_all=True, append_images=[PILImage.new("RGB", (16, 16), (0, 0, 200))]
     )
@@ -392,6 +392,15 @@ def test_more_images_than_the_setting_allows_is_a_413_naming_assets(tight):
     request = body(state=" ".join(names), assets={n: image_asset(png(size=(2, 2))) for n in names})
     message = refused(raw_post(tight, json=request), 413, "request_too_large")
     assert "3 images" in message and "SEMIF_SYSTEMONE_MAX_IMAGES" in message
+
+
+def test_a_multipart_body_of_more_parts_than_a_request_and_its_images_is_a_413_before_reading_on(client):
+    parts = {f"p{i}": b"" for i in range(5000)}
+    content_type, content = multipart(part_body(part="p0"), parts)
+    reply = client.post("/v1/systemone", content=content, headers={"Content-Type": content_type})
+    message = refused(reply, 413, "request_too_large")
+    assert "more than 10 parts" in message and "SEMIF_SYSTEMONE_MAX_IMAGES" in message
+    assert len(reply.content) < 1000  # one short refusal, not an error per part
 
 
 def test_an_image_over_the_pixel_setting_is_a_413(tight):

@@ -18,8 +18,10 @@ from typing import Any
 # The wire's format names -> the format they mean (jpg and jpeg are one format).
 FORMATS = {"png": "png", "jpg": "jpeg", "jpeg": "jpeg"}
 SIGNATURES = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg"}
-# MPO: a JPEG holding several pictures (phones' "Ultra HDR"); its first picture is read.
+# Pillow's formats -> ours. MPO, a JPEG holding several pictures (phones' "Ultra HDR"), is
+# opened by the JPEG plugin; its first picture is read.
 PILLOW_FORMATS = {"PNG": "png", "JPEG": "jpeg", "MPO": "jpeg"}
+PILLOW_OPENERS = ["PNG", "JPEG"]
 # Qwen's image processor (smart_resize) reads no image whose long side is over 200 times its short one.
 MAX_ASPECT_RATIO = 200
 # A progressive JPEG decodes once per scan (start-of-scan marker): encoders write about 10;
@@ -74,7 +76,7 @@ def read_image(placeholder: str, data: bytes, *, claimed: str | None, max_pixels
         # Our own limit applies below; Pillow's bomb warning and error mean the same thing earlier.
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            with Image.open(io.BytesIO(data), formats=list(PILLOW_FORMATS)) as image:
+            with Image.open(io.BytesIO(data), formats=PILLOW_OPENERS) as image:
                 width, height = image.size  # from the header: nothing is decoded yet
                 if width * height > max_pixels:
                     raise ImageRejected(_too_many_pixels(width, height, max_pixels), too_large=True)

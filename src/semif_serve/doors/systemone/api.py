@@ -42,7 +42,12 @@ from semif_serve.doors.base import (
     rule_for,
 )
 from semif_serve.doors.systemone.assets import ImageLimits, place_images, resolve_images
-from semif_serve.doors.systemone.multipart import MultipartRefused, is_multipart, parse_multipart
+from semif_serve.doors.systemone.multipart import (
+    MultipartRefused,
+    TooManyParts,
+    is_multipart,
+    parse_multipart,
+)
 from semif_serve.doors.systemone.schemas import (
     MAX_OPTIONS,
     MODELS_PATH,
@@ -477,7 +482,13 @@ class SystemOneDoor(DecisionDoor):
         if not is_multipart(content_type):
             return parse_request(body, self.max_options, self.refuse_past_row_cap), None
         try:
-            multipart = parse_multipart(content_type or "", body)
+            # The `request` part, one per image allowed, and one more: an image over the count
+            # gets the image-count 413 below, with the request read.
+            multipart = parse_multipart(content_type or "", body, self.image_limits.max_images + 2)
+        except TooManyParts as exc:
+            raise ServiceError(
+                413, "request_too_large", f"{exc} (a `request` part and SEMIF_SYSTEMONE_MAX_IMAGES images)"
+            ) from None
         except MultipartRefused as exc:
             raise SystemOneValidationError(
                 [{"loc": ["body"], "msg": str(exc), "type": "value_error"}]

@@ -45,11 +45,16 @@ def _disposition_name(value: bytes) -> str | None:
     return None if name is None else name.decode("latin-1")
 
 
-def parse_multipart(content_type: str, body: bytes) -> MultipartBody:
+class TooManyParts(MultipartRefused):
+    """More parts than a request may carry (its `request` and one per image allowed)."""
+
+
+def parse_multipart(content_type: str, body: bytes, max_parts: int | None = None) -> MultipartBody:
     """Split a multipart/form-data body into its `request` JSON and its named parts.
 
     Raises MultipartRefused for a missing boundary, a malformed body, a part without a name, a
-    name sent twice, or no `request` part.
+    name sent twice, or no `request` part; TooManyParts at the first part past `max_parts`
+    (None: no limit), before the rest is parsed.
     """
     _, options = parse_options_header(content_type)
     boundary = options.get(b"boundary")
@@ -61,6 +66,8 @@ def parse_multipart(content_type: str, body: bytes) -> MultipartBody:
     names: list[str | None] = []
 
     def on_part_begin() -> None:
+        if max_parts is not None and len(found) >= max_parts:
+            raise TooManyParts(f"the multipart body has more than {max_parts} parts")
         found.append((None, bytearray()))
         names.append(None)
 
