@@ -14,7 +14,7 @@ from cuda_sim import MIB, SimulatedCuda
 
 from acceptance.capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
 from acceptance.common import ServiceCallError
-from acceptance.gpu_images import image_gates
+from acceptance.gpu_images import ENGINE_GAPS, image_gates
 from acceptance.gpu_run import (
     Device,
     GpuRun,
@@ -188,7 +188,10 @@ def check_images_through_the_engine(images, cuda: SimulatedCuda, service) -> Non
         assert "refused" not in engine, engine
         assert engine["grid_thw"] == row["grid_thw"] and engine["patches"] == row["patches"]
         assert engine["prompts_match_blocks"]  # the engine's placeholder and pads: the blocks' prompt
-        assert engine["prefix_tokens"] <= row["prefix_tokens"]
+        # The engine's state prefix: the image's tokens and the state's text, within what the rows share.
+        assert (
+            row["text_prefix_tokens"] + row["image_tokens"] <= engine["prefix_tokens"] <= row["prefix_tokens"]
+        )
         assert len(engine["input_tokens"]) == 8 and min(engine["input_tokens"]) > engine["prefix_tokens"]
         patches = row["patches"]
         assert engine["tower_peak_bytes"] == patches * cuda.patch_bytes
@@ -200,7 +203,7 @@ def check_images_through_the_engine(images, cuda: SimulatedCuda, service) -> Non
         )
         assert engine["first_prefill"] == "fresh" and engine["tower_runs_first"] == 1
         assert engine["second_prefill"] == "cached" and engine["tower_runs_second"] == 0
-        for key in ("first_vs_full_forward_gap", "eight_vs_full_forward_gap", "second_vs_full_forward_gap"):
+        for key in ENGINE_GAPS:
             assert engine[key] < 1e-2, key  # BF16 on the CPU
         # Question 0 through the engine reads as through the blocks' own prefill and readout.
         assert (
