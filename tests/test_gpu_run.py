@@ -14,7 +14,7 @@ from cuda_sim import MIB, SimulatedCuda
 
 from acceptance.capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
 from acceptance.common import ServiceCallError
-from acceptance.gpu_images import ENGINE_GAPS, image_gates
+from acceptance.gpu_images import ENGINE_GAPS, engine_table, image_gates
 from acceptance.gpu_run import (
     Device,
     GpuRun,
@@ -387,10 +387,18 @@ def test_an_estimate_below_the_measured_tower_peak_is_said_in_the_gate():
     assert "1.3" in gate.detail and "BELOW" in gate.detail
 
 
-def test_an_image_the_engine_refused_fails_every_engine_gate_and_says_why():
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        {"refused": "the image needs 0.3 GiB in the vision tower"},
+        {"failed": "OutOfMemoryError: the image needs 0.3 GiB in the vision tower and more"},
+    ],
+)
+def test_an_image_the_engine_refused_or_failed_fails_every_engine_gate_and_says_why(outcome):
     refused = image_row(width=1920, height=1080)
-    refused["engine"] = {"refused": "the image needs 0.3 GiB in the vision tower"}
-    gates = image_gates({"rows": [image_row(), refused]})
+    refused["engine"] = outcome
+    data = {"rows": [image_row(), refused]}
+    gates = image_gates(data)
     failing = {g.name: g.detail for g in gates if not g.passed}
     assert set(failing) == {
         "engine answers every size",
@@ -400,7 +408,9 @@ def test_an_image_the_engine_refused_fails_every_engine_gate_and_says_why():
         "goal: eight questions <= 1.5x one",
         "goal: second question >= 5x faster",
     }
-    assert "1920x1080: the image needs 0.3 GiB" in failing["engine answers every size"]
+    assert f"1920x1080: {next(iter(outcome.values()))}" in failing["engine answers every size"]
+    head, body = engine_table({"rows": [refused]})
+    assert body == [["1920x1080", next(iter(outcome.values()))[:60], *["-"] * (len(head) - 2)]]
 
 
 def test_an_image_size_the_deadline_skipped_fails_the_image_table():
