@@ -48,10 +48,12 @@ def main() -> int:
     config = Qwen3_5VisionConfig(**geometry, out_hidden_size=2560)  # Qwen3.5-4B's text width
     torch.manual_seed(0)
     tower = Qwen3_5VisionModel._from_config(config, dtype=torch.bfloat16).eval()
-    patch = config.patch_size
+    patch = geometry["patch_size"]
     h, w = height // patch, width // patch
     patches = h * w
-    pixels = torch.randn(patches, config.in_channels * config.temporal_patch_size * patch**2).bfloat16()
+    pixels = torch.randn(
+        patches, geometry["in_channels"] * geometry["temporal_patch_size"] * patch**2
+    ).bfloat16()
     tracker = MemTracker()
     tracker.track_external(tower, pixels)
     with torch.inference_mode(), tracker:
