@@ -324,10 +324,15 @@ class EngineBench:
         self.blocks = blocks
         self.questions = [PromptRow(q, tuple(o)) for q, o in QUESTIONS]
         self.tower_runs = 0
-        blocks.model.model.visual.register_forward_hook(self._count)
+        self._hook = blocks.model.model.visual.register_forward_hook(self._count)
 
     def _count(self, *_: Any) -> None:
         self.tower_runs += 1
+
+    def close(self) -> None:
+        """Unhook the tower and drop the engine's states (their device memory goes now)."""
+        self._hook.remove()
+        self.engine.cache.clear()
 
     def ask(self, state: Any, first: int, count: int, images: Sequence[Any], cold: bool = True) -> Any:
         """One request of `count` questions from question `first` (the cache cleared if `cold`)."""
@@ -447,11 +452,15 @@ def measure_images(
     bench = ImageBench(model, tokenizer, cuda, tensor_device, repeats)
     served = None if engine is None else EngineBench(service_engine(model, tokenizer, engine), bench)
     rows: list[dict[str, Any]] = []
-    for k, (width, height) in enumerate(sizes):
-        if not keep_going():
-            rows.append({"width": width, "height": height, "skipped": "deadline"})
-            continue
-        rows.append(bench.measure(width, height, seed=k, engine=served))
+    try:
+        for k, (width, height) in enumerate(sizes):
+            if not keep_going():
+                rows.append({"width": width, "height": height, "skipped": "deadline"})
+                continue
+            rows.append(bench.measure(width, height, seed=k, engine=served))
+    finally:
+        if served is not None:
+            served.close()
     config = model.config.vision_config
     return {
         "vision_config": {
