@@ -26,6 +26,9 @@ rewritten after every phase, so an error or the deadline loses only the phase it
    joined to the run's text model; for 448x448, 1024x768 and 1920x1080 images its weights, time
    and peak memory, image tokens, one question with the image vs without, eight questions vs one,
    a second question over the kept image state vs the first, the readout vs a full forward;
+   then the same through the service's path (a vision-language `TorchEngine` as the loader
+   builds one, `score(..., images=...)`, its state cache), the tower's peak vs its estimate,
+   the issue's two goals gated on the engine's numbers;
 8. batching, with what time is left: issue 12's three measurements (`bench/batching.py`, quick:
    16 clients vs 1, the second question about a ~2,000-token state vs the first, prefills for 8
    clients over one state) through the decision core;
@@ -78,6 +81,7 @@ from .common import (
 from .gpu_images import (
     IMAGE_SIZES,
     VISION_GEOMETRY,
+    engine_table,
     image_gates,
     image_table,
     measure_images,
@@ -704,7 +708,7 @@ class GpuRun:
             "spec_0_1_3": SPEC_CAPACITY.get(target),
         }
 
-    # -- 8. images (issue 17: the vision tower at the real geometry, through the engine's image blocks)
+    # -- 8. images (issue 17: the vision tower at the real geometry, the blocks and the service's engine)
 
     def images(self) -> tuple[dict[str, Any], list[Gate]]:
         self.needs("service")
@@ -716,6 +720,8 @@ class GpuRun:
         self.device.adopt_vision(model.model.visual)
         self.device.cuda.synchronize()
         build_s = time.monotonic() - t0
+        # The service's states go, so the phase's engine has the cache budget its baseline counted.
+        freed = self.service.engine.cache.clear()
         data = measure_images(
             model,
             self.tokenizer,
@@ -724,13 +730,21 @@ class GpuRun:
             opts.image_sizes or IMAGE_SIZES[opts.shape],
             keep_going=lambda: self.deadline.allows(10),
             repeats=opts.image_repeats,
+            engine=self.service.engine,
         )
         data["build_seconds"] = build_s
+        data["service_cache_freed_bytes"] = freed
         head, body = image_table(data)
         print_table(
             head, body, title=f"images (vision tower {data['vision_weights_bytes'] / GIB:.2f} GiB BF16)"
         )
-        return data, image_gates(data)
+        head, body = engine_table(data)
+        print_table(head, body, title="images through the service's engine (TorchEngine.score)")
+        gates = image_gates(data)
+        estimate = next(g for g in gates if g.name == "tower estimate covers its peak")
+        if not estimate.passed:
+            log(f"gpu_run: the vision tower's memory estimate is below its measured peak: {estimate.detail}")
+        return data, gates
 
     # -- 9. batching (issue 12's measurements, through the core rather than HTTP)
 
