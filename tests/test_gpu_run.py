@@ -195,7 +195,8 @@ def check_images_through_the_engine(images, cuda: SimulatedCuda, service) -> Non
         assert len(engine["input_tokens"]) == 8 and min(engine["input_tokens"]) > engine["prefix_tokens"]
         patches = row["patches"]
         assert engine["tower_peak_bytes"] == patches * cuda.patch_bytes
-        formula = 2 * (patches * (6 * config["hidden_size"] + 2 * config["intermediate_size"]))
+        hidden = config["hidden_size"]
+        formula = patches * (2 * (6 * hidden + 2 * config["intermediate_size"]) + 4 * 2 * hidden)
         formula += 2 * config["out_hidden_size"] * patches // merge**2
         assert engine["tower_estimate_bytes"] == int(formula * 1.25)
         assert engine["tower_measured_vs_estimate"] == pytest.approx(

@@ -288,9 +288,11 @@ class VisionTower:
 
     def activation_bytes(self, patches: int, estimate: Any) -> int:
         """Estimated bytes of running the tower on one image of `patches` patches (see
-        docs/memory.md): a layer's working set per patch (residual, attention projections, MLP)
-        and the merged features, with the text estimate's element size and safety factor."""
-        per_patch = estimate.element_bytes * (6 * self.hidden + 2 * self.intermediate)
+        docs/memory.md): a layer's working set per patch (residual, attention projections, MLP,
+        and the float32 copies of queries and keys its rotary embedding makes) and the merged
+        features, with the text estimate's element size and safety factor."""
+        rotary = 4 * 2 * self.hidden  # transformers' apply_rotary_pos_emb_vision works in float32
+        per_patch = estimate.element_bytes * (6 * self.hidden + 2 * self.intermediate) + rotary
         merged = estimate.element_bytes * self.out_hidden * patches // self.merge**2
         return int((per_patch * patches + merged) * estimate.SAFETY)
 
