@@ -367,7 +367,7 @@ class EngineBench:
             return {"refused": str(exc), "patches": image.patches, "tower_estimate_bytes": estimate}
         ids = [[t if t >= 0 else blocks.pad for t in p.ids] for p in prompts]
         prepared.preprocess()
-        tower_bytes, _ = blocks.peak(lambda: prepared.features(image.token_id))
+        tower_bytes, _ = blocks.peak(lambda: prepared.features(image.key))
 
         without_s, _ = timer(lambda: self.ask(TEXT_STATE, 0, 1, []))
         first_s, first = timer(lambda: self.ask(STATE, 0, 1, [asset]))

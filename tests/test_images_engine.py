@@ -305,3 +305,24 @@ def test_a_jpeg_turned_by_its_exif_orientation_is_read_upright(vision_engine):
     b = score(vision_engine, [RED], {PHOTO: upright.getvalue()}).rows[0]
     assert a.input_tokens == b.input_tokens
     assert max(abs(x - y) for x, y in zip(a.option_logits, b.option_logits, strict=True)) < TOL
+
+
+def test_two_images_whose_digests_share_their_first_60_bits_never_share_a_state(
+    vision_engine, vision_reference
+):
+    import dataclasses
+
+    from semif_serve.engine.vision import image_token_ids
+
+    red, blue = noise_png(20), noise_png(21)
+    # Digests chosen to agree in their first 60 bits (15 hex digits), as a colliding pair would.
+    a = dataclasses.replace(asset(red), sha256="0" * 15 + "a" * 49)
+    b = dataclasses.replace(asset(blue), sha256="0" * 15 + "b" * 49)
+    assert image_token_ids(a.sha256, 8)[0] == image_token_ids(b.sha256, 8)[0]
+    assert image_token_ids(a.sha256, 8) != image_token_ids(b.sha256, 8)
+    engine = vision_engine.with_state_cache(StateCache(1 << 30), None)
+    rows = [PromptRow(*RED)]
+    engine.score(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[a])
+    second = engine.score(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[b])
+    assert second.lone_timing.prefill == "fresh"
+    assert_row(second.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: blue}))

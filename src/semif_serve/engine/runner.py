@@ -307,7 +307,7 @@ class TorchEngine:
             widest = max(range(len(prompts)), key=lambda i: len(prompts[i].ids))
             self._rows_that_fit(len(prefix), len(prompts[widest].ids) - len(prefix), widest)
         if image_set is not None:
-            image_set.preprocess(self._uncached_images(prefix or list(state_ids), prompts))
+            image_set.preprocess(self._uncached_images(image_set, prefix or list(state_ids), prompts))
         return PreparedRows(
             engine=self,
             prompts=prompts,
@@ -624,12 +624,14 @@ class TorchEngine:
         option = last_logits[self.slot_ids[:n_options]].float()  # the slots alone, not the vocabulary
         return option.tolist(), self.torch.softmax(option, dim=-1).tolist()
 
-    def _uncached_images(self, prefix: Sequence[int], prompts: Sequence[EncodedPrompt]) -> set[int]:
-        """The image tokens a forward may need features for: every one, unless a state over
-        `prefix` is cached (then only those after it). The cache may still drop the state
-        before the rows run; the images are then preprocessed on the engine thread."""
+    def _uncached_images(
+        self, images: ImageSet, prefix: Sequence[int], prompts: Sequence[EncodedPrompt]
+    ) -> set[tuple[int, ...]]:
+        """The images a forward may need features for: every one, unless a state over `prefix`
+        is cached (then only those after it). The cache may still drop the state before the
+        rows run; the images are then preprocessed on the engine thread."""
         after = len(prefix) if prefix and self.cache.holds(prefix) else 0
-        return {t for p in prompts for t in p.ids[after:] if t < 0}
+        return images.shown_in(p.ids[after:] for p in prompts)
 
     def _tower_fits(self, images: ImageSet) -> None:
         """Refuse images whose largest needs more memory in the tower than the headroom has."""

@@ -4,8 +4,8 @@
 tokens) turns a request's images into an `ImageSet`: each image preprocessed once, its span of
 ids for the prompt (`ImageSpan`), its features computed at most once, on the engine thread,
 when a forward first needs them, and the embeddings and 3-D positions of any row of ids that
-holds image tokens. An image's tokens carry a negative id derived from its SHA-256
-(`image_token_id`), so the prefix keys of the state cache and the batcher tell images apart.
+holds image tokens. An image's tokens carry negative ids that spell its SHA-256
+(`image_token_ids`), so the prefix keys of the state cache and the batcher tell images apart.
 
 The building blocks below it (see docs/images.md): transformers' own image processor with
 its Pillow backend pinned (`Qwen2VLImageProcessorPil`; the torchvision backend differs by up
@@ -207,10 +207,15 @@ def suffix_logits_after_images(
         return model.get_output_embeddings()(read).float()
 
 
-def image_token_id(sha256: str) -> int:
-    """The id of every token of one image in a prompt's ids: negative (never a vocabulary id),
-    from the first 60 bits of the image's SHA-256, so equal prefix ids mean equal images."""
-    return -1 - int(sha256[:15], 16)
+DIGEST_CHUNKS = 4  # 60 bits of the SHA-256 each: 240 bits spelled by an image's first tokens
+
+
+def image_token_ids(sha256: str, tokens: int) -> tuple[int, ...]:
+    """The ids of one image's `tokens` tokens in a prompt's ids: negative (never a vocabulary id),
+    cycling through four 60-bit pieces of the image's SHA-256, so an image of at least four
+    tokens carries 240 bits of its digest and equal prefix ids mean equal images."""
+    pieces = [-1 - int(sha256[15 * k : 15 * k + 15], 16) for k in range(DIGEST_CHUNKS)]
+    return tuple(pieces[j % DIGEST_CHUNKS] for j in range(tokens))
 
 
 def has_image_tokens(ids: Sequence[int]) -> bool:
@@ -224,9 +229,14 @@ class PreparedImage:
     size, as the processor resizes it) and its token count; its pixels come later, if needed."""
 
     asset: ImageAsset
-    token_id: int
+    token_ids: tuple[int, ...]
     grid_thw: tuple[int, int, int]
     tokens: int
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The image's first ids: how rows name it (an image holds at least one token)."""
+        return self.token_ids[:DIGEST_CHUNKS]
 
     @property
     def patches(self) -> int:
@@ -261,12 +271,10 @@ class VisionTower:
         for image in images:
             grid = self.grid(image.height, image.width)
             tokens = grid[0] * grid[1] * grid[2] // self.merge**2
-            token_id = image_token_id(image.sha256)
-            prepared.setdefault(image.sha256, PreparedImage(image, token_id, grid, tokens))
-            spans.append(
-                ImageSpan(image.placeholder, (self.start_id, *[token_id] * tokens, self.end_id), image.sha256)
-            )
-        return ImageSet(self, {p.token_id: p for p in prepared.values()}, tuple(spans))
+            token_ids = image_token_ids(image.sha256, tokens)
+            prepared.setdefault(image.sha256, PreparedImage(image, token_ids, grid, tokens))
+            spans.append(ImageSpan(image.placeholder, (self.start_id, *token_ids, self.end_id), image.sha256))
+        return ImageSet(self, {p.key: p for p in prepared.values()}, tuple(spans))
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """The processor's patch grid (t, h, w) for an image of this size: its own resize rule."""
@@ -301,19 +309,22 @@ class VisionTower:
         return max((i.patches for i in images), default=0)
 
 
+Key = tuple[int, ...]  # an image's first ids (`PreparedImage.key`)
+
+
 class ImageSet:
-    """The images a request's rows show, by token id (a merged group's: the union); each
-    image's features are computed at most once, when a forward first feeds its tokens."""
+    """The images a request's rows show, by key (a merged group's: the union); each image's
+    pixels are decoded and its features computed at most once, when first needed."""
 
     def __init__(
-        self, tower: VisionTower, images: dict[int, PreparedImage], spans: tuple[ImageSpan, ...]
+        self, tower: VisionTower, images: dict[Key, PreparedImage], spans: tuple[ImageSpan, ...]
     ) -> None:
         self.tower = tower
         self.images = images
         self.spans = spans
-        self._features: dict[int, Any] = {}
-        self._pixels: dict[int, Any] = {}
-        self._last_blocks: tuple[Sequence[int], list[tuple[int, int, int]]] | None = None
+        self._features: dict[Key, Any] = {}
+        self._pixels: dict[Key, Any] = {}
+        self._last_blocks: tuple[Sequence[int], list[tuple[int, int, Key]]] | None = None
         self.tower_runs = 0
 
     @staticmethod
@@ -333,47 +344,62 @@ class ImageSet:
             part._pixels, part._features = joined._pixels, joined._features
         return joined
 
-    def preprocess(self, token_ids: Iterable[int] | None = None) -> None:
+    def shown_in(self, rows: Iterable[Sequence[int]]) -> set[Key]:
+        """The images whose tokens appear in any of `rows`."""
+        seen = {t for row in rows for t in row if t < 0}
+        return {key for key, image in self.images.items() if seen.intersection(image.key)}
+
+    def preprocess(self, keys: Iterable[Key] | None = None) -> None:
         """Decode and preprocess these images now (all: None), host work off the engine thread;
         any left out is preprocessed when a forward first needs it."""
-        for token_id in self.images if token_ids is None else token_ids:
-            if token_id not in self._pixels and token_id not in self._features:
-                self._pixels[token_id] = self.tower.pixels(self.images[token_id])
+        for key in self.images if keys is None else keys:
+            if key not in self._pixels and key not in self._features:
+                self._pixels[key] = self.tower.pixels(self.images[key])
 
-    def features(self, token_id: int) -> Any:
+    def features(self, key: Key) -> Any:
         """One image's features `[tokens, hidden]` (the tower runs on first use only)."""
-        if token_id not in self._features:
-            image = self.images[token_id]
+        if key not in self._features:
+            image = self.images[key]
             import torch
 
             grid = torch.tensor([image.grid_thw])
             model = self.tower.model
             weights = next(model.model.visual.parameters())
-            self.preprocess([token_id])
-            pixels = self._pixels.pop(token_id).to(weights.device, weights.dtype)
+            self.preprocess([key])
+            pixels = self._pixels.pop(key).to(weights.device, weights.dtype)
             with torch.inference_mode():
                 out = model.model.get_image_features(pixels, grid.to(weights.device))
-            self._features[token_id] = out.pooler_output[0]
+            self._features[key] = out.pooler_output[0]
             self.tower_runs += 1
-        return self._features[token_id]
+        return self._features[key]
 
-    def _blocks(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
-        """(start, stop, token id) of each image's run of tokens in `ids`, in order (kept for
-        the last row asked: a chunked prefill asks for the same row once per chunk)."""
+    def _image_of(self, run: Sequence[int], at_end: bool) -> PreparedImage:
+        """The image whose ids a run of image tokens spells (the whole image; at the row's end,
+        a prefill step's slice, its beginning)."""
+        image = self.images.get(tuple(run[:DIGEST_CHUNKS]))
+        if image is None and at_end:  # a slice shorter than the key: any image it begins
+            image = next((i for i in self.images.values() if i.token_ids[: len(run)] == tuple(run)), None)
+        whole = image is not None and tuple(run) == image.token_ids
+        if image is None or not (whole or (at_end and image.token_ids[: len(run)] == tuple(run))):
+            raise ValueError(f"a run of {len(run)} image tokens spells no image of this request")
+        return image
+
+    def _blocks(self, ids: Sequence[int]) -> list[tuple[int, int, Key]]:
+        """(start, stop, image key) of each image's run of tokens in `ids`, in order (kept for
+        the last row asked: a chunked prefill asks for the same row once per chunk). Images are
+        delimited by the vision start and end tokens, so a run of negative ids is one image."""
         if self._last_blocks is not None and self._last_blocks[0] is ids:
             return self._last_blocks[1]
-        blocks: list[tuple[int, int, int]] = []
+        blocks: list[tuple[int, int, Key]] = []
         at = 0
         n = len(ids)
         while at < n:
             if ids[at] < 0:
                 stop = at
-                while stop < n and ids[stop] == ids[at]:
+                while stop < n and ids[stop] < 0:
                     stop += 1
-                image = self.images[ids[at]]
-                if stop - at != image.tokens and not (stop == n and stop - at < image.tokens):
-                    raise ValueError(f"an image of {image.tokens} tokens shows {stop - at} in the row")
-                blocks.append((at, stop, ids[at]))
+                image = self._image_of(ids[at:stop], stop == n)
+                blocks.append((at, stop, image.key))
                 at = stop
             else:
                 at += 1
@@ -387,14 +413,14 @@ class ImageSet:
 
         blocks = self._blocks(ids)
         if blocks and blocks[-1][1] - blocks[-1][0] < self.images[blocks[-1][2]].tokens:
-            first, last, token_id = blocks[-1]
-            whole = [*ids, *[token_id] * (self.images[token_id].tokens - (last - first))]
+            first, last, key = blocks[-1]
+            whole = [*ids, *self.images[key].token_ids[last - first :]]
             return self.positions(whole)[:, : len(ids)]
         tensor = torch.tensor([[t if t >= 0 else self.tower.pad_id for t in ids]])
         kinds = torch.zeros_like(tensor, dtype=torch.int)
         for start, stop, _ in blocks:
             kinds[0, start:stop] = 1
-        grid = torch.tensor([self.images[t].grid_thw for *_, t in blocks]) if blocks else None
+        grid = torch.tensor([self.images[k].grid_thw for *_, k in blocks]) if blocks else None
         positions, _ = self.tower.model.model.get_rope_index(
             tensor, mm_token_type_ids=kinds, image_grid_thw=grid
         )
@@ -409,9 +435,9 @@ class ImageSet:
         chunk = torch.tensor([t if t >= 0 else self.tower.pad_id for t in ids[start:stop]], device=device)
         with torch.inference_mode():
             rows = embed(chunk)
-            for first, last, token_id in self._blocks(ids):
+            for first, last, key in self._blocks(ids):
                 lo, hi = max(first, start), min(last, stop)
                 if lo < hi:
-                    feature = self.features(token_id)[lo - first : hi - first]
+                    feature = self.features(key)[lo - first : hi - first]
                     rows[lo - start : hi - start] = feature.to(device, rows.dtype)
         return rows
