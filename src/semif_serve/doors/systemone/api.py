@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from semif_serve import __version__
 from semif_serve.domain import types as domain
 from semif_serve.domain.boxes import DEFAULT_TARGET, EDGES, POSITIONS, edge_questions, read_box
+from semif_serve.domain.images import VerifiedImages
 from semif_serve.domain.numerics import argmax
 from semif_serve.domain.orderings import (
     ANSWER_TYPES,
@@ -436,6 +437,7 @@ class SystemOneDoor(DecisionDoor):
         self.model_name = f"{identity.source}@{identity.revision}"
         self.max_options = min(MAX_OPTIONS, service.core.capacity)
         self.release_date = release_date(service)
+        self.verified_images = VerifiedImages()  # decoded whole once: a cached image is not decoded again
 
     @property
     def limits(self) -> Limits:
@@ -563,7 +565,9 @@ class SystemOneDoor(DecisionDoor):
         content_type = request.headers.get("content-type")
         parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
         if parsed.assets:  # decoding images is CPU work: off the event loop
-            images = await asyncio.to_thread(resolve_images, parsed, parts, self.image_limits)
+            images = await asyncio.to_thread(
+                resolve_images, parsed, parts, self.image_limits, self.verified_images
+            )
         else:  # only the placeholder and part checks: no thread hop for a text-only request
             images = resolve_images(parsed, parts, self.image_limits)
         if not self.accepts(parsed.model):

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from semif_serve.domain.images import ImageAsset, ImageRejected, read_image
+from semif_serve.domain.images import ImageAsset, ImageRejected, VerifiedImages, read_image
 from semif_serve.doors.systemone.schemas import (
     AssetEntry,
     BoxQuestion,
@@ -160,9 +160,13 @@ def _claimed_bytes(
 
 
 def resolve_images(
-    request: SystemOneRequest, parts: dict[str, bytes] | None, limits: ImageLimits
+    request: SystemOneRequest,
+    parts: dict[str, bytes] | None,
+    limits: ImageLimits,
+    verified: VerifiedImages | None = None,
 ) -> list[ImageAsset]:
-    """Every image of the request, checked, in `assets` order (empty without assets).
+    """Every image of the request, checked, in `assets` order (empty without assets); each
+    decoded whole unless `verified` holds its digest.
 
     Raises SystemOneValidationError (422) for a broken rule and a 413 ServiceError for a
     limit passed, before any image is decoded past its header.
@@ -188,7 +192,7 @@ def resolve_images(
         raise _too_large("assets", _bytes_over(total, limits.max_image_bytes))
     images = []
     for name, data in decoded.items():
-        images.append(_read(name, assets[name], data, limits.max_image_pixels))
+        images.append(_read(name, assets[name], data, limits.max_image_pixels, verified))
     return images
 
 
@@ -207,10 +211,12 @@ def _decoded(name: str, source: bytes | str) -> bytes:
         ) from None
 
 
-def _read(name: str, entry: AssetEntry, data: bytes, max_pixels: int) -> ImageAsset:
+def _read(
+    name: str, entry: AssetEntry, data: bytes, max_pixels: int, verified: VerifiedImages | None
+) -> ImageAsset:
     field = "data_base64" if entry.part is None else "part"
     try:
-        return read_image(name, data, claimed=entry.format, max_pixels=max_pixels)
+        return read_image(name, data, claimed=entry.format, max_pixels=max_pixels, verified=verified)
     except ImageRejected as exc:
         if exc.too_large:
             raise _too_large(
