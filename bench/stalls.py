@@ -2,6 +2,7 @@
 
     uv run python bench/stalls.py            # the demo checkpoint, fp32 CPU (a few minutes)
     uv run python bench/stalls.py --quick    # fewer probes and a smaller heavy request
+    uv run python bench/stalls.py --images-only    # phase 5 alone (with --quick: no whole JPEG)
 
 It starts the real service (`semif-serve serve`, the demo checkpoint) as a child process on a
 loopback port and measures, over HTTP:
@@ -15,7 +16,11 @@ loopback port and measures, over HTTP:
 3. a tiny request's latency alone vs sent 1 s after that heavy request (goal < 3 s);
 4. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
    bound the memory estimate sets for that row at Qwen3.5-4B geometry in BF16, with the
-   suffix chunked (as now) and whole (as before).
+   suffix chunked (as now) and whole (as before);
+5. (issue 30) on the demo's vision checkpoint, a JPEG of a 64 x 64 scan under a header saying
+   1024 x 1024: the time to its refusal (before: answered after ~10 s of engine time on filler
+   pixels), /health meanwhile, and what a whole 1024 x 1024 JPEG costs the engine (what the
+   corrupt one bought).
 """
 
 from __future__ import annotations
@@ -234,6 +239,61 @@ def long_question(service: ServiceProcess, codec, tokens: int) -> dict:
     }
 
 
+def corrupt_header_jpeg() -> bytes:
+    """A flat 64 x 64 JPEG whose frame header (SOF0) is rewritten to say 1024 x 1024."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64), (90, 140, 200)).save(out, format="JPEG", quality=50)
+    data = bytearray(out.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = (1024).to_bytes(2, "big") * 2
+    return bytes(data)
+
+
+def image_body(jpeg: bytes) -> bytes:
+    import base64
+
+    photo = "<image:0123456789abcdef0123456789abcdef>"
+    asset = {"type": "image", "format": "jpeg", "data_base64": base64.b64encode(jpeg).decode()}
+    return json.dumps(
+        {"model": "jev-latest", "state": f"A photo: {photo}", "questions": nouls(1), "assets": {photo: asset}}
+    ).encode()
+
+
+def corrupt_image(work: Path, quick: bool) -> dict:
+    import io
+
+    from PIL import Image
+
+    from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
+
+    model = write_checkpoint(work / "vision-model", multimodal=True)
+    corrupt = corrupt_header_jpeg()
+    whole = io.BytesIO()
+    Image.effect_noise((1024, 1024), 40).convert("RGB").save(whole, format="JPEG", quality=75)
+    tiny = json.dumps({"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)})
+    with ServiceProcess(model, DEMO_REVISION, {"device": "cpu", "demo": "true"}, work / "vision") as service:
+        with Prober(service.url, every=0.05) as prober:
+            refusals = [
+                post(service.url, service.token, "/v1/systemone", image_body(corrupt)) for _ in range(5)
+            ]
+        tiny_after = post(service.url, service.token, "/v1/systemone", tiny.encode())
+        bought = (
+            None if quick else post(service.url, service.token, "/v1/systemone", image_body(whole.getvalue()))
+        )
+    return {
+        "bytes": len(corrupt),
+        "refusals": refusals,
+        "health_worst": max(prober.latencies),
+        "tiny_after": tiny_after,
+        "whole": bought,
+        "whole_bytes": len(whole.getvalue()),
+    }
+
+
 def gpu_bound(tokens: int, chunk: int) -> dict:
     """The memory estimate for one row of `tokens` suffix tokens at Qwen3.5-4B geometry in BF16."""
     from transformers import Qwen3_5TextConfig
@@ -250,12 +310,48 @@ def gpu_bound(tokens: int, chunk: int) -> dict:
     }
 
 
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
+
+
+def image_rows(corrupt: dict) -> list[tuple[str, str, str]]:
+    """Phase 5's lines of the table."""
+    return [
+        (
+            f"JPEG of a 64 x 64 scan under a 1024 x 1024 header ({corrupt['bytes']} B), vision demo: "
+            "status, time",
+            ", ".join(f"{s} in {ms(t)}" for s, t in corrupt["refusals"]),
+            "422, no engine work",
+        ),
+        ("  /health worst meanwhile", ms(corrupt["health_worst"]), "< 1 s"),
+        ("  a tiny request right after", f"{corrupt['tiny_after'][0]} in {ms(corrupt['tiny_after'][1])}", ""),
+        (
+            f"  what it bought before: a whole 1024 x 1024 JPEG ({corrupt['whole_bytes']} B) answered",
+            f"{corrupt['whole'][0]} in {corrupt['whole'][1]:.1f} s"
+            if corrupt["whole"]
+            else "(not with --quick)",
+            "",
+        ),
+    ]
+
+
+def print_table(lines: list[tuple[str, str, str]]) -> None:
+    widths = [max(len(str(row[i])) for row in lines) for i in range(3)]
+    for row in lines:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--images-only", action="store_true", help="phase 5 alone (issue 30)")
     args = parser.parse_args()
+    if args.images_only:
+        work = Path(tempfile.mkdtemp(prefix="semif-stalls-"))
+        print_table([("measurement", "measured", "goal"), *image_rows(corrupt_image(work, args.quick))])
+        return
 
     from transformers import AutoTokenizer
 
@@ -278,10 +374,9 @@ def main() -> None:
         fairness = heavy_and_tiny(service, state, rows)
         print("long question ...", flush=True)
         longq = long_question(service, codec, 8_000 if args.quick else 34_950)
+    print("corrupt image ...", flush=True)
+    corrupt = corrupt_image(work, args.quick)
     bound = gpu_bound(32_700, 2048)
-
-    def ms(seconds: float) -> str:
-        return f"{seconds * 1000:.0f} ms"
 
     big = attack["big"]
     bombs = attack["bombs"]
@@ -342,15 +437,14 @@ def main() -> None:
             + f" over {longq['rss_before'] / GIB:.2f} GiB, {longq['status']} in {longq['seconds']:.1f} s",
             "< 1.5 GiB",
         ),
+        *image_rows(corrupt),
         (
             "estimate for a 32,700-token question, Qwen3.5-4B BF16: chunked vs whole",
             f"{bound['chunked'] / GIB:.2f} GiB vs {bound['whole'] / GIB:.2f} GiB",
             "",
         ),
     ]
-    widths = [max(len(str(row[i])) for row in lines) for i in range(3)]
-    for row in lines:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print_table(lines)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,16 @@ import httpx
 import pytest
 from conftest import TOKEN, in_process_client
 from PIL import Image as PILImage
-from test_systemone_images import NO_VISION, PLACEHOLDER, body, chunk, image_asset, post, post_multipart, refused
+from test_systemone_images import (
+    NO_VISION,
+    PLACEHOLDER,
+    body,
+    chunk,
+    image_asset,
+    post,
+    post_multipart,
+    refused,
+)
 
 from acceptance.server import LoopbackServer
 from semif_serve.app import create_app
@@ -279,7 +288,9 @@ def test_the_corrupt_header_jpeg_is_refused_before_any_engine_work_while_health_
     engine_calls: list[str] = []
     tower = type(vision_service.engine.vision)
     original = tower.pixels
-    monkeypatch.setattr(tower, "pixels", lambda self, image: engine_calls.append("pixels") or original(self, image))
+    monkeypatch.setattr(
+        tower, "pixels", lambda self, image: engine_calls.append("pixels") or original(self, image)
+    )
     bad = image_asset(CORRUPT["jpeg header 1024x1024 over a 64x64 scan"], "jpeg")
     replies: list[tuple[int, float]] = []
 

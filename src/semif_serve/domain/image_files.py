@@ -83,7 +83,8 @@ class PngLayout:
 def png_layout(data: bytes) -> PngLayout:
     """Walk every chunk of a PNG: IHDR first, each chunk whole with its CRC right, IEND last.
     Raises BrokenImage."""
-    pos, header, idat = len(PNG_SIGNATURE), None, []
+    pos, idat = len(PNG_SIGNATURE), []
+    header: tuple[int, ...] | None = None
     while True:
         if pos + 8 > len(data):
             raise BrokenImage("the PNG ends before its IEND chunk")
@@ -105,7 +106,7 @@ def png_layout(data: bytes) -> PngLayout:
         elif kind == b"IEND":
             break
         pos = stop + 4
-    if not idat:
+    if header is None or not idat:
         raise BrokenImage("the PNG has no image data (IDAT)")
     width, height, depth, colour, _, _, interlace = header
     return PngLayout(width, height, depth, colour, interlace == 1, tuple(idat))
@@ -149,7 +150,8 @@ def jpeg_layout(data: bytes, max_scans: int) -> JpegLayout:
     """Walk a JPEG's markers up to its first EOI: one frame of a coding Pillow reads, at most
     `max_scans` scans (checked as they are met), each component's every coefficient read to its
     last bit by some scan, every scan's data followed by a marker. Raises BrokenImage."""
-    pos, frame, scans, ends = 2, None, 0, []
+    pos, frame, scans = 2, None, 0
+    ends: list[int] = []
     known: dict[int, list[int]] = {}  # per component: the lowest bit of each coefficient read so far
     while True:
         match = MARKER.match(data, pos)
@@ -170,8 +172,10 @@ def jpeg_layout(data: bytes, max_scans: int) -> JpegLayout:
             raise BrokenImage(f"the JPEG is cut inside its segment 0xFF{marker:02X}")
         pos += length
         if marker in JPEG_REFUSED:
-            raise BrokenImage(f"the JPEG is {JPEG_REFUSED[marker]}: this service reads baseline, "
-                              "extended sequential and progressive Huffman-coded JPEGs only")
+            raise BrokenImage(
+                f"the JPEG is {JPEG_REFUSED[marker]}: this service reads baseline, "
+                "extended sequential and progressive Huffman-coded JPEGs only"
+            )
         if marker in JPEG_READ:
             if frame is not None:
                 raise BrokenImage("the JPEG has two frame headers (SOF) in one picture")
