@@ -2,7 +2,7 @@
 
     uv run python bench/stalls.py            # the demo checkpoint, fp32 CPU (a few minutes)
     uv run python bench/stalls.py --quick    # fewer probes and a smaller heavy request
-    uv run python bench/stalls.py --images-only    # phase 5 alone (with --quick: no whole JPEG)
+    uv run python bench/stalls.py --images-only    # phase 5 alone (with --quick: 2 posts, no whole JPEG)
 
 It starts the real service (`semif-serve serve`, the demo checkpoint) as a child process on a
 loopback port and measures, over HTTP:
@@ -278,7 +278,8 @@ def corrupt_image(work: Path, quick: bool) -> dict:
     with ServiceProcess(model, DEMO_REVISION, {"device": "cpu", "demo": "true"}, work / "vision") as service:
         with Prober(service.url, every=0.05) as prober:
             refusals = [
-                post(service.url, service.token, "/v1/systemone", image_body(corrupt)) for _ in range(5)
+                post(service.url, service.token, "/v1/systemone", image_body(corrupt))
+                for _ in range(2 if quick else 5)
             ]
         tiny_after = post(service.url, service.token, "/v1/systemone", tiny.encode())
         bought = (

@@ -201,6 +201,14 @@ def rotated_jpeg() -> bytes:
     return encoded(noise((40, 20)), "JPEG", exif=exif)
 
 
+def with_scan_end_zero(data: bytes) -> bytes:
+    """A baseline JPEG whose scan header says its scan ends at coefficient 0 (Se = 0): libjpeg
+    reads every coefficient of a sequential scan anyway (and warns), so the pixels are whole."""
+    sos = data.index(b"\xff\xda")
+    at = sos + 4 + 1 + 2 * data[sos + 4] + 1
+    return data[:at] + b"\x00" + data[at + 1 :]
+
+
 def mpo() -> bytes:
     return encoded(noise((16, 16)), "MPO", save_all=True, append_images=[noise((16, 16))])
 
@@ -216,6 +224,7 @@ VALID = {
     "optimised 4:4:4 jpeg": (encoded(noise(), "JPEG", optimize=True, subsampling=0, quality=95), (64, 64)),
     "progressive jpeg": (PROGRESSIVE, (64, 64)),
     "jpeg with restart markers": (RESTARTS, (64, 64)),
+    "baseline jpeg whose scan header says Se = 0": (with_scan_end_zero(JPEG), (64, 64)),
     "grey jpeg": (encoded(noise().convert("L"), "JPEG"), (64, 64)),
     "cmyk jpeg": (encoded(noise().convert("CMYK"), "JPEG"), (64, 64)),
     "exif-rotated jpeg": (rotated_jpeg(), (20, 40)),

@@ -83,7 +83,7 @@ class PngLayout:
 def png_layout(data: bytes) -> PngLayout:
     """Walk every chunk of a PNG: IHDR first, each chunk whole with its CRC right, IEND last.
     Raises BrokenImage."""
-    pos, idat = len(PNG_SIGNATURE), []
+    view, pos, idat = memoryview(data), len(PNG_SIGNATURE), []
     header: tuple[int, ...] | None = None
     while True:
         if pos + 8 > len(data):
@@ -93,7 +93,7 @@ def png_layout(data: bytes) -> PngLayout:
         if stop + 4 > len(data):
             raise BrokenImage(f"the PNG is cut inside its {kind!r} chunk")
         (crc,) = struct.unpack_from(">I", data, stop)
-        if zlib.crc32(data[pos + 4 : stop]) != crc:
+        if zlib.crc32(view[pos + 4 : stop]) != crc:
             raise BrokenImage(f"the CRC of the PNG's {kind!r} chunk at byte {pos} is wrong")
         if header is None and kind != b"IHDR":
             raise BrokenImage("the PNG's first chunk is not IHDR")
@@ -116,9 +116,10 @@ def png_data_complete(data: bytes, layout: PngLayout) -> None:
     """Inflate the image data and check it is one whole zlib stream holding every row the header
     declares (Pillow leaves missing rows black). Raises BrokenImage."""
     inflater, produced, expected = zlib.decompressobj(), 0, layout.raw_bytes
+    view = memoryview(data)
     try:
         for start, stop in layout.idat:
-            pending = data[start:stop]
+            pending: bytes | memoryview = view[start:stop]
             while pending and not inflater.eof:
                 produced += len(inflater.decompress(pending, INFLATE_STEP))
                 pending = inflater.unconsumed_tail
@@ -187,7 +188,7 @@ def jpeg_layout(data: bytes, max_scans: int) -> JpegLayout:
             scans += 1
             if scans > max_scans:
                 raise BrokenImage(f"the JPEG has more than {max_scans} scans, the most this service decodes")
-            _read_scan(body, known)
+            _read_scan(body, known, sequential=frame != 0xC2)
             pos = _entropy_end(data, pos, ends)
     if frame is None:
         raise BrokenImage("the JPEG has no frame header (SOF)")
@@ -209,11 +210,13 @@ def _frame_components(body: bytes) -> dict[int, list[int]]:
     return {body[6 + 3 * i]: [unread] * 64 for i in range(body[5])}
 
 
-def _read_scan(body: bytes, known: dict[int, list[int]]) -> None:
+def _read_scan(body: bytes, known: dict[int, list[int]], *, sequential: bool) -> None:
     count = body[0] if body else 0
     if count == 0 or len(body) < 4 + 2 * count:
         raise BrokenImage("the JPEG's scan header (SOS) is cut short")
     first, last, bits = body[1 + 2 * count], body[2 + 2 * count], body[3 + 2 * count]
+    if sequential:  # libjpeg reads every coefficient of a sequential scan, whatever Ss, Se and Al say
+        first, last, bits = 0, 63, 0
     for i in range(count):
         component = known.get(body[1 + 2 * i])
         if component is None:
