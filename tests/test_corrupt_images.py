@@ -15,6 +15,8 @@ import zlib
 import httpx
 import pytest
 from conftest import TOKEN, in_process_client
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image as PILImage
 from test_systemone_images import (
     NO_VISION,
@@ -168,6 +170,23 @@ def test_a_corrupt_image_is_a_422_naming_the_asset(client, name):
 def test_the_refusal_says_what_is_wrong(name, words):
     with pytest.raises(ImageRejected, match=words):
         read_image(PLACEHOLDER, CORRUPT[name], claimed=None, max_pixels=16_777_216)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    source=st.sampled_from([PNG, JPEG, PROGRESSIVE, RESTARTS]),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
+    cut=st.integers(0, 10**6),
+)
+def test_any_edit_or_cut_of_a_valid_image_is_read_or_refused_never_an_other_error(source, edits, cut):
+    data = bytearray(source[: max(8, len(source) - cut % len(source))])
+    for at, value in edits:
+        data[at % len(data)] = value
+    try:
+        image = read_image(PLACEHOLDER, bytes(data), claimed=None, max_pixels=16_777_216)
+    except ImageRejected:
+        return
+    assert image.width * image.height <= 16_777_216
 
 
 def test_a_corrupt_image_sent_as_a_multipart_part_names_the_part(client):
