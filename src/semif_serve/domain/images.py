@@ -46,7 +46,7 @@ ORIENTATION = 0x0112  # the EXIF tag; values 5 to 8 turn the picture by a quarte
 # segment's data, reads zero bits to finish the block it is in, then fills: the padding's bits
 # must differ from zeros from the first (0x55 = 01010101), over more than a block's codes.
 PROBE_PADDING = b"\x55" * 64
-VERIFIED_IMAGES = 4096  # digests remembered as decoded whole (about 100 bytes each)
+VERIFIED_IMAGES = 4096  # digests remembered as decoded whole (a few hundred bytes each)
 
 
 class ImageRejected(ValueError):
