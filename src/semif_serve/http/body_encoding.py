@@ -147,7 +147,7 @@ def requested_coding(codings: Sequence[str]) -> str | None:
     Raises ValueError naming what was sent when it is a coding we do not inflate or a stack
     of several codings (`identity` in a stack is a stack like any other).
     """
-    if not codings or codings == ["identity"]:
+    if list(codings) in ([], ["identity"]):
         return None
     if len(codings) > 1 or codings[0] not in DECODERS:
         raise ValueError(", ".join(codings))
