@@ -9,6 +9,7 @@ through the real app in process, with the JSON decoder and the multipart parser 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 import time
@@ -309,3 +310,14 @@ def test_repeated_and_conflicting_headers_never_get_a_5xx_nor_a_body_parsed_past
     assert all(length <= JSON_LIMIT + IMAGE_BYTES for length in parsed.multipart)
     if parse_headers(sent).repeated:
         assert reply.status_code == 400 and parsed.json == parsed.multipart == []
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_two_content_encoding_headers_join_into_a_stack_that_is_415_before_the_body(server, parsed, path):
+    body = gzip.compress(json.dumps(BODIES[path]()).encode())
+    codings = "Content-Encoding: gzip\r\nContent-Encoding: gzip\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: t\r\n{AUTH}{codings}Content-Length: {len(body)}\r\n\r\n"
+    status, headers, reply = raw_exchange(server, head, body)
+    assert status == 415, reply
+    assert headers["accept-encoding"] == "gzip, zstd"
+    assert parsed.json == []
