@@ -14,7 +14,10 @@ loopback port and measures, over HTTP:
    whole (as before) vs the state encoded once (in this process, the same rows), and the
    request end to end through the service;
 3. a tiny request's latency alone vs sent 1 s after that heavy request (goal < 3 s);
-4. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
+4. issue 30: System One bodies under two Content-Type headers (json first and multipart last,
+   and the reverse), ~3 MB of JSON and a small zstd body inflating to ~10 MB of JSON: each
+   refusal's time (goal: 400 < 1 s), /health and a tiny request meanwhile (goal < 1 s);
+5. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
    bound the memory estimate sets for that row at Qwen3.5-4B geometry in BF16, with the
    suffix chunked (as now) and whole (as before);
 5. (issue 30) on the demo's vision checkpoint, a JPEG of a 64 x 64 scan under a header saying
@@ -59,12 +62,16 @@ def rotations_body() -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def frame_bomb(limit: int) -> bytes:
+def zstd_module():
     try:
         from compression import zstd  # type: ignore[import-not-found]
     except ImportError:
         from backports import zstd
-    frame = zstd.compress(b"")
+    return zstd
+
+
+def frame_bomb(limit: int) -> bytes:
+    frame = zstd_module().compress(b"")
     return frame * (limit // len(frame))
 
 
@@ -81,6 +88,13 @@ def nouls(count: int) -> dict:
         }
         for i in range(count)
     }
+
+
+def systemone(state: str, questions: int) -> bytes:
+    return json.dumps({"model": "jev-latest", "state": state, "questions": nouls(questions)}).encode()
+
+
+TINY_STATE = "The release went well."
 
 
 class Prober:
@@ -135,6 +149,20 @@ def in_parallel(calls) -> list:
     return results
 
 
+def logged_lines(service: ServiceProcess) -> int:
+    return len(service.log_path.read_text(encoding="utf-8").splitlines())
+
+
+def logged_seconds(service: ServiceProcess, after: int, statuses) -> dict[int, list[float]]:
+    """Each request the service logged after line `after`, by status: headers in to answer out."""
+    logged: dict[int, list[float]] = {status: [] for status in statuses}
+    for line in service.log_path.read_text(encoding="utf-8").splitlines()[after:]:
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("message") == "request" and record.get("status") in logged:
+            logged[record["status"]].append(record["duration_ms"] / 1000)
+    return logged
+
+
 def health_under_attack(service: ServiceProcess, probes: int) -> dict:
     idle = []
     with httpx.Client(timeout=30) as client:
@@ -144,7 +172,7 @@ def health_under_attack(service: ServiceProcess, probes: int) -> dict:
             idle.append(time.perf_counter() - started)
     big, bomb = rotations_body(), frame_bomb(1 << 20)
     alone = [post(service.url, service.token, "/v1/systemone", big) for _ in range(3)]
-    logged_before = len(service.log_path.read_text(encoding="utf-8").splitlines())
+    logged_before = logged_lines(service)
     calls = [lambda: post(service.url, service.token, "/v1/systemone", big) for _ in range(4)]
     calls += [
         lambda: post(service.url, service.token, "/v1/systemone", bomb, {"Content-Encoding": "zstd"})
@@ -154,14 +182,9 @@ def health_under_attack(service: ServiceProcess, probes: int) -> dict:
         time.sleep(0.2)
         results = in_parallel(calls)
         time.sleep(0.2)
-    logged: dict[int, list[float]] = {413: [], 400: []}
-    for line in service.log_path.read_text(encoding="utf-8").splitlines()[logged_before:]:
-        record = json.loads(line) if line.startswith("{") else {}
-        if record.get("message") == "request" and record.get("status") in logged:
-            logged[record["status"]].append(record["duration_ms"] / 1000)
     return {
         "alone": alone,
-        "logged": logged,
+        "logged": logged_seconds(service, logged_before, (413, 400)),
         "idle_worst": max(idle),
         "idle_median": statistics.median(idle),
         "attack_worst": max(prober.latencies),
@@ -171,6 +194,59 @@ def health_under_attack(service: ServiceProcess, probes: int) -> dict:
         "bombs": results[4:],
         "big_bytes": len(big),
         "bomb_bytes": len(bomb),
+    }
+
+
+def two_content_types(service: ServiceProcess, repeats: int) -> dict:
+    """Issue 30: System One bodies under two Content-Type headers (json + multipart, both orders),
+    a ~3 MB JSON one and a small zstd one inflating to ~10 MB of JSON, `repeats` of each at once,
+    with /health probed and a tiny request sent meanwhile."""
+    pairs = [("application/json", "multipart/form-data; boundary=x")]
+    pairs.append(pairs[0][::-1])
+    plain = systemone(SENTENCE * (3_000_000 // len(SENTENCE)), 1)
+    inflating = zstd_module().compress(systemone(SENTENCE * (10_000_000 // len(SENTENCE)), 1))
+    tiny = systemone(TINY_STATE, 1)
+
+    def attack(content: bytes, pair, coding: dict) -> tuple[int, float]:
+        started = time.perf_counter()
+        reply = httpx.post(
+            f"{service.url}/v1/systemone",
+            content=content,
+            headers=[
+                ("Authorization", f"Bearer {service.token}"),
+                *(("Content-Type", kind) for kind in pair),
+                *coding.items(),
+            ],
+            timeout=600,
+        )
+        return reply.status_code, time.perf_counter() - started
+
+    zstd = {"Content-Encoding": "zstd"}
+    calls = [lambda p=pair: attack(plain, p, {}) for pair in pairs for _ in range(repeats)]
+    calls += [lambda p=pair: attack(inflating, p, zstd) for pair in pairs for _ in range(repeats)]
+
+    def late_tiny():
+        time.sleep(0.05)  # sent while the attack's bodies are arriving
+        return post(service.url, service.token, "/v1/systemone", tiny)
+
+    calls.append(late_tiny)
+    tiny_alone = post(service.url, service.token, "/v1/systemone", tiny)
+    before = logged_lines(service)
+    with Prober(service.url) as prober:
+        time.sleep(0.2)
+        results = in_parallel(calls)
+        time.sleep(0.2)
+    half = len(pairs) * repeats
+    return {
+        "plain": results[:half],
+        "inflating": results[half:-1],
+        "tiny_alone": tiny_alone,
+        "tiny_beside": results[-1],
+        "logged": logged_seconds(service, before, (400,))[400],
+        "health_worst": max(prober.latencies),
+        "probes": len(prober.latencies),
+        "plain_bytes": len(plain),
+        "inflating_bytes": len(inflating),
     }
 
 
@@ -193,10 +269,7 @@ def encoding_before_after(codec, state: str, rows: int) -> dict:
 
 
 def heavy_and_tiny(service: ServiceProcess, state: str, rows: int) -> dict:
-    heavy = json.dumps({"model": "jev-latest", "state": state, "questions": nouls(rows)}).encode()
-    tiny = json.dumps(
-        {"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)}
-    ).encode()
+    heavy, tiny = systemone(state, rows), systemone(TINY_STATE, 1)
     tiny_alone = [post(service.url, service.token, "/v1/systemone", tiny) for _ in range(3)]
 
     def late_tiny():
@@ -371,6 +444,8 @@ def main() -> None:
     with ServiceProcess(model, DEMO_REVISION, settings, work / "service") as service:
         print("health under attack ...", flush=True)
         attack = health_under_attack(service, 10 if args.quick else 30)
+        print("two Content-Types ...", flush=True)
+        headers = two_content_types(service, 2 if args.quick else 4)
         print("heavy beside tiny ...", flush=True)
         fairness = heavy_and_tiny(service, state, rows)
         print("long question ...", flush=True)
@@ -432,6 +507,27 @@ def main() -> None:
             "< 3 s",
         ),
         ("/health worst meanwhile", ms(fairness["health_worst"]), "< 1 s"),
+        (
+            f"two Content-Types, {headers['plain_bytes']} B JSON: status, time (client side)",
+            ", ".join(f"{s} in {ms(t)}" for s, t in headers["plain"]),
+            "400 < 1 s",
+        ),
+        (
+            f"  {headers['inflating_bytes']} B of zstd inflating to ~10 MB JSON: status, time",
+            ", ".join(f"{s} in {ms(t)}" for s, t in headers["inflating"]),
+            "400 < 1 s",
+        ),
+        (
+            "  the service's own times for those 400s (headers in to answer out)",
+            ", ".join(ms(t) for t in headers["logged"]),
+            "",
+        ),
+        (
+            "  a tiny request alone vs during them; /health worst meanwhile",
+            f"{ms(headers['tiny_alone'][1])} vs {headers['tiny_beside'][0]} in "
+            f"{ms(headers['tiny_beside'][1])}; {ms(headers['health_worst'])} ({headers['probes']} probes)",
+            "< 1 s",
+        ),
         (
             f"one {longq['tokens']}-token question ({longq['bytes']} B): RSS growth, time",
             (f"{longq['growth'] / GIB:.2f} GiB" if longq["growth"] is not None else "n/a")

@@ -433,3 +433,37 @@ def test_the_page_reads_at_phone_and_laptop_width_and_requests_only_its_own_orig
     assert page.driver.execute_script("return [localStorage.length, sessionStorage.length]") == [0, 0]
     logged = [e for e in page.driver.get_log("browser") if e.get("source") == "console-api"]
     assert logged == []
+
+
+# -- the API pages (/docs) under the same kind of policy ----------------------------------------------
+
+
+def test_the_api_pages_carry_a_policy_that_forbids_framing_and_sniffing(server):
+    for path in [
+        "/docs",
+        "/openapi.json",
+        "/docs/assets/swagger-ui-bundle.js",
+        "/docs/assets/swagger-ui.css",
+    ]:
+        reply = httpx.get(f"{server.url}{path}")
+        assert reply.status_code == 200, path
+        policy = dict(d.strip().split(" ", 1) for d in reply.headers["content-security-policy"].split(";"))
+        assert policy["frame-ancestors"] == "'none'" and policy["default-src"] == "'none'", path
+        assert "unsafe-inline" not in reply.headers["content-security-policy"]
+        assert reply.headers["x-content-type-options"] == "nosniff", path
+
+
+@needs_browser
+def test_swagger_ui_renders_every_operation_under_its_policy_with_no_violation(browser, server):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    operations = sum(
+        len(methods) for methods in httpx.get(f"{server.url}/openapi.json").json()["paths"].values()
+    )
+    browser.get_log("browser")  # start with an empty console
+    browser.get(f"{server.url}/docs")
+    WebDriverWait(browser, 30).until(lambda d: len(d.find_elements("css selector", ".opblock")) == operations)
+    browser.find_element("css selector", ".btn.authorize").click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_elements("css selector", ".modal-ux input"))
+    console = [entry["message"] for entry in browser.get_log("browser")]
+    assert [m for m in console if "Content Security Policy" in m] == [], console

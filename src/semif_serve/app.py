@@ -3,9 +3,12 @@ composes the doors (the native API, System One), the operations routes and the p
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict
+from html.parser import HTMLParser
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -29,7 +32,7 @@ from semif_serve.http.admission import Admission, ASGIApp
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.errors import HTTP_ERRORS, ServiceError, internal
 from semif_serve.http.observability import REQUEST_ID_HEADER, Metrics, RequestContext
-from semif_serve.playground import playground_router
+from semif_serve.playground import playground_router, security_headers
 from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot, take_snapshot
 
@@ -38,6 +41,7 @@ log = logging.getLogger("semif_serve.app")
 OPENAPI_PATH = "/openapi.json"
 DOCS_PATH = "/docs"
 DOCS_ASSETS = "/docs/assets"
+DOCS_IMAGES = "'self' data:"  # swagger-ui.css draws its icons from data: URIs
 
 
 def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
@@ -112,6 +116,60 @@ def _swagger_assets() -> str:
     import swagger_ui
 
     return str(Path(swagger_ui.__file__).parent / "static")
+
+
+class _InlineScripts(HTMLParser):
+    """Collects the text of every <script> without a `src` in a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripts: list[str] = []
+        self._open: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "script" and "src" not in dict(attrs):
+            self._open = []
+
+    def handle_data(self, data: str) -> None:
+        if self._open is not None:
+            self._open.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "script" and self._open is not None:
+            self.scripts.append("".join(self._open))
+            self._open = None
+
+
+def script_hashes(html: str) -> str:
+    """The CSP sources (`'sha256-...'`) that allow exactly the inline scripts of `html`."""
+    parser = _InlineScripts()
+    parser.feed(html)
+    digests = (base64.b64encode(hashlib.sha256(s.encode()).digest()).decode() for s in parser.scripts)
+    return " ".join(f"'sha256-{digest}'" for digest in digests)
+
+
+def docs_page() -> HTMLResponse:
+    """`GET /docs`: FastAPI's Swagger UI page over the bundled assets, with the playground's headers;
+    its one inline script (the SwaggerUIBundle call) is allowed by its hash, nothing else inline."""
+    page = get_swagger_ui_html(
+        openapi_url=OPENAPI_PATH,
+        title="semif-serve API",
+        swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+        swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+        swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+    )
+    html = bytes(page.body).decode()
+    scripts = f"'self' {script_hashes(html)}"
+    return HTMLResponse(html, headers=security_headers(script_src=scripts, img_src=DOCS_IMAGES))
+
+
+class DocsAssets(StaticFiles):
+    """Swagger UI's bundled files, each with the docs page's headers."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(security_headers(img_src=DOCS_IMAGES))
+        return response
 
 
 def publish_schema(api: FastAPI, models: Sequence[type[BaseModel]]) -> None:
@@ -232,19 +290,15 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
 
     @api.get(OPENAPI_PATH, include_in_schema=False)
     async def openapi_json() -> JSONResponse:
-        return JSONResponse(api.openapi())
+        return JSONResponse(api.openapi(), headers=security_headers())
+
+    page = docs_page()
 
     @api.get(DOCS_PATH, include_in_schema=False)
     async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url=OPENAPI_PATH,
-            title="semif-serve API",
-            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
-            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
-        )
+        return page
 
-    api.mount(DOCS_ASSETS, StaticFiles(directory=_swagger_assets()), name="docs-assets")
+    api.mount(DOCS_ASSETS, DocsAssets(directory=_swagger_assets()), name="docs-assets")
     # Metric and log labels: every declared route of the app and its doors; any other path is "other".
     declared = [*api.routes, *(route for router in routers for route in router.routes)]
     routes = {route.path for route in declared if isinstance(route, APIRoute)}

@@ -33,7 +33,8 @@ Build = Callable[[Request, bytes], Awaitable[BaseModel]]
 
 # Every status a door may answer besides 200, and why (a door adds its own words per status).
 ERROR_STATUSES: dict[int, str] = {
-    400: "the body is not JSON, Content-Length is malformed, or the compressed body is corrupt",
+    400: "the body is not JSON, Content-Length is malformed, a header that must be single is repeated, "
+    "or the compressed body is corrupt",
     401: "missing, malformed or wrong bearer token",
     404: "no such route",
     405: "the method is not allowed on this route",

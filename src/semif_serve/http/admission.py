@@ -1,7 +1,9 @@
 """Admission control in front of the app (pure ASGI): literal paths, authentication, the queue cap,
 body decoding, the body limit and the body deadline.
 
-A request on a protected path is authenticated from its headers before it may take a slot,
+Every header that decides anything is read once (`http.headers`), before anything else: a
+header that must be single and is repeated is refused (400). A request on a protected path is
+then authenticated from its headers before it may take a slot,
 so an unauthenticated client never holds one. A POST counts from then until its response is
 sent or its client disconnects. Past the cap it gets 429 before a byte of its body is read; a
 body is read only up to the limit (the chunk that would pass it is never kept) and only until
@@ -26,6 +28,7 @@ from starlette.responses import Response
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.body_encoding import SUPPORTED, BodyDecoder, CorruptBody, requested_coding
 from semif_serve.http.errors import ServiceError
+from semif_serve.http.headers import RequestHeaders, duplicate_header, headers_of
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -153,9 +156,13 @@ class Admission:
         if raw_path and raw_path != scope["path"]:
             await self.refuse(scope, send, encoded_path(raw_path))
             return
+        headers = headers_of(scope)
+        if headers.repeated:
+            await self.refuse(scope, send, duplicate_header(headers.repeated[0]))
+            return
         if scope["path"] in self.protected_paths:
             try:
-                self.authenticator.check(scope["headers"])
+                self.authenticator.check(headers.authorization)
             except ServiceError as error:
                 await self.refuse(scope, send, error)
                 return
@@ -166,7 +173,7 @@ class Admission:
             await self.refuse(scope, send, draining())
             return
         try:
-            coding = requested_coding(scope["headers"])
+            coding = requested_coding(headers.content_codings)
         except ValueError as exc:
             await self.refuse(scope, send, unsupported_encoding(str(exc)))
             return
@@ -176,22 +183,22 @@ class Admission:
             return
         self.in_progress += 1
         try:
-            await self._admitted(scope, receive, send, coding)
+            await self._admitted(scope, receive, send, headers, coding)
         finally:
             self.in_progress -= 1
 
-    def limit_for(self, scope: Scope) -> int:
-        """The body limit of this POST: SEMIF_MAX_BODY_BYTES unless its door allows more."""
+    def limit_for(self, path: str, headers: RequestHeaders) -> int:
+        """The body limit of this POST: SEMIF_MAX_BODY_BYTES unless its door allows more for its
+        one Content-Type (the value the door will parse the body by)."""
         if self.body_limit is None:
             return self.max_body_bytes
-        content_type = dict(scope["headers"]).get(b"content-type")
-        return self.body_limit(
-            scope["path"], None if content_type is None else content_type.decode("latin-1")
-        )
+        return self.body_limit(path, headers.media_type)
 
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send, coding: str | None) -> None:
-        limit = self.limit_for(scope)
-        declared = dict(scope["headers"]).get(b"content-length")
+    async def _admitted(
+        self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders, coding: str | None
+    ) -> None:
+        limit = self.limit_for(scope["path"], headers)
+        declared = headers.content_length
         if declared is not None:
             if not ASCII_DIGITS.fullmatch(declared):
                 await self.refuse(

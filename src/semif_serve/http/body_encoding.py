@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 if sys.version_info >= (3, 14):
@@ -140,20 +140,14 @@ class BodyDecoder:
             raise CorruptBody(f"the {self.coding} body ends before its compressed stream does")
 
 
-def requested_coding(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The one coding the body is sent in (None for none or a lone `identity`), lower case.
+def requested_coding(codings: Sequence[str]) -> str | None:
+    """The one coding the body is sent in (None for none or a lone `identity`), from the codings
+    of every Content-Encoding header in order, lower case (`http.headers` reads them).
 
     Raises ValueError naming what was sent when it is a coding we do not inflate or a stack
     of several codings (`identity` in a stack is a stack like any other).
     """
-    codings = [
-        token.strip().lower()
-        for name, value in headers
-        if name.lower() == b"content-encoding"
-        for token in value.decode("latin-1").split(",")
-    ]
-    codings = [coding for coding in codings if coding]
-    if not codings or codings == ["identity"]:
+    if list(codings) in ([], ["identity"]):
         return None
     if len(codings) > 1 or codings[0] not in DECODERS:
         raise ValueError(", ".join(codings))

@@ -51,6 +51,7 @@ HTTP_ERRORS = {
     "invalid_content_length": 400,
     "invalid_compressed_body": 400,
     "invalid_http_request": 400,
+    "duplicate_header": 400,
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from semif_serve.http.admission import Admission, Receive, Scope, Send
+from semif_serve.http.headers import SINGLE_HEADERS, RequestHeaders, headers_of
 from semif_serve.service.core import RequestRecord
 from semif_serve.service.status import StatusSnapshot
 
@@ -193,13 +194,13 @@ class Metrics:
             self.images.inc(record.images)
 
 
-def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
-    """The caller's X-Request-ID when it is sane (<= 128 of [A-Za-z0-9._:-]), else a new one."""
-    for name, value in headers:
-        if name == REQUEST_ID_HEADER:
-            text = value.decode("latin-1")
-            if SANE_REQUEST_ID.fullmatch(text):
-                return text
+def request_id_from(headers: RequestHeaders) -> str:
+    """The caller's one X-Request-ID when it is sane (<= 128 of [A-Za-z0-9._:-]), else a new one
+    (two of them get a new one too: admission refuses the request, naming the header)."""
+    if headers.request_id is not None and SINGLE_HEADERS[REQUEST_ID_HEADER] not in headers.repeated:
+        text = headers.request_id.decode("latin-1")
+        if SANE_REQUEST_ID.fullmatch(text):
+            return text
     return uuid.uuid4().hex
 
 
@@ -228,7 +229,7 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        request_id = request_id_from(scope["headers"])
+        request_id = request_id_from(headers_of(scope))
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         state["record"] = None

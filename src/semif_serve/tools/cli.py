@@ -46,7 +46,21 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
+def demo_banner(host: str, port: int, made_token: str | None) -> str:
+    """What the demo prints on start. A token the demo made is shown (it is the only way to learn
+    it); a token the operator supplied is never printed (a terminal or its log may be shared):
+    the examples read `$SEMIF_API_TOKEN` instead."""
+    url = f"http://{host}:{port}"
+    shown = made_token or "the one in SEMIF_API_TOKEN or SEMIF_API_TOKEN_FILE (not shown)"
+    return (
+        f"\nsemif-serve demo (random weights) on {url}\n"
+        f"token: {shown}\n"
+        f'try:   curl -s -H "Authorization: Bearer {made_token or "$SEMIF_API_TOKEN"}" {url}/health\n'
+        f"page:  {url}/playground (paste the token)\n"
+    )
+
+
+def serve(overrides: dict | None = None, demo: bool = False, made_token: str | None = None) -> int:
     """Validate everything, load and warm up the engine, then bind the port; fail closed."""
     from semif_serve.app import create_app
     from semif_serve.domain.calibration import CalibrationFileError
@@ -75,15 +89,8 @@ def serve(overrides: dict | None = None, announce_token: bool = False) -> int:
     except Exception as exc:  # noqa: BLE001 - any warm-up failure must stop startup, clearly
         log.error("startup failed during load or warm-up: %s: %s", type(exc).__name__, exc)
         return EXIT_STARTUP
-    if announce_token:
-        print(
-            f"\nsemif-serve demo (random weights) on http://{settings.host}:{settings.port}\n"
-            f"token: {settings.token()}\n"
-            f"try:   curl -s -H 'Authorization: Bearer {settings.token()}' "
-            f"http://{settings.host}:{settings.port}/health\n"
-            f"page:  http://{settings.host}:{settings.port}/playground (paste the token)\n",
-            flush=True,
-        )
+    if demo:
+        print(demo_banner(settings.host, settings.port, made_token), flush=True)
     from semif_serve.http.server import run_server
 
     log.info(
@@ -288,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.port is not None:
             overrides["port"] = args.port
+        made_token = None
         if not (os.environ.get("SEMIF_API_TOKEN") or os.environ.get("SEMIF_API_TOKEN_FILE")):
-            overrides["api_token"] = "demo-" + secrets.token_urlsafe(18)
-        return serve(overrides, announce_token=True)
+            made_token = overrides["api_token"] = "demo-" + secrets.token_urlsafe(18)
+        return serve(overrides, demo=True, made_token=made_token)
     return serve()
 
 

@@ -77,6 +77,7 @@ from semif_serve.doors.systemone.schemas import (
     parse_request,
 )
 from semif_serve.http.errors import ServiceError
+from semif_serve.http.headers import headers_of
 from semif_serve.service.startup import Service
 
 # The names a Jev client sends; the loaded model answers them when SEMIF_SYSTEMONE_ALLOW_ALIASES.
@@ -133,6 +134,7 @@ HTTP_ERROR_TYPES = {
     "not_found": "not_found",
     "method_not_allowed": "method_not_allowed",
     "invalid_content_length": "api_usage_error",
+    "duplicate_header": "api_usage_error",
     "invalid_compressed_body": "api_usage_error",
     "unsupported_content_encoding": "api_usage_error",
     "body_too_large": "request_too_large",
@@ -414,7 +416,10 @@ def release_date(service: Service) -> str:
 PUBLISHED_ERRORS = error_responses(
     TypeSafeError,
     {
-        400: (TypeSafeError, "unknown model, a question the answer codes cannot read, or a corrupt body"),
+        400: (
+            TypeSafeError,
+            "unknown model, a question the answer codes cannot read, a repeated header, or a corrupt body",
+        ),
         422: (TypeSafeValidationError, "a field breaks a rule"),
     },
 )
@@ -562,7 +567,7 @@ class SystemOneDoor(DecisionDoor):
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
         """`POST /v1/systemone`: every question (and ordering) over the state in one batch."""
-        content_type = request.headers.get("content-type")
+        content_type = headers_of(request.scope).media_type  # the one Content-Type admission bounded
         parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
         if parsed.assets:  # decoding images is CPU work: off the event loop
             images = await asyncio.to_thread(
