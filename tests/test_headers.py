@@ -203,6 +203,7 @@ REPEATED = {
     "Content-Type": f"Content-Type: {JSON}\r\nContent-Type: {JSON}\r\n",
     "Authorization": AUTH + AUTH,
     "X-Request-ID": "X-Request-ID: first\r\nX-Request-ID: second\r\n",
+    "X-SemIf-State-Key": f"X-SemIf-State-Key: {'a' * 64}\r\nX-SemIf-State-Key: {'b' * 64}\r\n",
 }
 
 

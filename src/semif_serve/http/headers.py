@@ -21,6 +21,7 @@ SINGLE_HEADERS = {
     b"content-length": "Content-Length",
     b"authorization": "Authorization",
     b"x-request-id": "X-Request-ID",
+    b"x-semif-state-key": "X-SemIf-State-Key",  # the gateway routes on it: two could disagree
 }
 CONTENT_ENCODING = b"content-encoding"  # a list: repeated headers join into one stack of codings
 STATE_KEY = "request_headers"
