@@ -39,7 +39,7 @@ ERROR_STATUSES: dict[int, str] = {
     404: "no such route",
     405: "the method is not allowed on this route",
     408: "the body did not arrive within SEMIF_BODY_TIMEOUT_SECONDS",
-    413: "the body, a prompt, the rows or the reply pass a limit, or one row needs more memory than the cap leaves",
+    413: "the body, a prompt, the rows or the reply pass a limit, or a row needs more memory than is left",
     415: "a Content-Encoding other than gzip or zstd (or a stack of them)",
     422: "a field breaks a rule",
     429: "too many requests in progress; Retry-After",

@@ -338,13 +338,12 @@ class NativeDoor(DecisionDoor):
         """`POST /decide`: one decision; orderings run as one shared batch."""
         decision = await asyncio.to_thread(parse_body, DecisionBody, body)
         question = to_question(decision)
-        need = await asyncio.to_thread(
-            result_bytes, question, model_bytes(self.service.core.model_info), timed=True
-        )
+        identity = self.service.core.model_info
+        need = await asyncio.to_thread(result_bytes, question, model_bytes(identity), timed=True)
         outcome = await self.ask(
             request, decision.state, [question], shared=False, limits=self.limits, reply_bytes=need
         )
-        result = decision_result(outcome.questions[0], outcome, self.service.core.model_info)
+        result = await asyncio.to_thread(decision_result, outcome.questions[0], outcome, identity)
         if outcome.timing is not None:
             result.timing = timing_body(outcome.timing)
         return result
