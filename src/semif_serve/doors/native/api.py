@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import JSONResponse
@@ -304,6 +305,22 @@ def shared_reply_bytes(questions: Sequence[Question], identity: dict[str, str]) 
     )
 
 
+def read_decision(body: bytes, identity: dict[str, str]) -> tuple[Any, Question, int]:
+    """`/decide`'s body as its state, its question and the count of its reply (the route runs
+    this on a worker thread)."""
+    decision = parse_body(DecisionBody, body)
+    question = to_question(decision)
+    return decision.state, question, result_bytes(question, model_bytes(identity), timed=True)
+
+
+def read_shared(body: bytes, identity: dict[str, str]) -> tuple[Any, list[Question], int]:
+    """`/decide/shared`'s body as its state, its questions and the count of its reply (the route
+    runs this on a worker thread)."""
+    shared = parse_body(SharedDecisionsBody, body)
+    questions = [to_question(d) for d in shared.decisions]
+    return shared.state, questions, shared_reply_bytes(questions, identity)
+
+
 # -- the door -------------------------------------------------------------------------------------
 
 
@@ -336,12 +353,10 @@ class NativeDoor(DecisionDoor):
 
     async def decide(self, request: Request, body: bytes) -> DecisionResult:
         """`POST /decide`: one decision; orderings run as one shared batch."""
-        decision = await asyncio.to_thread(parse_body, DecisionBody, body)
-        question = to_question(decision)
         identity = self.service.core.model_info
-        need = await asyncio.to_thread(result_bytes, question, model_bytes(identity), timed=True)
+        state, question, need = await asyncio.to_thread(read_decision, body, identity)
         outcome = await self.ask(
-            request, decision.state, [question], shared=False, limits=self.limits, reply_bytes=need
+            request, state, [question], shared=False, limits=self.limits, reply_bytes=need
         )
         result = await asyncio.to_thread(decision_result, outcome.questions[0], outcome, identity)
         if outcome.timing is not None:
@@ -350,13 +365,9 @@ class NativeDoor(DecisionDoor):
 
     async def decide_shared(self, request: Request, body: bytes) -> SharedResponse:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        shared = await asyncio.to_thread(parse_body, SharedDecisionsBody, body)
-        questions = [to_question(d) for d in shared.decisions]
         identity = self.service.core.model_info
-        need = await asyncio.to_thread(shared_reply_bytes, questions, identity)
-        outcome = await self.ask(
-            request, shared.state, questions, shared=True, limits=self.limits, reply_bytes=need
-        )
+        state, questions, need = await asyncio.to_thread(read_shared, body, identity)
+        outcome = await self.ask(request, state, questions, shared=True, limits=self.limits, reply_bytes=need)
         results = await asyncio.to_thread(
             lambda: [decision_result(q, outcome, identity) for q in outcome.questions]
         )

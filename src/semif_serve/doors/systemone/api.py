@@ -601,6 +601,12 @@ class SystemOneDoor(DecisionDoor):
             )
         return parse_request(multipart.request, self.max_options, self.refuse_past_row_cap), multipart.parts
 
+    def mapped(self, parsed: SystemOneRequest) -> tuple[list[tuple[Question, ...]], int]:
+        """The core questions each question is asked as, and the count of the reply; run off the
+        event loop (both are linear in the request's text)."""
+        asked = [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
+        return asked, reply_bytes(parsed.questions, asked, self.model_name)
+
     def accepts(self, model: str) -> bool:
         """Whether a request naming `model` is served: the real name, or an alias when allowed."""
         return model == self.model_name or (
@@ -684,11 +690,8 @@ class SystemOneDoor(DecisionDoor):
                 "assets",
             )
         parsed, images = place_images(parsed, images)
-        asked = await asyncio.to_thread(
-            lambda: [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
-        )
+        asked, need = await asyncio.to_thread(self.mapped, parsed)
         questions = [question for own in asked for question in own]
-        need = await asyncio.to_thread(reply_bytes, parsed.questions, asked, self.model_name)
         # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
         outcome = await self.ask(
             request,
