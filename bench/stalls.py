@@ -24,6 +24,11 @@ loopback port and measures, over HTTP:
    1024 x 1024: the time to its refusal (before: answered after ~10 s of engine time on filler
    pixels), /health meanwhile, and what a whole 1024 x 1024 JPEG costs the engine (what the
    corrupt one bought).
+5. reply amplification (issue 30): 72 described options of 14 KB names in rotations, a few
+   hundred bytes of zstd, 8 at once: the refusal's time (goal 413 < 1 s), `/health` meanwhile
+   (goal < 1 s) and the service's RSS growth; and in process, the largest legitimate reply
+   (255 options of 64-character names in rotations) and one just under SEMIF_MAX_REPLY_BYTES,
+   mapped and serialised as the door does it: the count vs the real bytes, and the time.
 """
 
 from __future__ import annotations
@@ -62,16 +67,16 @@ def rotations_body() -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def zstd_module():
+def zstd_compress(data: bytes) -> bytes:
     try:
         from compression import zstd  # type: ignore[import-not-found]
     except ImportError:
         from backports import zstd
-    return zstd
+    return zstd.compress(data)
 
 
 def frame_bomb(limit: int) -> bytes:
-    frame = zstd_module().compress(b"")
+    frame = zstd_compress(b"")
     return frame * (limit // len(frame))
 
 
@@ -204,7 +209,7 @@ def two_content_types(service: ServiceProcess, repeats: int) -> dict:
     pairs = [("application/json", "multipart/form-data; boundary=x")]
     pairs.append(pairs[0][::-1])
     plain = systemone(SENTENCE * (3_000_000 // len(SENTENCE)), 1)
-    inflating = zstd_module().compress(systemone(SENTENCE * (10_000_000 // len(SENTENCE)), 1))
+    inflating = zstd_compress(systemone(SENTENCE * (10_000_000 // len(SENTENCE)), 1))
     tiny = systemone(TINY_STATE, 1)
 
     def attack(content: bytes, pair, coding: dict) -> tuple[int, float]:
@@ -415,6 +420,99 @@ def print_table(lines: list[tuple[str, str, str]]) -> None:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
 
 
+def amplifying_body() -> bytes:
+    """72 options of 14 KB names, each described (a name then costs no token), in rotations:
+    unbounded, 72 readings echoing every name twice, some 145 MB of reply."""
+    criteria = {f"{i:02d}" + "x" * 13_998: f"Option {i}." for i in range(72)}
+    question = {"type": "choice", "criteria": criteria, "x_orderings": "rotations"}
+    return json.dumps({"model": "jev-latest", "state": "s", "questions": {"pick": question}}).encode()
+
+
+def reply_amplification(service: ServiceProcess, concurrent: int) -> dict:
+    plain = amplifying_body()
+    body = zstd_compress(plain)
+    zstd = {"Content-Encoding": "zstd"}
+    alone = [post(service.url, service.token, "/v1/systemone", body, zstd) for _ in range(3)]
+    before = read_rss(service.pid)["VmRSS"]
+    reset = reset_peak_rss(service.pid)
+    with Prober(service.url) as prober:
+        time.sleep(0.2)
+        results = in_parallel(
+            [lambda: post(service.url, service.token, "/v1/systemone", body, zstd)] * concurrent
+        )
+        time.sleep(0.2)
+    peak = read_rss(service.pid)["VmHWM"]
+    return {
+        "bytes": len(body),
+        "inflated": len(plain),
+        "alone": alone,
+        "concurrent": results,
+        "health_worst": max(prober.latencies),
+        "growth": peak - before if reset else None,
+    }
+
+
+def reply_build(options: int, name_length: int) -> dict:
+    """One choice of `options` options (`name_length`-character names, described) in rotations,
+    answered from synthetic readouts in process and mapped and serialised as the door does it."""
+    import random
+
+    from semif_serve.domain.calibration import CalibrationTable
+    from semif_serve.domain.types import BatchTiming, DecisionOutcome
+    from semif_serve.doors.base import json_reply
+    from semif_serve.doors.systemone.api import Policy, answers_of, reply_bytes, timing_block, to_question
+    from semif_serve.doors.systemone.schemas import ChoiceQuestion, SystemOneResponse, Usage
+    from semif_serve.engine.runner import Readout, RowReadout
+    from semif_serve.service.core import plan_rows, question_outcome
+
+    criteria = {f"{i:03d}".ljust(name_length, "n"): f"Option {i}." for i in range(options)}
+    body = ChoiceQuestion(type="choice", criteria=criteria, x_orderings="rotations")
+    question = to_question("pick", body, Policy({}, {}))
+    model = "Qwen/Qwen3.5-4B@" + "0" * 40
+    started = time.perf_counter()
+    counted = reply_bytes({"pick": body}, [(question,)], model)
+    count_s = time.perf_counter() - started
+    calibration = CalibrationTable()
+    planned, rows = plan_rows([question], max_rows=options, max_options=options, calibration=calibration)
+    readout = Readout(
+        rows=[
+            RowReadout(
+                [random.gauss(0, 3) for _ in range(options)],
+                [random.random() for _ in range(options)],
+                9,
+                "0" * 64,
+            )
+            for _ in rows
+        ],
+        shared=True,
+        forward_seconds=1.0,
+        total_seconds=1.0,
+        timing=BatchTiming(100, 0.1, 0.1, 0.1, len(rows), 1000, 1000, 4),
+    )
+    outcome = question_outcome(planned[0], readout, calibration)
+    started = time.perf_counter()
+    answers = answers_of({"pick": body}, [(question,)], [outcome])
+    mapped_s = time.perf_counter() - started
+    reply = SystemOneResponse(
+        model=model,
+        answers=answers,
+        usage=Usage(input_tokens=1, output_tokens=0),
+        x_timing=timing_block(DecisionOutcome((outcome,), True, 1.0, 1.0, readout.timing)),
+    )
+    started = time.perf_counter()
+    sent = len(json_reply(reply).body)
+    serialised_s = time.perf_counter() - started
+    return {
+        "options": options,
+        "name_length": name_length,
+        "counted": counted,
+        "sent": sent,
+        "count_s": count_s,
+        "mapped_s": mapped_s,
+        "serialised_s": serialised_s,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -450,9 +548,12 @@ def main() -> None:
         fairness = heavy_and_tiny(service, state, rows)
         print("long question ...", flush=True)
         longq = long_question(service, codec, 8_000 if args.quick else 34_950)
+        print("reply amplification ...", flush=True)
+        amplified = reply_amplification(service, 8)
     print("corrupt image ...", flush=True)
     corrupt = corrupt_image(work, args.quick)
     bound = gpu_bound(32_700, 2048)
+    builds = [reply_build(255, 64), reply_build(255, 112)]
 
     big = attack["big"]
     bombs = attack["bombs"]
@@ -540,6 +641,33 @@ def main() -> None:
             f"{bound['chunked'] / GIB:.2f} GiB vs {bound['whole'] / GIB:.2f} GiB",
             "",
         ),
+    ]
+    lines += [
+        (
+            f"reply amplification ({amplified['bytes']} B zstd, {amplified['inflated']} B inflated): alone",
+            ", ".join(f"{s} in {ms(t)}" for s, t in amplified["alone"]),
+            "413 < 1 s",
+        ),
+        (
+            f"  {len(amplified['concurrent'])} at once: status, time",
+            ", ".join(f"{s} in {ms(t)}" for s, t in amplified["concurrent"]),
+            "413 < 1 s",
+        ),
+        ("  /health worst meanwhile", ms(amplified["health_worst"]), "< 1 s"),
+        (
+            "  the service's RSS growth meanwhile",
+            f"{amplified['growth'] / (1 << 20):.0f} MiB" if amplified["growth"] is not None else "n/a",
+            "",
+        ),
+    ]
+    lines += [
+        (
+            f"a reply of {b['options']} options x rotations, {b['name_length']}-char names: count vs sent",
+            f"{b['counted']} B vs {b['sent']} B ({b['counted'] / b['sent']:.2f}x, counted in "
+            f"{ms(b['count_s'])}); mapped {ms(b['mapped_s'])}, serialised {ms(b['serialised_s'])}",
+            "count >= sent",
+        )
+        for b in builds
     ]
     print_table(lines)
 

@@ -53,6 +53,7 @@ def health_body(service: Service, now: StatusSnapshot) -> dict[str, Any]:
         "max_options": MAX_OPTIONS,
         "max_queue": settings.max_queue,
         "max_body_bytes": settings.max_body_bytes,
+        "max_reply_bytes": settings.max_reply_bytes,
         "release_margin_mib": settings.release_margin_mib,
         "answer_codes": service.core.capacity,
         "systemone_max_options": min(SYSTEMONE_MAX_OPTIONS, service.core.capacity),

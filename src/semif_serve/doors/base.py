@@ -7,6 +7,7 @@ A door declares its paths, its routes and request models, its one table from dom
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
@@ -39,7 +40,7 @@ ERROR_STATUSES: dict[int, str] = {
     404: "no such route",
     405: "the method is not allowed on this route",
     408: "the body did not arrive within SEMIF_BODY_TIMEOUT_SECONDS",
-    413: "the body, a prompt or the rows pass a limit, or one row needs more memory than the cap leaves",
+    413: "the body, a prompt, the rows or the reply pass a limit, or a row needs more memory than is left",
     415: "a Content-Encoding other than gzip or zstd (or a stack of them)",
     422: "a field breaks a rule",
     429: "too many requests in progress; Retry-After",
@@ -82,6 +83,7 @@ class Limits:
     max_options: int
     max_rows: int
     max_request_tokens: int | None = None  # tokens over all rows of a request (None: no such budget)
+    max_reply_bytes: int | None = None  # the reply's bytes, counted before it is built (None: no budget)
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -164,10 +166,12 @@ class DecisionDoor(ABC):
         *,
         shared: bool,
         limits: Limits,
+        reply_bytes: int,
         images: Sequence[ImageAsset] = (),
     ) -> DecisionOutcome:
-        """Ask the core, record the call for the log line and the metrics, and turn a domain
-        error into the door's refusal through its table."""
+        """Ask the core (`reply_bytes`: the door's count of the reply it would send, held to
+        `limits.max_reply_bytes`), record the call for the log line and the metrics, and turn a
+        domain error into the door's refusal through its table."""
         try:
             outcome = await self.service.core.decide(
                 state,
@@ -178,6 +182,8 @@ class DecisionDoor(ABC):
                 max_rows=limits.max_rows,
                 max_request_tokens=limits.max_request_tokens,
                 images=images,
+                reply_bytes=reply_bytes,
+                max_reply_bytes=limits.max_reply_bytes,
             )
         except DecisionError as exc:
             rule = rule_for(self.errors, exc)
@@ -186,8 +192,9 @@ class DecisionDoor(ABC):
         return outcome
 
     async def reply(self, request: Request, build: Build) -> JSONResponse:
-        """Read the body, build the reply model and send it as JSON; any failure that is not a
-        refusal is a 500 in the door's shape, logged by name."""
+        """Read the body, build the reply model and send it as JSON, serialised on a worker
+        thread (a large reply leaves the event loop free); any failure that is not a refusal is
+        a 500 in the door's shape, logged by name."""
         body = await request.body()
         try:
             reply = await build(request, body)
@@ -197,7 +204,7 @@ class DecisionDoor(ABC):
             detail = f" ({exc})" if isinstance(exc, NoErrorRule) else ""
             log.error("failed to build the response: %s%s", type(exc).__name__, detail)
             raise internal() from None
-        return json_reply(reply)
+        return await asyncio.to_thread(json_reply, reply)
 
     def add_post(
         self,

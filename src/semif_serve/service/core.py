@@ -22,6 +22,7 @@ from semif_serve.domain.types import (
     PromptRow,
     Question,
     QuestionOutcome,
+    ReplyTooLarge,
     TooManyOptions,
     TooManyRows,
     UnknownWorkload,
@@ -41,11 +42,18 @@ class PlannedQuestion:
 
 
 def plan_rows(
-    questions: Sequence[Question], *, max_rows: int, max_options: int, calibration: CalibrationTable
+    questions: Sequence[Question],
+    *,
+    max_rows: int,
+    max_options: int,
+    calibration: CalibrationTable,
+    reply_bytes: int = 0,
+    max_reply_bytes: int | None = None,
 ) -> tuple[list[PlannedQuestion], list[PromptRow]]:
     """Expand every question into one row per ordering; refuse unknown workloads, too many
-    options and row-cap breaches. Rows are counted before any is built, so a refusal costs
-    nothing however many rows the request would need."""
+    options, row-cap breaches and a reply (`reply_bytes`, the door's count of it) over
+    `max_reply_bytes` (None: no budget). Rows are counted before any is built, so a refusal
+    costs nothing however many rows the request would need."""
     needed = 0
     for index, question in enumerate(questions):
         if len(question.options) > max_options:
@@ -55,6 +63,8 @@ def plan_rows(
         needed += order_count(len(question.options), question.orderings)
     if needed > max_rows:
         raise TooManyRows(needed, max_rows)
+    if max_reply_bytes is not None and reply_bytes > max_reply_bytes:
+        raise ReplyTooLarge(reply_bytes, max_reply_bytes)
     planned: list[PlannedQuestion] = []
     rows: list[PromptRow] = []
     for question in questions:
@@ -150,6 +160,8 @@ class DecisionCore:
         max_rows: int,
         max_request_tokens: int | None = None,
         images: Sequence[ImageAsset] = (),
+        reply_bytes: int = 0,
+        max_reply_bytes: int | None = None,
     ) -> DecisionOutcome:
         """Ask every question (in every ordering) over `state` in one engine batch (merged with
         other requests queued at the same time; the numbers are those of the call alone).
@@ -160,10 +172,17 @@ class DecisionCore:
         `DecisionError` that names the question (and option, in the caller's order) it concerns
         by position. Planning runs off the event loop (it is linear in the rows' text).
         `images` (each with its placeholder) are shown where their placeholders stand, in the
-        state and in the questions; they need `reads_images`.
+        state and in the questions; they need `reads_images`. `reply_bytes` is the caller's count
+        of its reply, refused over `max_reply_bytes` (None: no budget) before any engine work.
         """
         planned, rows = await asyncio.to_thread(
-            plan_rows, questions, max_rows=max_rows, max_options=max_options, calibration=self.calibration
+            plan_rows,
+            questions,
+            max_rows=max_rows,
+            max_options=max_options,
+            calibration=self.calibration,
+            reply_bytes=reply_bytes,
+            max_reply_bytes=max_reply_bytes,
         )
         try:
             readout = await self.worker.score(

@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     max_input_tokens: int = Field(4096, ge=1, description="Prompt tokens per row.")
     max_queue: int = Field(32, ge=1, description="POST requests in progress before 429 busy.")
     max_body_bytes: int = Field(1_048_576, ge=1, description="Request body limit in bytes.")
+    max_reply_bytes: int = Field(
+        16_777_216,
+        ge=1,
+        description="Reply size limit in bytes, counted before any engine work (both doors).",
+    )
     vram_cap_gib: float = Field(12.0, gt=0, description="Hard GPU memory cap in GiB (cuda).")
     release_margin_mib: int = Field(
         512, ge=0, description="Release cached memory when reserved exceeds baseline by this."

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import JSONResponse
 
-from semif_serve.domain.orderings import COMBINE_METHOD
+from semif_serve.domain.orderings import COMBINE_METHOD, order_count
 from semif_serve.domain.prompt import PROMPT_VERSION
 from semif_serve.domain.types import (
     AnswerBoundary,
@@ -28,6 +29,7 @@ from semif_serve.domain.types import (
     OutOfMemory,
     Question,
     QuestionOutcome,
+    ReplyTooLarge,
     TooLargeForMemory,
     TooManyOptions,
     TooManyRows,
@@ -56,6 +58,18 @@ from semif_serve.doors.native.schemas import (
     SharedResponse,
     TimingBody,
     parse_body,
+)
+from semif_serve.doors.reply_size import (
+    FLOAT_BYTES,
+    INT_BYTES,
+    PREFILL_BYTES,
+    SHA256_BYTES,
+    TEMPERATURE_MODE_BYTES,
+    array_bytes,
+    map_bytes,
+    object_bytes,
+    scalars_bytes,
+    text_bytes,
 )
 from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
 from semif_serve.http.errors import ServiceError, error_response
@@ -100,6 +114,13 @@ NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
         "too_large_for_memory",
         "state",
         when="an image needs more memory in the vision tower than the cap leaves",
+    ),
+    ReplyTooLarge: ErrorRule(
+        413,
+        "reply_too_large",
+        "options",
+        "decisions",
+        when="the reply, counted before any engine work, is over SEMIF_MAX_REPLY_BYTES; gives the need",
     ),
     OutOfMemory: ErrorRule(
         503,
@@ -211,6 +232,95 @@ def decision_result(
     return result
 
 
+# -- the reply's size, counted before it is built ---------------------------------------------------
+
+READOUT_BYTES = max(text_bytes(DIRECT_READOUT), text_bytes(SHARED_READOUT))
+TIMING_BYTES = scalars_bytes(TimingBody, {"prefill": PREFILL_BYTES})
+
+
+def model_bytes(identity: dict[str, str]) -> int:
+    """The `model` block of every result (with the shared path's `serving_config`)."""
+    info = {**identity, "serving_config": SHARED_SERVING_CONFIG}
+    return map_bytes(sum(map(text_bytes, info)), sum(map(text_bytes, info.values())), len(info))
+
+
+def result_bytes(question: Question, model: int, *, timed: bool) -> int:
+    """At least the bytes of `decision_result` for `question` (`timed`: with its `timing`):
+    every ordering's result echoes the ids, and `combined` and `calibrated` key them again."""
+    n = len(question.options)
+    ids = [text_bytes(o.id) for o in question.options]
+    floats = array_bytes(n * FLOAT_BYTES, n)
+    by_id = map_bytes(sum(ids), n * FLOAT_BYTES, n)
+    native = {
+        "id": text_bytes(question.id),
+        "option_ids": array_bytes(sum(ids), n),
+        "probabilities": floats,
+        "option_logits": floats,
+        "input_tokens": INT_BYTES,
+        "forward_seconds": FLOAT_BYTES,
+        "total_seconds": FLOAT_BYTES,
+        "prompt_sha256": SHA256_BYTES,
+        "prompt_version": text_bytes(PROMPT_VERSION),
+        "model": model,
+        "readout": READOUT_BYTES,
+        "probability_status": text_bytes(PROBABILITY_STATUS),
+    }
+    sizes = dict(native)
+    calibrated = {}
+    if question.workload is not None:
+        calibrated = {
+            "workload": text_bytes(question.workload),
+            "temperature": FLOAT_BYTES,
+            "temperature_mode": TEMPERATURE_MODE_BYTES,
+        }
+    if question.orderings is None:
+        if calibrated:
+            sizes["calibrated"] = object_bytes(CalibratedBody, {**calibrated, "probabilities": floats})
+    else:
+        rows = order_count(n, question.orderings)
+        sizes["orderings"] = array_bytes(rows * object_bytes(NativeResult, native), rows)
+        combined = {
+            "method": text_bytes(COMBINE_METHOD),
+            "mode": text_bytes(question.orderings),
+            "orderings": INT_BYTES,
+            "probabilities": by_id,
+            "top": max(ids),
+            "agreement": FLOAT_BYTES,
+            "spread": FLOAT_BYTES,
+        }
+        if calibrated:
+            combined["calibrated"] = object_bytes(CalibratedBody, {**calibrated, "probabilities": by_id})
+        sizes["combined"] = object_bytes(CombinedBody, combined)
+    if timed:
+        sizes["timing"] = TIMING_BYTES
+    return object_bytes(DecisionResult, sizes)
+
+
+def shared_reply_bytes(questions: Sequence[Question], identity: dict[str, str]) -> int:
+    """At least the bytes of `/decide/shared`'s reply to `questions`."""
+    model = model_bytes(identity)
+    results = [result_bytes(q, model, timed=False) for q in questions]
+    return object_bytes(
+        SharedResponse, {"results": array_bytes(sum(results), len(results)), "timing": TIMING_BYTES}
+    )
+
+
+def read_decision(body: bytes, identity: dict[str, str]) -> tuple[Any, Question, int]:
+    """`/decide`'s body as its state, its question and the count of its reply (the route runs
+    this on a worker thread)."""
+    decision = parse_body(DecisionBody, body)
+    question = to_question(decision)
+    return decision.state, question, result_bytes(question, model_bytes(identity), timed=True)
+
+
+def read_shared(body: bytes, identity: dict[str, str]) -> tuple[Any, list[Question], int]:
+    """`/decide/shared`'s body as its state, its questions and the count of its reply (the route
+    runs this on a worker thread)."""
+    shared = parse_body(SharedDecisionsBody, body)
+    questions = [to_question(d) for d in shared.decisions]
+    return shared.state, questions, shared_reply_bytes(questions, identity)
+
+
 # -- the door -------------------------------------------------------------------------------------
 
 
@@ -234,26 +344,33 @@ class NativeDoor(DecisionDoor):
     def limits(self) -> Limits:
         """SemIf's own bounds: at most 16 options (A..P), the native row and token caps."""
         settings = self.service.settings
-        return Limits(settings.max_input_tokens, MAX_OPTIONS, settings.max_rows)
+        return Limits(
+            settings.max_input_tokens,
+            MAX_OPTIONS,
+            settings.max_rows,
+            max_reply_bytes=settings.max_reply_bytes,
+        )
 
     async def decide(self, request: Request, body: bytes) -> DecisionResult:
         """`POST /decide`: one decision; orderings run as one shared batch."""
-        decision = await asyncio.to_thread(parse_body, DecisionBody, body)
+        identity = self.service.core.model_info
+        state, question, need = await asyncio.to_thread(read_decision, body, identity)
         outcome = await self.ask(
-            request, decision.state, [to_question(decision)], shared=False, limits=self.limits
+            request, state, [question], shared=False, limits=self.limits, reply_bytes=need
         )
-        result = decision_result(outcome.questions[0], outcome, self.service.core.model_info)
+        result = await asyncio.to_thread(decision_result, outcome.questions[0], outcome, identity)
         if outcome.timing is not None:
             result.timing = timing_body(outcome.timing)
         return result
 
     async def decide_shared(self, request: Request, body: bytes) -> SharedResponse:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        shared = await asyncio.to_thread(parse_body, SharedDecisionsBody, body)
-        questions = [to_question(d) for d in shared.decisions]
-        outcome = await self.ask(request, shared.state, questions, shared=True, limits=self.limits)
         identity = self.service.core.model_info
-        results = [decision_result(q, outcome, identity) for q in outcome.questions]
+        state, questions, need = await asyncio.to_thread(read_shared, body, identity)
+        outcome = await self.ask(request, state, questions, shared=True, limits=self.limits, reply_bytes=need)
+        results = await asyncio.to_thread(
+            lambda: [decision_result(q, outcome, identity) for q in outcome.questions]
+        )
         assert outcome.timing is not None  # the shared path always times its batch
         return SharedResponse(results=results, timing=timing_body(outcome.timing))
 

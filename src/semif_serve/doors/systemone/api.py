@@ -42,6 +42,18 @@ from semif_serve.doors.base import (
     json_reply,
     rule_for,
 )
+from semif_serve.doors.reply_size import (
+    FLOAT_BYTES,
+    INT_BYTES,
+    NULL_BYTES,
+    PREFILL_BYTES,
+    SHA256_BYTES,
+    array_bytes,
+    map_bytes,
+    object_bytes,
+    scalars_bytes,
+    text_bytes,
+)
 from semif_serve.doors.systemone.assets import ImageLimits, place_images, resolve_images
 from semif_serve.doors.systemone.multipart import (
     MultipartRefused,
@@ -118,6 +130,11 @@ SYSTEMONE_ERRORS: dict[type[DecisionError], ErrorRule] = {
     ),
     domain.AnswerBoundary: ErrorRule(
         400, "api_usage_error", when="appending an answer code would change this prompt's tokenisation"
+    ),
+    domain.ReplyTooLarge: ErrorRule(
+        413,
+        "request_too_large",
+        when="the reply, counted before any engine work, is over SEMIF_MAX_REPLY_BYTES; gives the need",
     ),
     domain.OutOfMemory: ErrorRule(
         503,
@@ -400,6 +417,87 @@ def evaluated_tokens(outcome: DecisionOutcome) -> int:
     return outcome.timing.prefix_tokens + outcome.timing.true_suffix_tokens
 
 
+# -- the reply's size, counted before it is built ---------------------------------------------------
+
+TIMING_BYTES = scalars_bytes(BatchTimingBlock, {"prefill": PREFILL_BYTES})
+
+
+def semif_bytes(question: Question) -> int:
+    """At least the bytes of `semif_block` for `question`: each reading echoes every option name
+    twice (its order, and its probabilities by name)."""
+    n = len(question.options)
+    names = sum(text_bytes(o.id) for o in question.options)
+    by_name = map_bytes(names, n * FLOAT_BYTES, n)
+    reading = object_bytes(Reading, {"order": array_bytes(names, n), "probabilities": by_name})
+    readings = order_count(n, question.orderings)
+    calibrated = question.workload is not None
+    return object_bytes(
+        SemIfBlock,
+        {
+            "prompt_sha256": SHA256_BYTES,
+            "prompt_version": text_bytes(PROMPT_VERSION),
+            "input_tokens": INT_BYTES,
+            "option_logits": by_name,
+            "orderings": text_bytes(question.orderings or NO_ORDERINGS),
+            "rows": INT_BYTES,
+            "agreement": FLOAT_BYTES,
+            "workload": text_bytes(question.workload) if question.workload is not None else NULL_BYTES,
+            "temperature": FLOAT_BYTES if calibrated else NULL_BYTES,
+            "readings": array_bytes(readings * reading, readings),
+        },
+    )
+
+
+def answer_bytes(kind: str, asked: tuple[Question, ...]) -> int:
+    """At least the bytes of the answer to a System One question of `kind`, asked as `asked`."""
+    first = asked[0]
+    n = len(first.options)
+    names = [text_bytes(o.id) for o in first.options]
+    by_name = map_bytes(sum(names), n * FLOAT_BYTES, n)
+    sizes = {"type": text_bytes(kind)}
+    if kind == "box":
+        edges = [
+            object_bytes(BoxEdge, {"probabilities": by_name, "ordered": by_name, "x_semif": semif_bytes(q)})
+            for q in asked
+        ]
+        return object_bytes(
+            BoxAnswer,
+            sizes
+            | {
+                "box": scalars_bytes(BoxCoordinates),
+                "confidence": FLOAT_BYTES,
+                "x_edges": map_bytes(sum(map(text_bytes, EDGES)), sum(edges), len(edges)),
+            },
+        )
+    sizes["x_semif"] = semif_bytes(first)
+    if kind == "noul":
+        return object_bytes(NoulAnswer, sizes | {"noul": FLOAT_BYTES})
+    sizes |= {"probabilities": by_name, "confidence": FLOAT_BYTES}
+    if kind == "choice":
+        return object_bytes(ChoiceAnswer, sizes | {"choice": max(names)})
+    legend = map_bytes(sum(names), sum(text_bytes(o.description) for o in first.options), n)
+    return object_bytes(ScoreAnswer, sizes | {"score": FLOAT_BYTES, "legend": legend})
+
+
+def reply_bytes(
+    bodies: dict[str, NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion],
+    asked: Sequence[tuple[Question, ...]],
+    model_name: str,
+) -> int:
+    """At least the bytes of the reply to a request's questions (`asked[k]`: the core questions
+    the k-th was asked as), counted without building it."""
+    answers = [answer_bytes(body.type, own) for body, own in zip(bodies.values(), asked, strict=True)]
+    return object_bytes(
+        SystemOneResponse,
+        {
+            "model": text_bytes(model_name),
+            "answers": map_bytes(sum(map(text_bytes, bodies)), sum(answers), len(answers)),
+            "usage": scalars_bytes(Usage),
+            "x_timing": TIMING_BYTES,
+        },
+    )
+
+
 # -- the door -------------------------------------------------------------------------------------
 
 
@@ -453,6 +551,7 @@ class SystemOneDoor(DecisionDoor):
             self.max_options,
             settings.systemone_max_rows,
             settings.systemone_max_request_tokens,
+            settings.max_reply_bytes,
         )
 
     def refuse_past_row_cap(self, data: dict[str, Any]) -> None:
@@ -508,6 +607,12 @@ class SystemOneDoor(DecisionDoor):
                 f"the `request` part is {len(multipart.request)} bytes, over SEMIF_MAX_BODY_BYTES ({limit})",
             )
         return parse_request(multipart.request, self.max_options, self.refuse_past_row_cap), multipart.parts
+
+    def mapped(self, parsed: SystemOneRequest) -> tuple[list[tuple[Question, ...]], int]:
+        """The core questions each question is asked as, and the count of the reply; run off the
+        event loop (both are linear in the request's text)."""
+        asked = [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
+        return asked, reply_bytes(parsed.questions, asked, self.model_name)
 
     def accepts(self, model: str) -> bool:
         """Whether a request naming `model` is served: the real name, or an alias when allowed."""
@@ -594,17 +699,22 @@ class SystemOneDoor(DecisionDoor):
                 "assets",
             )
         parsed, images = place_images(parsed, images)
-        asked = await asyncio.to_thread(
-            lambda: [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
-        )
+        asked, need = await asyncio.to_thread(self.mapped, parsed)
         questions = [question for own in asked for question in own]
         # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
         outcome = await self.ask(
-            request, parsed.state, questions, shared=False, limits=self.limits, images=images
+            request,
+            parsed.state,
+            questions,
+            shared=False,
+            limits=self.limits,
+            reply_bytes=need,
+            images=images,
         )
+        answers = await asyncio.to_thread(answers_of, parsed.questions, asked, outcome.questions)
         return SystemOneResponse(
             model=self.model_name,
-            answers=answers_of(parsed.questions, asked, outcome.questions),
+            answers=answers,
             usage=Usage(input_tokens=evaluated_tokens(outcome), output_tokens=0),
             x_timing=timing_block(outcome),
         )
