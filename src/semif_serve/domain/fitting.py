@@ -91,7 +91,7 @@ def calibration_report(rows: Sequence[Row], group_ids: Sequence[Any]) -> dict[st
                 oof_probs[i] = calibrated_probabilities(rows[i][0], t_fold)
             fold_report.append({"fold": f, "n": len(held), "temperature": t_fold})
         ece_oof = top_label_ece(oof_probs, [g for _, g in rows])
-    report = {
+    report: dict[str, Any] = {
         "n": len(rows),
         "groups": len(set(group_ids)),
         "accuracy": sum(argmax(z) == g for z, g in rows) / len(rows),

@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(32, ge=1, description="POST requests in progress before 429 busy.")
     max_body_bytes: int = Field(1_048_576, ge=1, description="Request body limit in bytes.")
     calibrate_max_logits: int = Field(
-        10_000, ge=2, description="POST /calibrate: logits (rows x options) per request, bounding the fit's CPU time."
+        10_000, ge=2, description="POST /calibrate: logits (rows x options) per request (bounds the fit)."
     )
     vram_cap_gib: float = Field(12.0, gt=0, description="Hard GPU memory cap in GiB (cuda).")
     release_margin_mib: int = Field(
