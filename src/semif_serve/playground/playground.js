@@ -13,7 +13,7 @@
   const MAX_IN_FLIGHT = 8;
   const THUMBNAIL_PIXELS = 96;
   const FIGURE_PIXELS = 640;
-  const EDGE_BAR_SHARE = 0.25; // an edge's most likely position reaches this share of the image
+  const EDGE_BAR_SHARE = 0.25; // an edge's most likely position's bar reaches this share of the image
   const SVG = "http://www.w3.org/2000/svg";
   // The formats System One reads, by their first bytes (the service checks the bytes too).
   const SIGNATURES = [
@@ -455,9 +455,11 @@
       const along = edge === "top" || edge === "bottom" ? height : width;
       const across = edge === "top" || edge === "bottom" ? width : height;
       const step = along / 20;
-      for (const [position, p] of Object.entries(answer.x_edges[edge].ordered)) {
+      const ordered = answer.x_edges[edge].ordered;
+      const peak = Math.max(...Object.values(ordered)) || 1;
+      for (const [position, p] of Object.entries(ordered)) {
         const at = Number(position) * along;
-        const reach = p * across * EDGE_BAR_SHARE;
+        const reach = (p / peak) * across * EDGE_BAR_SHARE;
         const vertical = edge === "left" || edge === "right";
         overlay.append(
           svg("rect", {
