@@ -2,6 +2,7 @@
 
     uv run python bench/stalls.py            # the demo checkpoint, fp32 CPU (a few minutes)
     uv run python bench/stalls.py --quick    # fewer probes and a smaller heavy request
+    uv run python bench/stalls.py --only calibrate   # phase 5 alone (under a minute)
 
 It starts the real service (`semif-serve serve`, the demo checkpoint) as a child process on a
 loopback port and measures, over HTTP:
@@ -15,7 +16,10 @@ loopback port and measures, over HTTP:
 3. a tiny request's latency alone vs sent 1 s after that heavy request (goal < 3 s);
 4. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
    bound the memory estimate sets for that row at Qwen3.5-4B geometry in BF16, with the
-   suffix chunked (as now) and whole (as before).
+   suffix chunked (as now) and whole (as before);
+5. `POST /calibrate` at its cap (SEMIF_CALIBRATE_MAX_LOGITS, 10,000 logits: 2,500 rows of 4):
+   the fit's time, `/health` meanwhile (goal: worst < 1 s), a tiny System One request sent
+   0.5 s into the fit (goal < 3 s), and the refusal of one logit more (goal: 422 < 100 ms).
 """
 
 from __future__ import annotations
@@ -234,6 +238,81 @@ def long_question(service: ServiceProcess, codec, tokens: int) -> dict:
     }
 
 
+def calibrate_rows(logits: int, options: int = 4) -> bytes:
+    """A `POST /calibrate` body of `logits` logits: rows of `options`, labels and groups varied."""
+    rows = [
+        {
+            "logits": [((i * 7 + k * 3) % 11) / 2.0 - 2.5 for k in range(options)],
+            "label": i % options,
+            "group": i % 50,
+        }
+        for i in range(logits // options)
+    ]
+    return json.dumps({"workload": "bench", "rows": rows}).encode()
+
+
+def calibrate_beside_health(service: ServiceProcess, cap: int) -> dict:
+    at_cap, over = calibrate_rows(cap), calibrate_rows(cap + 4)
+    tiny = json.dumps(
+        {"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)}
+    ).encode()
+    tiny_alone = [post(service.url, service.token, "/v1/systemone", tiny) for _ in range(3)]
+    refused = [post(service.url, service.token, "/calibrate", over) for _ in range(3)]
+
+    def late_tiny():
+        time.sleep(0.5)
+        return post(service.url, service.token, "/v1/systemone", tiny)
+
+    with Prober(service.url, every=0.05) as prober:
+        fit, tiny_result = in_parallel(
+            [lambda: post(service.url, service.token, "/calibrate", at_cap), late_tiny]
+        )
+    return {
+        "fit": fit,
+        "fit_bytes": len(at_cap),
+        "refused": refused,
+        "tiny_alone": statistics.median(s for _, s in tiny_alone),
+        "tiny_beside": tiny_result,
+        "health_worst": max(prober.latencies),
+        "health_median": statistics.median(prober.latencies),
+        "probes": len(prober.latencies),
+    }
+
+
+def calibrate_lines(result: dict, cap: int) -> list[tuple[str, str, str]]:
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1000:.0f} ms"
+
+    return [
+        (
+            f"POST /calibrate at the cap ({cap} logits, {result['fit_bytes']} B): status, time",
+            f"{result['fit'][0]} in {result['fit'][1]:.2f} s",
+            "",
+        ),
+        (
+            "  /health meanwhile: worst (median)",
+            f"{ms(result['health_worst'])} ({ms(result['health_median'])}, {result['probes']} probes)",
+            "< 1 s",
+        ),
+        (
+            "  a tiny request: alone vs sent 0.5 s into the fit",
+            f"{ms(result['tiny_alone'])} vs {result['tiny_beside'][0]} in {ms(result['tiny_beside'][1])}",
+            "< 3 s",
+        ),
+        (
+            f"  {cap + 4} logits: status, time",
+            ", ".join(f"{s} in {ms(t)}" for s, t in result["refused"]),
+            "422 < 100 ms",
+        ),
+    ]
+
+
+def print_table(lines: list[tuple[str, str, str]]) -> None:
+    widths = [max(len(str(row[i])) for row in lines) for i in range(3)]
+    for row in lines:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
 def gpu_bound(tokens: int, chunk: int) -> dict:
     """The memory estimate for one row of `tokens` suffix tokens at Qwen3.5-4B geometry in BF16."""
     from transformers import Qwen3_5TextConfig
@@ -255,6 +334,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=["calibrate"], help="run one phase alone")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -269,6 +349,15 @@ def main() -> None:
     rows = 64 if args.quick else 256
     state = state_of(codec, state_tokens)
     settings = {"device": "cpu", "demo": "true"}  # every limit at its default
+    from semif_serve.service.settings import Settings
+
+    cap = Settings.model_fields["calibrate_max_logits"].default
+    if args.only == "calibrate":
+        with ServiceProcess(model, DEMO_REVISION, settings, work / "service") as service:
+            print("calibrate beside health ...", flush=True)
+            fitted = calibrate_beside_health(service, cap)
+        print_table([("measurement", "measured", "goal"), *calibrate_lines(fitted, cap)])
+        return
     print("encoding, in process ...", flush=True)
     encoding = encoding_before_after(codec, state, rows)
     with ServiceProcess(model, DEMO_REVISION, settings, work / "service") as service:
@@ -278,6 +367,8 @@ def main() -> None:
         fairness = heavy_and_tiny(service, state, rows)
         print("long question ...", flush=True)
         longq = long_question(service, codec, 8_000 if args.quick else 34_950)
+        print("calibrate beside health ...", flush=True)
+        fitted = calibrate_beside_health(service, cap)
     bound = gpu_bound(32_700, 2048)
 
     def ms(seconds: float) -> str:
@@ -347,10 +438,9 @@ def main() -> None:
             f"{bound['chunked'] / GIB:.2f} GiB vs {bound['whole'] / GIB:.2f} GiB",
             "",
         ),
+        *calibrate_lines(fitted, cap),
     ]
-    widths = [max(len(str(row[i])) for row in lines) for i in range(3)]
-    for row in lines:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print_table(lines)
 
 
 if __name__ == "__main__":
