@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -228,6 +231,19 @@ def test_a_picked_image_is_answered_as_the_sdks_multipart_request_and_its_box_dr
                 assert bar["x"] + bar["width"] / 2 == pytest.approx(float(position) * 48, abs=1e-6)
                 assert bar["height"] == pytest.approx(p / peak * 32 * 0.25, abs=1e-6)
     assert_only_own_origin_and_nothing_kept(page, server, requests)
+
+    # The copied curl and typesafe-sdk snippets send the image from its file, multipart, to the same answers.
+    env = {**os.environ, "SEMIF_API_TOKEN": TOKEN}
+    for kind, command in (("curl", ["bash", "-c"]), ("python", [sys.executable, "-c"])):
+        snippet = page.copied(0, kind)
+        assert TOKEN not in snippet and "photo.png" in snippet, kind
+        ran = subprocess.run(
+            [*command, snippet], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert ran.returncode == 0, (kind, ran.stderr)
+        answers = json.loads(ran.stdout)["answers"]
+        assert answers["red"]["noul"] == pytest.approx(red.noul, abs=1e-5), kind
+        assert answers["where"]["box"] == pytest.approx(reply["box"], abs=1e-5), kind
 
 
 def test_an_image_over_the_services_pixel_limit_or_not_an_image_is_refused_in_the_page(

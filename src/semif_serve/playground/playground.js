@@ -601,10 +601,15 @@
     return images.filter((image) => text.includes(image.placeholder));
   }
 
+  // The `assets` entries of a multipart body: each image named by its part, `asset-<i>`.
+  function partsOf(used) {
+    return Object.fromEntries(used.map((image, i) => [image.placeholder, { type: "image", part: `asset-${i}` }]));
+  }
+
   // typesafe-sdk's multipart body: the JSON as part `request`, then each image as part `asset-<i>`.
   function multipart(body, used) {
     const boundary = randomHex(16);
-    const assets = Object.fromEntries(used.map((image, i) => [image.placeholder, { type: "image", part: `asset-${i}` }]));
+    const assets = partsOf(used);
     const head = (name, type, filename) =>
       `--${boundary}\r\nContent-Disposition: form-data; name="${name}"${filename ? `; filename="${filename}"` : ""}\r\nContent-Type: ${type}\r\n\r\n`;
     const chunks = [head("request", "application/json"), JSON.stringify({ ...body, assets }), "\r\n"];
@@ -648,32 +653,46 @@
     return text.split("\n").join(`\n${" ".repeat(spaces)}`);
   }
 
+  const shellQuoted = (text) => `'${text.replace(/'/g, "'\\''")}'`;
+
+  // Each snippet sends the request as the page does: with images (`used`, read from their files by
+  // name in the current directory), as multipart, the SDK's way.
   const SNIPPETS = {
-    curl: (body) =>
-      [
-        `curl -s ${window.location.origin}${SYSTEMONE_PATH} \\`,
-        `  -H "Authorization: Bearer $${TOKEN_PLACEHOLDER}" \\`,
-        `  -H "Content-Type: application/json" \\`,
-        "  --data-binary @- <<'JSON'",
-        pretty(body),
+    curl: (body, used) => {
+      const start = [`curl -s ${window.location.origin}${SYSTEMONE_PATH} \\`, `  -H "Authorization: Bearer $${TOKEN_PLACEHOLDER}" \\`];
+      if (!used.length) {
+        return [...start, `  -H "Content-Type: application/json" \\`, "  --data-binary @- <<'JSON'", pretty(body), "JSON"].join("\n");
+      }
+      return [
+        ...start,
+        `  -F "request=<-;type=application/json" \\`,
+        ...used.map((image, i) => `  -F ${shellQuoted(`asset-${i}=@${image.name};filename=asset-${i};type=${image.type}`)} \\`),
+        "  <<'JSON'",
+        pretty({ ...body, assets: partsOf(used) }),
         "JSON",
-      ].join("\n"),
-    python: (body) =>
+      ].join("\n");
+    },
+    python: (body, used) =>
       [
         "import os",
+        ...(used.length ? ["from pathlib import Path"] : []),
         "",
-        "from typesafe_sdk import TypeSafeClient",
+        `from typesafe_sdk import ${used.length ? "Image, " : ""}TypeSafeClient`,
         "",
         `with TypeSafeClient(api_key=os.environ["${TOKEN_PLACEHOLDER}"], base_url=${JSON.stringify(window.location.origin)}) as client:`,
         "    result = client.system_one(",
         `        model=${JSON.stringify(body.model)},`,
         `        state=${indented(pyLiteral(body.state, 0), 8)},`,
         `        questions=${indented(pyLiteral(body.questions, 0), 8)},`,
+        ...(used.length
+          ? ["        assets={", ...used.map((image) => `            ${JSON.stringify(image.placeholder)}: Image(Path(${JSON.stringify(image.name)})),`), "        },"]
+          : []),
         "    )",
         "print(result.model_dump_json(indent=2))",
       ].join("\n"),
-    javascript: (body) =>
+    javascript: (body, used) =>
       [
+        ...used.map((image) => `// ${image.placeholder} names ${image.name}: attach it as an asset of this request`),
         'import { TypeSafeClient } from "@typesafe-ai/sdk";',
         "",
         "const client = new TypeSafeClient({",
@@ -708,7 +727,7 @@
     const buttons = Object.keys(SNIPPETS).map((kind) => {
       const button = el("button", { type: "button", class: "copy", dataset: { kind }, text: `Copy as ${SNIPPET_NAMES[kind]}` });
       button.addEventListener("click", () => {
-        area.value = SNIPPETS[kind](body);
+        area.value = SNIPPETS[kind](body, referencedImages(body));
         area.dataset.kind = kind;
         copyText(area, status);
       });
