@@ -271,6 +271,42 @@ def test_an_image_over_the_services_pixel_limit_or_not_an_image_is_refused_in_th
     assert page.find("#image-error").text == ""
 
 
+@pytest.fixture(scope="module")
+def text_server(service):
+    """A live service whose checkpoint has no vision tower."""
+    with LoopbackServer(create_app(service)) as running:
+        yield running
+
+
+def test_an_image_sent_to_a_model_that_reads_none_shows_the_services_refusal(browser, text_server, tmp_path):  # noqa: F811
+    data = noise_png(9)
+    path = tmp_path / "photo.png"
+    path.write_bytes(data)
+    page = Page(browser, text_server.url)
+    enter_token(page)
+    assert "reads no images" in page.find("#image-warning").text
+    state_with_cursor_before_its_closing_quote(page, "A photo: ")
+    pick_image(page, path, images=1)
+    placeholder = page.find("#image-list li").get_attribute("data-placeholder")
+    page.edit("questions", json.dumps({"red": QUESTIONS["red"]}))
+    page.run()
+    (column,) = page.columns()
+    asset = {"type": "image", "format": "png", "data_base64": base64.b64encode(data).decode()}
+    reply = api(
+        text_server,
+        {
+            **request_of(template("ticket-triage")),
+            "state": f"A photo: {placeholder}",
+            "questions": {"red": QUESTIONS["red"]},
+            "assets": {placeholder: asset},
+        },
+    )
+    assert reply.status_code == 400
+    detail = reply.json()["detail"]
+    assert column["error"] == {"title": f"400 {detail['error_type']}", "items": [detail["message"]]}
+    assert "does not read images" in detail["message"]
+
+
 def test_the_model_picker_lists_what_v1_models_lists_and_two_models_run_side_by_side(page, server):
     listed = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
         "models"
@@ -474,6 +510,24 @@ def test_fixture_rows_are_evaluated_as_semif_serve_calibrate_reads_the_same_file
     assert_shown(shown["deploys"]["ece_before"], report["ece_before"])
     assert_shown(shown["deploys"]["ece_after"], report["ece_after"])
     assert_shown(shown["deploys"]["temperature"], report["temperature"])
+
+
+def test_an_evaluation_refused_by_the_service_shows_its_words_and_sends_no_more(page, server, tmp_path):
+    path, rows = levbench_file(tmp_path, items=6, seed=2)
+    reply = api(
+        server, {"model": "jev-latest", "state": rows[0]["state"], "questions": TASK_QUESTIONS}, token="wrong"
+    )
+    assert reply.status_code == 401
+    page.type_token("wrong")
+    evaluate(page, path, in_flight=2)
+    title = page.find("#eval-results .error-title").text
+    assert title.startswith("items[") and title.endswith("]: 401 authentication_error"), title
+    items = [li.text for li in page.driver.find_elements("css selector", "#eval-results .error-box li")]
+    assert items == [reply.json()["detail"]["message"]]
+    requests = sent(page)
+    assert 1 <= len([r for r in requests if r["url"].endswith("/v1/systemone")]) <= 2
+    assert not [r for r in requests if r["url"].endswith("/calibrate")]
+    assert page.find("#eval-status").text == "Failed."
 
 
 def test_cancel_stops_sending(page, server, tmp_path):
