@@ -154,6 +154,7 @@
     }
     const started = performance.now();
     let response;
+    let text;
     try {
       response = await fetch(path, {
         method,
@@ -164,11 +165,11 @@
         credentials: "omit",
         referrerPolicy: "no-referrer",
       });
+      text = await response.text(); // an abort may come while the body is read, too
     } catch (exc) {
       if (exc.name === "AbortError") return { ok: false, aborted: true, error: { title: "Cancelled", items: [] } };
       return { ok: false, error: { title: "The service could not be reached", items: [String(exc.message)] } };
     }
-    const text = await response.text();
     let data = null;
     try {
       data = JSON.parse(text);
@@ -199,9 +200,10 @@
     const defaults = { model: DEFAULT_MODEL, "model-a": DEFAULT_MODEL, "model-b": names.find((n) => n !== DEFAULT_MODEL) };
     for (const [id, fallback] of Object.entries(defaults)) {
       const select = byId(id);
-      const current = select.value;
+      const kept = select.dataset.listed === "true" && names.includes(select.value) ? select.value : null;
       select.replaceChildren(...models.map((m) => el("option", { value: m.name, title: described(m), text: m.name })));
-      select.value = names.includes(current) ? current : names.includes(fallback) ? fallback : names[0];
+      select.value = kept || (names.includes(fallback) ? fallback : names[0]);
+      select.dataset.listed = "true";
     }
     byId("model-table").replaceChildren(byId("model-table").querySelector("caption"), ...modelTable());
     describeModel();
@@ -1040,6 +1042,9 @@
       }
       results.replaceChildren(...cards, entryPanel(entries));
       status.textContent = `Done: ${tasks.length} requests, ${Object.keys(reads).length} questions fitted.`;
+    } catch (exc) {
+      results.replaceChildren(errorBox({ title: "The page could not finish the evaluation", items: [String(exc.message)] }));
+      status.textContent = "Failed.";
     } finally {
       evaluation = null;
       byId("eval-run").disabled = false;
