@@ -2,7 +2,8 @@
 
     uv run python bench/stalls.py            # the demo checkpoint, fp32 CPU (a few minutes)
     uv run python bench/stalls.py --quick    # fewer probes and a smaller heavy request
-    uv run python bench/stalls.py --images-only    # phase 5 alone (with --quick: 2 posts, no whole JPEG)
+    uv run python bench/stalls.py --only images     # the corrupt image alone (--quick: 2 posts)
+    uv run python bench/stalls.py --only calibrate   # POST /calibrate alone (under a minute)
 
 It starts the real service (`semif-serve serve`, the demo checkpoint) as a child process on a
 loopback port and measures, over HTTP:
@@ -29,6 +30,9 @@ loopback port and measures, over HTTP:
    (goal < 1 s) and the service's RSS growth; and in process, the largest legitimate reply
    (255 options of 64-character names in rotations) and one just under SEMIF_MAX_REPLY_BYTES,
    mapped and serialised as the door does it: the count vs the real bytes, and the time.
+5. `POST /calibrate` at its cap (SEMIF_CALIBRATE_MAX_LOGITS, 10,000 logits: 2,500 rows of 4):
+   the fit's time, `/health` meanwhile (goal: worst < 1 s), a tiny System One request sent
+   0.5 s into the fit (goal < 3 s), and the refusal of a row more (goal: 422, before any fit).
 """
 
 from __future__ import annotations
@@ -373,6 +377,72 @@ def corrupt_image(work: Path, quick: bool) -> dict:
     }
 
 
+def calibrate_rows(logits: int, options: int = 4) -> bytes:
+    """A `POST /calibrate` body of `logits` logits: rows of `options`, labels and groups varied."""
+    rows = [
+        {
+            "logits": [((i * 7 + k * 3) % 11) / 2.0 - 2.5 for k in range(options)],
+            "label": i % options,
+            "group": i % 50,
+        }
+        for i in range(logits // options)
+    ]
+    return json.dumps({"workload": "bench", "rows": rows}).encode()
+
+
+def calibrate_beside_health(service: ServiceProcess, cap: int) -> dict:
+    at_cap, over = calibrate_rows(cap), calibrate_rows(cap + 4)
+    tiny = json.dumps(
+        {"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)}
+    ).encode()
+    tiny_alone = [post(service.url, service.token, "/v1/systemone", tiny) for _ in range(3)]
+    refused = [post(service.url, service.token, "/calibrate", over) for _ in range(3)]
+
+    def late_tiny():
+        time.sleep(0.5)
+        return post(service.url, service.token, "/v1/systemone", tiny)
+
+    with Prober(service.url, every=0.05) as prober:
+        fit, tiny_result = in_parallel(
+            [lambda: post(service.url, service.token, "/calibrate", at_cap), late_tiny]
+        )
+    return {
+        "fit": fit,
+        "fit_bytes": len(at_cap),
+        "refused": refused,
+        "tiny_alone": statistics.median(s for _, s in tiny_alone),
+        "tiny_beside": tiny_result,
+        "health_worst": max(prober.latencies),
+        "health_median": statistics.median(prober.latencies),
+        "probes": len(prober.latencies),
+    }
+
+
+def calibrate_lines(result: dict, cap: int) -> list[tuple[str, str, str]]:
+    return [
+        (
+            f"POST /calibrate at the cap ({cap} logits, {result['fit_bytes']} B): status, time",
+            f"{result['fit'][0]} in {result['fit'][1]:.2f} s",
+            "",
+        ),
+        (
+            "  /health meanwhile: worst (median)",
+            f"{ms(result['health_worst'])} ({ms(result['health_median'])}, {result['probes']} probes)",
+            "< 1 s",
+        ),
+        (
+            "  a tiny request: alone vs sent 0.5 s into the fit",
+            f"{ms(result['tiny_alone'])} vs {result['tiny_beside'][0]} in {ms(result['tiny_beside'][1])}",
+            "< 3 s",
+        ),
+        (
+            f"  {cap + 4} logits: status, time",
+            ", ".join(f"{s} in {ms(t)}" for s, t in result["refused"]),
+            "422, no fit",
+        ),
+    ]
+
+
 def gpu_bound(tokens: int, chunk: int) -> dict:
     """The memory estimate for one row of `tokens` suffix tokens at Qwen3.5-4B geometry in BF16."""
     from transformers import Qwen3_5TextConfig
@@ -518,9 +588,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--images-only", action="store_true", help="phase 5 alone (issue 30)")
+    parser.add_argument("--only", choices=["images", "calibrate"], help="run one phase alone")
     args = parser.parse_args()
-    if args.images_only:
+    if args.only == "images":
         work = Path(tempfile.mkdtemp(prefix="semif-stalls-"))
         print_table([("measurement", "measured", "goal"), *image_rows(corrupt_image(work, args.quick))])
         return
@@ -537,6 +607,15 @@ def main() -> None:
     rows = 64 if args.quick else 256
     state = state_of(codec, state_tokens)
     settings = {"device": "cpu", "demo": "true"}  # every limit at its default
+    from semif_serve.service.settings import Settings
+
+    cap = Settings.model_fields["calibrate_max_logits"].default
+    if args.only == "calibrate":
+        with ServiceProcess(model, DEMO_REVISION, settings, work / "service") as service:
+            print("calibrate beside health ...", flush=True)
+            fitted = calibrate_beside_health(service, cap)
+        print_table([("measurement", "measured", "goal"), *calibrate_lines(fitted, cap)])
+        return
     print("encoding, in process ...", flush=True)
     encoding = encoding_before_after(codec, state, rows)
     with ServiceProcess(model, DEMO_REVISION, settings, work / "service") as service:
@@ -552,6 +631,9 @@ def main() -> None:
         amplified = reply_amplification(service, 8)
     print("corrupt image ...", flush=True)
     corrupt = corrupt_image(work, args.quick)
+    print("calibrate beside health ...", flush=True)
+    with ServiceProcess(model, DEMO_REVISION, settings, work / "calibrate") as service:
+        fitted = calibrate_beside_health(service, cap)
     bound = gpu_bound(32_700, 2048)
     builds = [reply_build(255, 64), reply_build(255, 112)]
 
@@ -641,6 +723,7 @@ def main() -> None:
             f"{bound['chunked'] / GIB:.2f} GiB vs {bound['whole'] / GIB:.2f} GiB",
             "",
         ),
+        *calibrate_lines(fitted, cap),
     ]
     lines += [
         (
@@ -669,6 +752,7 @@ def main() -> None:
         )
         for b in builds
     ]
+    lines += calibrate_lines(fitted, cap)
     print_table(lines)
 
 

@@ -16,8 +16,8 @@ from semif_serve.domain.calibration import (
     calibrated_probabilities,
     load_calibration,
 )
+from semif_serve.domain.fitting import calibration_report, fit_temperature, group_folds
 from semif_serve.domain.numerics import top_label_ece as expected_calibration_error
-from semif_serve.tools.calibration_fit import calibration_report, fit_temperature, group_folds
 from semif_serve.tools.cli import main
 
 

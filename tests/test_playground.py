@@ -26,7 +26,9 @@ TEMPLATES = json.loads((ASSETS / "templates.json").read_text())["templates"]
 # Shown with 4 decimals; the API's own repeat may differ by 1e-5 (a cached state, fp32 on CPU).
 SHOWN = 0.5e-4 + 2e-5
 PHONE = (390, 844)
-SVG_NAMESPACE = 'xmlns="http://www.w3.org/2000/svg"'
+SVG_NAMESPACE = (
+    "http://www.w3.org/2000/svg"  # the SVG namespace: a name in the favicon and the script, never fetched
+)
 LAPTOP = (1366, 900)
 
 needs_browser = pytest.mark.skipif(

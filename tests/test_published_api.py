@@ -52,20 +52,29 @@ def test_the_schema_declares_every_route_its_bodies_and_the_bearer_scheme(client
     assert set(published["paths"]) == {
         "/decide",
         "/decide/shared",
+        "/calibrate",
         "/health",
         "/livez",
         "/metrics",
         "/v1/systemone",
         "/v1/models",
     }
-    for path in ("/decide", "/decide/shared"):
+    for path in ("/decide", "/decide/shared", "/calibrate"):
         operation = published["paths"][path]["post"]
         assert operation["security"] == [{"HTTPBearer": []}]
         assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         for status in ("200", "401", "422", "429", "500", "503"):
             assert status in operation["responses"], (path, status)
     assert published["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    for name in ("DecisionBody", "SharedDecisionsBody", "ErrorEnvelope", "DecisionResult", "HealthBody"):
+    for name in (
+        "DecisionBody",
+        "SharedDecisionsBody",
+        "CalibrateBody",
+        "CalibrationReport",
+        "ErrorEnvelope",
+        "DecisionResult",
+        "HealthBody",
+    ):
         assert name in published["components"]["schemas"]
     system_one = published["paths"]["/v1/systemone"]["post"]
     assert system_one["security"] == [{"HTTPBearer": []}]

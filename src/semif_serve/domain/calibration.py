@@ -1,6 +1,6 @@
 """Per-workload temperature scaling at run time: the calibration file and applying T.
 
-Fitting T and the `calibrate` command live in calibration_fit.py."""
+Fitting T lives in fitting.py (the `calibrate` command and `POST /calibrate` call it)."""
 
 from __future__ import annotations
 

@@ -58,6 +58,9 @@ class Settings(BaseSettings):
         ge=1,
         description="Reply size limit in bytes, counted before any engine work (both doors).",
     )
+    calibrate_max_logits: int = Field(
+        10_000, ge=2, description="POST /calibrate: logits (rows x options) per request (bounds the fit)."
+    )
     vram_cap_gib: float = Field(12.0, gt=0, description="Hard GPU memory cap in GiB (cuda).")
     release_margin_mib: int = Field(
         512, ge=0, description="Release cached memory when reserved exceeds baseline by this."

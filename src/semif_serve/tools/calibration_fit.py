@@ -1,5 +1,5 @@
-"""Fitting a workload temperature (golden-section NLL search, ECE, grouped folds) and the
-`semif-serve calibrate` command that prints a calibration.json entry."""
+"""The `semif-serve calibrate` command: join gold and prediction files, fit the workload's
+temperature (domain/fitting.py, the code `POST /calibrate` runs too) and print a calibration.json entry."""
 
 from __future__ import annotations
 
@@ -7,106 +7,20 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from semif_serve.domain.calibration import T_MAX, T_MIN, calibrated_probabilities
-from semif_serve.domain.numerics import argmax, top_label_bins, top_label_ece
+from semif_serve.domain.calibration import T_MAX, T_MIN
+from semif_serve.domain.fitting import (
+    FOLDS,
+    Row,
+    calibration_entry,
+    calibration_report,
+    reliability_bins,
+)
 from semif_serve.domain.orderings import MODES
 from semif_serve.tools.reliability_plot import Panel, PlotUnavailable, write_reliability_png
-
-PROB_FLOOR = 1e-12  # upstream floors the gold probability so one confident miss stays finite
-GOLDEN_ITERATIONS = 60
-FOLDS = 5
-MIN_ROWS = 150  # below this a fitted T moves a lot from one sample to the next
-BOUND_TOLERANCE = 1e-3  # the search ends within 1e-11 of a bound it runs into
-
-Row = tuple[Sequence[float], int]
-
-
-def _row_nll(logits: Sequence[float], gold: int, temperature: float) -> float:
-    # -log p_gold via log-sum-exp, capped where upstream's probability floor would bite.
-    scaled = [float(z) / temperature for z in logits]
-    top = max(scaled)
-    lse = top + math.log(math.fsum(math.exp(s - top) for s in scaled))
-    return min(lse - scaled[gold], -math.log(PROB_FLOOR))
-
-
-def mean_nll(rows: Sequence[Row], temperature: float = 1.0) -> float:
-    """Mean negative log-likelihood of the gold option at `temperature` (p floored at 1e-12)."""
-    return math.fsum(_row_nll(z, g, temperature) for z, g in rows) / len(rows)
-
-
-def fit_temperature(rows: Iterable[Row]) -> float:
-    """The T in [0.05, 20] minimising mean NLL, by golden-section search (60 iterations)."""
-    data = list(rows)
-    if not data:
-        raise ValueError("cannot fit a temperature on zero rows")
-    inv_phi = (math.sqrt(5.0) - 1.0) / 2.0
-    lo, hi = T_MIN, T_MAX
-    c, d = hi - inv_phi * (hi - lo), lo + inv_phi * (hi - lo)
-    fc, fd = mean_nll(data, c), mean_nll(data, d)
-    for _ in range(GOLDEN_ITERATIONS):
-        if fc <= fd:  # ties move left: a flat loss prefers the sharper temperature
-            hi, d, fd = d, c, fc
-            c = hi - inv_phi * (hi - lo)
-            fc = mean_nll(data, c)
-        else:
-            lo, c, fc = c, d, fd
-            d = lo + inv_phi * (hi - lo)
-            fd = mean_nll(data, d)
-    return min(max((lo + hi) / 2.0, T_MIN), T_MAX)
-
-
-def group_folds(group_ids: Sequence[Any], k: int = FOLDS) -> list[int]:
-    """Fold index per row: sorted distinct group ids dealt round-robin, so a group never splits."""
-    order = sorted(set(group_ids), key=lambda g: (type(g).__name__, g))
-    fold_of = {g: i % k for i, g in enumerate(order)}
-    return [fold_of[g] for g in group_ids]
-
-
-def _summary(rows: Sequence[Row], temperature: float) -> tuple[float, float]:
-    probs = [calibrated_probabilities(z, temperature) for z, _ in rows]
-    return mean_nll(rows, temperature), top_label_ece(probs, [g for _, g in rows])
-
-
-def calibration_report(rows: Sequence[Row], group_ids: Sequence[Any]) -> dict[str, Any]:
-    """n, accuracy, NLL/ECE at T=1 and at the fitted T, out-of-fold ECE (5 folds by group), T.
-
-    `ece_out_of_fold` is None when there are fewer than two groups (nothing to hold out).
-    """
-    rows = list(rows)
-    if len(rows) != len(group_ids) or not rows:
-        raise ValueError("need the same non-zero number of rows and group ids")
-    temperature = fit_temperature(rows)
-    nll_before, ece_before = _summary(rows, 1.0)
-    nll_after, ece_after = _summary(rows, temperature)
-    folds = group_folds(group_ids)
-    oof_probs: list[list[float]] = [[] for _ in rows]
-    fold_report = []
-    ece_oof = None
-    if len(set(group_ids)) >= 2:
-        for f in sorted(set(folds)):
-            train = [row for row, g in zip(rows, folds, strict=True) if g != f]
-            t_fold = fit_temperature(train)
-            held = [i for i, g in enumerate(folds) if g == f]
-            for i in held:
-                oof_probs[i] = calibrated_probabilities(rows[i][0], t_fold)
-            fold_report.append({"fold": f, "n": len(held), "temperature": t_fold})
-        ece_oof = top_label_ece(oof_probs, [g for _, g in rows])
-    return {
-        "n": len(rows),
-        "groups": len(set(group_ids)),
-        "accuracy": sum(argmax(z) == g for z, g in rows) / len(rows),
-        "nll_before": nll_before,
-        "ece_before": ece_before,
-        "nll_after": nll_after,
-        "ece_after": ece_after,
-        "ece_out_of_fold": ece_oof,
-        "temperature": temperature,
-        "folds": fold_report,
-    }
 
 
 class _InputError(Exception):
@@ -257,50 +171,16 @@ def _join(args: argparse.Namespace) -> tuple[list[Row], list[Any], int, int]:
     return rows, groups, len(gold.keys() - preds.keys()), len(preds.keys() - gold.keys())
 
 
-def _warnings(report: dict[str, Any]) -> list[str]:
-    t, n = report["temperature"], report["n"]
-    found = []
-    if n < MIN_ROWS:
-        found.append(
-            f"only {n} rows: a temperature fitted on fewer than ~{MIN_ROWS} rows is noisy; "
-            "judge it by the out-of-fold ECE, and prefer more labelled rows"
-        )
-    for bound, side, meaning in (
-        (T_MIN, "lower", "the model is right and confident on nearly every row"),
-        (T_MAX, "upper", "the model's confidence does not track its accuracy"),
-    ):
-        if abs(t - bound) <= BOUND_TOLERANCE:
-            found.append(
-                f"T = {t:g} is the {side} bound of [{T_MIN:g}, {T_MAX:g}]: the likelihood kept improving "
-                f"toward it, so this is a clamp, not a fit ({meaning}, or too few rows; "
-                f"accuracy {report['accuracy']:.2f}); check the rows before using it"
-            )
-    oof = report["ece_out_of_fold"]
-    if oof is None:
-        found.append("fewer than two group_ids: no out-of-fold ECE, so nothing checks the fitted T")
-    elif oof >= report["ece_before"]:
-        found.append(
-            f"the out-of-fold ECE ({oof:.4f}) is no better than at T=1 ({report['ece_before']:.4f}): "
-            "the fitted T does not carry over to held-out groups"
-        )
-    return found
-
-
 def _plot(path: Path, rows: Sequence[Row], report: dict[str, Any]) -> None:
-    golds = [g for _, g in rows]
     t, oof = report["temperature"], report["ece_out_of_fold"]
-
-    def bins(temperature: float) -> list:
-        return top_label_bins([calibrated_probabilities(z, temperature) for z, _ in rows], golds)
-
     heading = f"{report['workload']} {report['mode']}  N={report['n']}  OUT-OF-FOLD ECE " + (
         "N/A" if oof is None else f"{oof:.4f}"
     )
     write_reliability_png(
         path,
         heading,
-        Panel(f"BEFORE T=1  ECE {report['ece_before']:.4f}", bins(1.0)),
-        Panel(f"AFTER T={t:.4g}  ECE {report['ece_after']:.4f}", bins(t)),
+        Panel(f"BEFORE T=1  ECE {report['ece_before']:.4f}", reliability_bins(rows, 1.0)),
+        Panel(f"AFTER T={t:.4g}  ECE {report['ece_after']:.4f}", reliability_bins(rows, t)),
     )
 
 
@@ -315,8 +195,7 @@ def calibrate(args: argparse.Namespace) -> int:
         print(f"semif-serve calibrate: error: {exc}", file=sys.stderr)
         return 2
     report = calibration_report(rows, groups)
-    t = round(report["temperature"], 4)
-    entry = {workload: t if args.mode == "single" else {args.mode: t}}
+    entry = calibration_entry(workload, args.mode, report["temperature"])
     report.update(
         workload=workload,
         mode=args.mode,
@@ -324,7 +203,6 @@ def calibrate(args: argparse.Namespace) -> int:
         missing_gold=no_gold,
         entry=entry,
     )
-    report["warnings"] = _warnings(report)
     oof = report["ece_out_of_fold"]
     print(f"workload {workload}  mode {args.mode}  n {report['n']}  groups {report['groups']}")
     print(f"unjoined: {no_pred} gold rows without a prediction, {no_gold} predictions without gold")

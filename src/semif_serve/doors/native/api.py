@@ -1,4 +1,4 @@
-"""The native HTTP door: `POST /decide` and `POST /decide/shared`.
+"""The native HTTP door: `POST /decide`, `POST /decide/shared` and `POST /calibrate`.
 
 Parse a body (native_schemas), ask the decision core, and map its typed outcome to SemIf
 result dicts (keys in upstream's order) or its domain error to a status through
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import JSONResponse
 
+from semif_serve.domain.fitting import calibration_entry, calibration_report, reliability_bins
 from semif_serve.domain.orderings import COMBINE_METHOD, order_count
 from semif_serve.domain.prompt import PROMPT_VERSION
 from semif_serve.domain.types import (
@@ -46,7 +48,10 @@ from semif_serve.doors.base import (
 )
 from semif_serve.doors.native.schemas import (
     MAX_OPTIONS,
+    BinBody,
+    CalibrateBody,
     CalibratedBody,
+    CalibrationReport,
     CombinedBody,
     DecisionBody,
     DecisionResult,
@@ -72,9 +77,10 @@ from semif_serve.doors.reply_size import (
     text_bytes,
 )
 from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
-from semif_serve.http.errors import ServiceError, error_response
+from semif_serve.http.errors import ServiceError, error_response, invalid
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
+CALIBRATE_PATH = "/calibrate"
 
 
 NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
@@ -328,8 +334,8 @@ class NativeDoor(DecisionDoor):
     """SemIf's native API over the decision core."""
 
     path_prefix = ""
-    protected_paths = frozenset({"/decide", "/decide/shared"})
-    request_models = (DecisionBody, SharedDecisionsBody)
+    protected_paths = frozenset({"/decide", "/decide/shared", CALIBRATE_PATH})
+    request_models = (DecisionBody, SharedDecisionsBody, CalibrateBody)
     errors = NATIVE_ERRORS
 
     def render(self, error: ServiceError, request: Request) -> JSONResponse:
@@ -374,8 +380,33 @@ class NativeDoor(DecisionDoor):
         assert outcome.timing is not None  # the shared path always times its batch
         return SharedResponse(results=results, timing=timing_body(outcome.timing))
 
+    async def calibrate(self, request: Request, body: bytes) -> CalibrationReport:
+        """`POST /calibrate`: fit the workload's single-read T on labelled rows, with the code
+        `semif-serve calibrate` runs (on a worker thread: the fit is CPU work)."""
+        parsed = await asyncio.to_thread(parse_body, CalibrateBody, body)
+        limit = self.service.settings.calibrate_max_logits
+        logits = sum(len(row.logits) for row in parsed.rows)
+        if logits > limit:
+            raise invalid(
+                "rows",
+                f"the rows hold {logits} logits (rows x options), over the limit of {limit} "
+                "(SEMIF_CALIBRATE_MAX_LOGITS); fit fewer rows per request",
+            )
+        rows = [(row.logits, row.label) for row in parsed.rows]
+        report = await asyncio.to_thread(calibration_report, rows, [row.group for row in parsed.rows])
+        before, after = await asyncio.to_thread(
+            lambda: (reliability_bins(rows, 1.0), reliability_bins(rows, report["temperature"]))
+        )
+        return CalibrationReport(
+            **report,
+            workload=parsed.workload,
+            bins_before=[BinBody(**asdict(b)) for b in before],
+            bins_after=[BinBody(**asdict(b)) for b in after],
+            entry=calibration_entry(parsed.workload, "single", report["temperature"]),
+        )
+
     def router(self) -> APIRouter:
-        """`POST /decide` and `POST /decide/shared`, declared for the published schema."""
+        """`POST /decide`, `POST /decide/shared` and `POST /calibrate`, declared for the published schema."""
         router = APIRouter(dependencies=[Security(BEARER)], responses=error_responses(ErrorEnvelope))
 
         self.add_post(
@@ -395,5 +426,14 @@ class NativeDoor(DecisionDoor):
             body=SharedDecisionsBody,
             reply=SharedResponse,
             build=self.decide_shared,
+        )
+        self.add_post(
+            router,
+            CALIBRATE_PATH,
+            name="calibrate",
+            summary="Fit a workload's temperature on labelled reads, as `semif-serve calibrate` does",
+            body=CalibrateBody,
+            reply=CalibrationReport,
+            build=self.calibrate,
         )
         return router

@@ -130,6 +130,43 @@ class SharedDecisionsBody(BaseModel):
         return decisions
 
 
+class CalibrateRow(BaseModel):
+    """One labelled read: the option logits of a question's single read and the index of the right option."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    logits: Annotated[list[float], Field(min_length=2)]
+    label: int
+    group: str | int
+
+    @field_validator("logits")
+    @classmethod
+    def _finite(cls, logits: list[float]) -> list[float]:
+        if not all(math.isfinite(z) for z in logits):
+            raise ValueError("logits must be finite numbers")
+        return logits
+
+    @field_validator("label")
+    @classmethod
+    def _label(cls, label: int, info: ValidationInfo) -> int:
+        options = len(info.data.get("logits") or [])
+        if options and not 0 <= label < options:
+            raise ValueError(f"label must index logits (0..{options - 1}), got {label}")
+        return label
+
+
+class CalibrateBody(BaseModel):
+    """`POST /calibrate`: labelled reads of one workload, fitted as `semif-serve calibrate` fits them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    workload: str
+    rows: Annotated[list[CalibrateRow], Field(min_length=1)]
+
+    @field_validator("workload")
+    @classmethod
+    def _workload(cls, value: str) -> str:
+        return _has_text(value, "workload")
+
+
 def _require_unique(ids: list[str], what: str) -> None:
     seen: set[str] = set()
     for item in ids:
@@ -251,6 +288,47 @@ class SharedResponse(BaseModel):
 
     results: list[DecisionResult]
     timing: TimingBody
+
+
+class BinBody(BaseModel):
+    """One reliability bin: [lower, upper), its rows, their mean confidence and accuracy."""
+
+    lower: float
+    upper: float
+    count: int
+    confidence: float
+    accuracy: float
+
+
+class FoldBody(BaseModel):
+    """One held-out fold: its rows and the T fitted without them."""
+
+    fold: int
+    n: int
+    temperature: float
+
+
+class CalibrationReport(BaseModel):
+    """`POST /calibrate`: the fit `semif-serve calibrate --json` reports, the bins before and after,
+    and the calibration.json entry."""
+
+    workload: str
+    n: int
+    groups: int
+    accuracy: float
+    nll_before: float
+    brier_before: float
+    ece_before: float
+    nll_after: float
+    brier_after: float
+    ece_after: float
+    ece_out_of_fold: float | None
+    temperature: float
+    folds: list[FoldBody]
+    warnings: list[str]
+    bins_before: list[BinBody]
+    bins_after: list[BinBody]
+    entry: dict[str, float]
 
 
 class StateCacheBody(BaseModel):
