@@ -79,7 +79,8 @@ def test_the_cost_model_is_torchs_own_flop_count_of_the_tower(vision_checkpoint,
     from transformers import Qwen3_5ForConditionalGeneration
 
     # Eager attention: its matrix products are counted (torch counts no CPU fused attention).
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(str(vision_checkpoint), attn_implementation="eager")
+    eager = {"attn_implementation": "eager"}
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(str(vision_checkpoint), **eager)
     pixels, grid = pixels_of(vision_reference, noise_png(side, size=(side, side)))
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
         model.eval().model.get_image_features(pixels, grid)

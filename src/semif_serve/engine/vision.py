@@ -308,6 +308,7 @@ def stepped_tower(visual: Any, pixels: Any, grid_thw: Any, rows: int) -> Generat
     forward's (tests/test_tower_steps.py)."""
     import torch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
     from transformers.vision_utils import (
         get_vision_interpolation_indices_and_weights,
         get_vision_position_ids,
@@ -333,12 +334,14 @@ def stepped_tower(visual: Any, pixels: Any, grid_thw: Any, rows: int) -> Generat
         hidden = hidden.reshape(n, -1)
     for block in visual.blocks:
         attn = block.attn
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+            config._attn_implementation, qwen.eager_attention_forward
+        )
         yield prices.projections
         with torch.inference_mode():
             qkv = attn.qkv(block.norm1(hidden)).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3)
             query, key, value = qkv.unbind(0)
-            query, key = _rotate(query, key, rotary)
+            query, key = qwen.apply_rotary_pos_emb_vision(query, key, *rotary)
             query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
         slices = []
         for start, stop in query_slices(n, rows):
@@ -365,14 +368,6 @@ def stepped_tower(visual: Any, pixels: Any, grid_thw: Any, rows: int) -> Generat
     yield prices.merger
     with torch.inference_mode():
         return visual.merger(hidden)
-
-
-def _rotate(query: Any, key: Any, rotary: tuple[Any, Any]) -> tuple[Any, Any]:
-    """The tower's own rotary embedding of queries and keys (where its module finds it)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
-    cos, sin = rotary
-    return modeling_qwen3_5.apply_rotary_pos_emb_vision(query, key, cos, sin)
 
 
 class TowerRun:
