@@ -15,7 +15,10 @@ loopback port and measures, over HTTP:
 3. a tiny request's latency alone vs sent 1 s after that heavy request (goal < 3 s);
 4. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
    bound the memory estimate sets for that row at Qwen3.5-4B geometry in BF16, with the
-   suffix chunked (as now) and whole (as before).
+   suffix chunked (as now) and whole (as before);
+5. a tiny request's latency sent 1 s after a question about a 1024 x 1024 (and, without
+   --quick, 1440 x 1440) PNG, on the demo's vision checkpoint, with the code before the tower
+   ran in steps (/work/main/src, or SEMIF_BENCH_BEFORE_SRC) and after (goal: about one chunk).
 """
 
 from __future__ import annotations
@@ -234,6 +237,67 @@ def long_question(service: ServiceProcess, codec, tokens: int) -> dict:
     }
 
 
+def gradient_png(side: int) -> bytes:
+    """A side x side PNG that compresses well (what it shows does not change the tower's cost)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.linear_gradient("L").resize((side, side)).convert("RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def tiny_beside_an_image(model: Path, work: Path, source: Path, side: int) -> dict:
+    """A tiny text request sent 1 s after one question about a side x side PNG, on a fresh
+    service running the code under `source` (this tree's, or the one before it); the service
+    stops once the tiny request is answered (the image's request with it)."""
+    import base64
+
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    photo = "<image:0123456789abcdef0123456789abcdef>"
+    asset = {"type": "image", "format": "png", "data_base64": base64.b64encode(gradient_png(side)).decode()}
+    heavy = json.dumps(
+        {"model": "jev-latest", "state": {"photo": photo}, "questions": nouls(1), "assets": {photo: asset}}
+    ).encode()
+    tiny = json.dumps(
+        {"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)}
+    ).encode()
+    settings = {"device": "cpu", "demo": "true"}
+    env = {"PYTHONPATH": str(source)}
+    with ServiceProcess(model, DEMO_REVISION, settings, work / f"tower-{side}", extra_env=env) as service:
+        threading.Thread(
+            target=lambda: post_quietly(service.url, service.token, "/v1/systemone", heavy), daemon=True
+        ).start()
+        time.sleep(1.0)
+        with Prober(service.url, every=0.05) as prober:
+            status, seconds = post(service.url, service.token, "/v1/systemone", tiny)
+    return {"status": status, "seconds": seconds, "health_worst": max(prober.latencies)}
+
+
+def post_quietly(url: str, token: str, path: str, body: bytes) -> None:
+    """`post`, where the service may stop before it answers."""
+    try:
+        post(url, token, path, body)
+    except httpx.HTTPError:
+        pass
+
+
+def tower_before_after(work: Path, sides: list[int]) -> dict:
+    """`tiny_beside_an_image` for each side, before (the code at /work/main/src, or
+    SEMIF_BENCH_BEFORE_SRC) and after (this tree) the tower ran in steps."""
+    from semif_serve.tools.demo import write_checkpoint
+
+    model = write_checkpoint(work / "vision-model", multimodal=True)
+    before = Path(os.environ.get("SEMIF_BENCH_BEFORE_SRC", "/work/main/src"))
+    return {
+        (side, when): tiny_beside_an_image(model, work / when, source, side)
+        for side in sides
+        for when, source in (("before", before), ("after", ROOT / "src"))
+    }
+
+
 def gpu_bound(tokens: int, chunk: int) -> dict:
     """The memory estimate for one row of `tokens` suffix tokens at Qwen3.5-4B geometry in BF16."""
     from transformers import Qwen3_5TextConfig
@@ -278,6 +342,8 @@ def main() -> None:
         fairness = heavy_and_tiny(service, state, rows)
         print("long question ...", flush=True)
         longq = long_question(service, codec, 8_000 if args.quick else 34_950)
+    print("tiny beside an image in the tower, before and after ...", flush=True)
+    tower = tower_before_after(work, [1024] if args.quick else [1024, 1440])
     bound = gpu_bound(32_700, 2048)
 
     def ms(seconds: float) -> str:
@@ -348,6 +414,14 @@ def main() -> None:
             "",
         ),
     ]
+    for (side, when), got in tower.items():
+        lines.append(
+            (
+                f"a tiny request sent 1 s after a {side} x {side} PNG's question ({when}), /health worst",
+                f"{got['status']} in {ms(got['seconds'])}, {ms(got['health_worst'])}",
+                "about one chunk; < 1 s" if when == "after" else "",
+            )
+        )
     widths = [max(len(str(row[i])) for row in lines) for i in range(3)]
     for row in lines:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
