@@ -209,10 +209,10 @@ def suffix_logits_after_images(
 
 # The tower in steps (docs/images.md, "The tower in steps"): an image's tower is cut into pieces
 # (the stem; per block its projections, its attention a slice of query rows at a time, its
-# output and MLP; the merger), each priced in multiply-adds, and a step runs pieces up to one
+# output and MLP; the merger), each priced in FLOPs, and a step runs pieces up to one
 # prefill chunk's price, so a newcomer waits for about one chunk behind an image.
 ATTENTION_ROWS = 768  # query rows per attention slice at the least: whole tiles of the CPU kernel (256)
-ROW_TILE = 256
+ROW_TILE = 256  # slices grow in whole tiles, so each slice runs the kernel's own tiling
 
 
 def text_chunk_flops(model: Any, chunk_tokens: int) -> int:
@@ -332,6 +332,7 @@ def stepped_tower(visual: Any, pixels: Any, grid_thw: Any, rows: int) -> Generat
         rotary = visual.rotary_pos_emb(hidden, positions)
         n = hidden.shape[0]
         hidden = hidden.reshape(n, -1)
+        del pixels, indices, weights, positions  # only the residual stream and rotary tables stay
     for block in visual.blocks:
         attn = block.attn
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(
