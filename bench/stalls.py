@@ -16,7 +16,7 @@ loopback port and measures, over HTTP:
 4. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
    bound the memory estimate sets for that row at Qwen3.5-4B geometry in BF16, with the
    suffix chunked (as now) and whole (as before);
-5. a tiny request's latency sent 1 s after a question about a 1024 x 1024 (and, without
+5. tiny requests' latencies sent 1, 3 and 6 s after a question about a 1024 x 1024 (and, without
    --quick, 1440 x 1440) PNG, on the demo's vision checkpoint, with the code before the tower
    ran in steps (/work/main/src, or SEMIF_BENCH_BEFORE_SRC) and after (goal: about one chunk).
 """
@@ -249,9 +249,10 @@ def gradient_png(side: int) -> bytes:
 
 
 def tiny_beside_an_image(model: Path, work: Path, source: Path, side: int) -> dict:
-    """A tiny text request sent 1 s after one question about a side x side PNG, on a fresh
-    service running the code under `source` (this tree's, or the one before it); the service
-    stops once the tiny request is answered (the image's request with it)."""
+    """Tiny text requests sent 1, 3 and 6 s after one question about a side x side PNG (each
+    once the one before it is answered), on a fresh service running the code under `source`
+    (this tree's, or the one before it); the service stops once they are answered (the
+    image's request with it)."""
     import base64
 
     from semif_serve.tools.demo import DEMO_REVISION
@@ -264,16 +265,19 @@ def tiny_beside_an_image(model: Path, work: Path, source: Path, side: int) -> di
     tiny = json.dumps(
         {"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)}
     ).encode()
-    settings = {"device": "cpu", "demo": "true"}
+    settings = {"device": "cpu", "demo": "true", "shutdown_grace_seconds": 1}
     env = {"PYTHONPATH": str(source)}
+    tinies = []
     with ServiceProcess(model, DEMO_REVISION, settings, work / f"tower-{side}", extra_env=env) as service:
+        started = time.perf_counter()
         threading.Thread(
             target=lambda: post_quietly(service.url, service.token, "/v1/systemone", heavy), daemon=True
         ).start()
-        time.sleep(1.0)
         with Prober(service.url, every=0.05) as prober:
-            status, seconds = post(service.url, service.token, "/v1/systemone", tiny)
-    return {"status": status, "seconds": seconds, "health_worst": max(prober.latencies)}
+            for offset in (1.0, 3.0, 6.0):
+                time.sleep(max(0.0, started + offset - time.perf_counter()))
+                tinies.append(post(service.url, service.token, "/v1/systemone", tiny))
+    return {"tinies": tinies, "health_worst": max(prober.latencies)}
 
 
 def post_quietly(url: str, token: str, path: str, body: bytes) -> None:
@@ -417,8 +421,9 @@ def main() -> None:
     for (side, when), got in tower.items():
         lines.append(
             (
-                f"a tiny request sent 1 s after a {side} x {side} PNG's question ({when}), /health worst",
-                f"{got['status']} in {ms(got['seconds'])}, {ms(got['health_worst'])}",
+                f"tiny requests 1, 3, 6 s after a {side} x {side} PNG's question ({when}), /health worst",
+                ", ".join(f"{status} in {ms(seconds)}" for status, seconds in got["tinies"])
+                + f"; {ms(got['health_worst'])}",
                 "about one chunk; < 1 s" if when == "after" else "",
             )
         )
