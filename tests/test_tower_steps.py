@@ -149,6 +149,40 @@ def assert_served_within_one_tower_step(events: list[str]) -> None:
     assert "tower" in events[start + 1 :]
 
 
+def test_a_tower_step_that_fails_ends_its_run_and_a_retry_reads_the_image_afresh(
+    vision_engine, vision_reference, monkeypatch
+):
+    from semif_serve.engine import vision
+
+    real = vision.stepped_tower
+    failures = [RuntimeError("out of memory in the third piece")]
+
+    def stepped(*args):
+        pieces = real(*args)
+        if failures:  # the first run: its stem and projections run, then the attention fails
+            for _ in range(3):
+                yield next(pieces)
+            raise failures.pop()
+        return (yield from pieces)
+
+    monkeypatch.setattr(vision, "stepped_tower", stepped)
+    stepping = vision_engine.with_state_cache(StateCache(1 << 30), CHUNK)
+    data = noise_png(34, size=(128, 128))
+    prepared = stepping.prepare(
+        STATE, [PromptRow(*RED)], shared=True, max_input_tokens=4096, images=[asset(data)]
+    )
+    job = prepared.job(0)
+    group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
+    with pytest.raises(RuntimeError, match="third piece"):
+        while stepping.run_group(group) is UNFINISHED:
+            pass
+    assert not prepared.images._runs
+    while (scored := stepping.run_group(group)) is UNFINISHED:
+        pass
+    readout = stepping.readout(prepared, scored[0])
+    assert_row(readout.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: data}))
+
+
 def test_a_small_image_still_runs_its_tower_in_the_forward_not_in_steps(vision_engine, events):
     stepping = vision_engine.with_state_cache(StateCache(1 << 30), CHUNK)
     data = noise_png(32)

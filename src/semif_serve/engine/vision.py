@@ -586,7 +586,12 @@ class ImageSet:
                 run = self._runs[key] = self.tower.start(image, self._pixels.pop(key), budget)
             if run is None:
                 continue
-            if run.advance(budget):
+            try:
+                done = run.advance(budget)
+            except BaseException:
+                del self._runs[key]  # a failed piece ends the run; a retry starts the tower afresh
+                raise
+            if done:
                 self._finish(key)
             return True
         return False
