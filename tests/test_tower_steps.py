@@ -262,7 +262,7 @@ def test_a_tiny_request_beside_a_large_image_is_answered_while_the_image_is_in_t
         target=lambda: heavy_reply.append(
             httpx.post(
                 f"{live.url}/v1/systemone",
-                json=systemone({"photo": photo}, {photo: gradient_png(512)}),
+                json=systemone({"photo": photo}, {photo: gradient_png(768)}),
                 headers=headers,
                 timeout=300,
             )
@@ -273,16 +273,17 @@ def test_a_tiny_request_beside_a_large_image_is_answered_while_the_image_is_in_t
     while "tower" not in events and time.monotonic() < deadline:
         time.sleep(0.005)
     assert "tower" in events
-    t0 = time.monotonic()
-    health = httpx.get(f"{live.url}/health", timeout=30)
-    health_seconds = time.monotonic() - t0
+    health = []
+    for _ in range(3):  # the median of three: one probe can lose its core on a shared machine
+        t0 = time.monotonic()
+        health.append((httpx.get(f"{live.url}/health", timeout=30).status_code, time.monotonic() - t0))
     t0 = time.monotonic()
     tiny = httpx.post(
         f"{live.url}/v1/systemone", json=systemone("A short state.", {}), headers=headers, timeout=300
     )
     tiny_seconds = time.monotonic() - t0
     heavy.join(300)
-    assert health.status_code == 200 and health_seconds < 1.0
+    assert all(status == 200 for status, _ in health) and sorted(s for _, s in health)[1] < 1.0
     assert tiny.status_code == 200 and tiny_seconds < 10.0
     assert heavy_reply and heavy_reply[0].status_code == 200
     assert_served_within_one_tower_step(events)
