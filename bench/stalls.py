@@ -33,6 +33,9 @@ loopback port and measures, over HTTP:
 5. `POST /calibrate` at its cap (SEMIF_CALIBRATE_MAX_LOGITS, 10,000 logits: 2,500 rows of 4):
    the fit's time, `/health` meanwhile (goal: worst < 1 s), a tiny System One request sent
    0.5 s into the fit (goal < 3 s), and the refusal of a row more (goal: 422, before any fit).
+5. tiny requests' latencies sent 1, 3 and 6 s after a question about a 1024 x 1024 (and, without
+   --quick, 1440 x 1440) PNG, on the demo's vision checkpoint, with the code before the tower
+   ran in steps (a tree named by SEMIF_BENCH_BEFORE_SRC) and after (goal: about one chunk).
 """
 
 from __future__ import annotations
@@ -443,6 +446,73 @@ def calibrate_lines(result: dict, cap: int) -> list[tuple[str, str, str]]:
     ]
 
 
+def gradient_png(side: int) -> bytes:
+    """A side x side PNG that compresses well (what it shows does not change the tower's cost)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.linear_gradient("L").resize((side, side)).convert("RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def tiny_beside_an_image(model: Path, work: Path, source: Path, side: int) -> dict:
+    """Tiny text requests sent 1, 3 and 6 s after one question about a side x side PNG (each
+    once the one before it is answered), on a fresh service running the code under `source`
+    (this tree's, or the one before it); the service stops once they are answered (the
+    image's request with it)."""
+    import base64
+
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    photo = "<image:0123456789abcdef0123456789abcdef>"
+    asset = {"type": "image", "format": "png", "data_base64": base64.b64encode(gradient_png(side)).decode()}
+    heavy = json.dumps(
+        {"model": "jev-latest", "state": {"photo": photo}, "questions": nouls(1), "assets": {photo: asset}}
+    ).encode()
+    tiny = json.dumps(
+        {"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)}
+    ).encode()
+    settings = {"device": "cpu", "demo": "true", "shutdown_grace_seconds": 1}
+    env = {"PYTHONPATH": str(source)}
+    tinies = []
+    with ServiceProcess(model, DEMO_REVISION, settings, work / f"tower-{side}", extra_env=env) as service:
+        started = time.perf_counter()
+        threading.Thread(
+            target=lambda: post_quietly(service.url, service.token, "/v1/systemone", heavy), daemon=True
+        ).start()
+        with Prober(service.url, every=0.05) as prober:
+            for offset in (1.0, 3.0, 6.0):
+                time.sleep(max(0.0, started + offset - time.perf_counter()))
+                tinies.append(post(service.url, service.token, "/v1/systemone", tiny))
+    return {"tinies": tinies, "health_worst": max(prober.latencies)}
+
+
+def post_quietly(url: str, token: str, path: str, body: bytes) -> None:
+    """`post`, where the service may stop before it answers."""
+    try:
+        post(url, token, path, body)
+    except httpx.HTTPError:
+        pass
+
+
+def tower_before_after(work: Path, sides: list[int]) -> dict:
+    """`tiny_beside_an_image` for each side, after (this tree) and, where SEMIF_BENCH_BEFORE_SRC
+    names an older tree's src/, before the tower ran in steps."""
+    from semif_serve.tools.demo import write_checkpoint
+
+    model = write_checkpoint(work / "vision-model", multimodal=True)
+    trees = [("after", ROOT / "src")]
+    if os.environ.get("SEMIF_BENCH_BEFORE_SRC"):  # a checkout's src/ from before the change
+        trees.insert(0, ("before", Path(os.environ["SEMIF_BENCH_BEFORE_SRC"])))
+    return {
+        (side, when): tiny_beside_an_image(model, work / when, source, side)
+        for side in sides
+        for when, source in trees
+    }
+
+
 def gpu_bound(tokens: int, chunk: int) -> dict:
     """The memory estimate for one row of `tokens` suffix tokens at Qwen3.5-4B geometry in BF16."""
     from transformers import Qwen3_5TextConfig
@@ -634,6 +704,8 @@ def main() -> None:
     print("calibrate beside health ...", flush=True)
     with ServiceProcess(model, DEMO_REVISION, settings, work / "calibrate") as service:
         fitted = calibrate_beside_health(service, cap)
+    print("tiny beside an image in the tower, before and after ...", flush=True)
+    tower = tower_before_after(work, [1024] if args.quick else [1024, 1440])
     bound = gpu_bound(32_700, 2048)
     builds = [reply_build(255, 64), reply_build(255, 112)]
 
@@ -753,6 +825,15 @@ def main() -> None:
         for b in builds
     ]
     lines += calibrate_lines(fitted, cap)
+    for (side, when), got in tower.items():
+        lines.append(
+            (
+                f"tiny requests 1, 3, 6 s after a {side} x {side} PNG's question ({when}), /health worst",
+                ", ".join(f"{status} in {ms(seconds)}" for status, seconds in got["tinies"])
+                + f"; {ms(got['health_worst'])}",
+                "about one chunk; < 1 s" if when == "after" else "",
+            )
+        )
     print_table(lines)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,7 +36,7 @@ from semif_serve.engine.state_cache import (
     prefill,
     prefix_digest,
 )
-from semif_serve.engine.vision import ImageSet, VisionTower, has_image_tokens
+from semif_serve.engine.vision import ImageSet, VisionTower, has_image_tokens, text_chunk_flops
 
 log = logging.getLogger("semif_serve.engine")
 
@@ -166,6 +166,12 @@ class TorchEngine:
             raise ValueError(f"direct_path must be one of {DIRECT_PATHS}")
         self.direct_path = direct_path
         self.vision = vision
+        # One engine step of the vision tower costs at most what one prefill chunk costs.
+        self.tower_step_flops = (
+            text_chunk_flops(model, prefill_chunk_tokens)
+            if vision is not None and prefill_chunk_tokens
+            else None
+        )
         self._deferred: OrderedDict[str, _DeferredFill] = OrderedDict()  # engine thread only
         self.device = torch.device(identity.device)
         self.slot_ids = torch.tensor(codec.slots, device=self.device)
@@ -324,10 +330,36 @@ class TorchEngine:
         """Score one planned group on this thread; the results of each job's rows in the
         group, in order. Lone rows (no shared prefix) go through `_run_direct`, which serves
         them from a state where one is cached or wanted by several requests; everything else
-        through `_run_planned`."""
+        through `_run_planned`. An image whose tower costs more than a prefill chunk first goes
+        through the tower one step per call (`_tower_step`), each returning UNFINISHED."""
+        if self._tower_step(group):
+            return UNFINISHED
         if group.prefix_key is None and self.direct_path == "reuse" and group.parts[0].job.payload.direct:
             return self._run_direct(group)
         return self._run_planned(group)
+
+    def _tower_step(self, group: Group) -> bool:
+        """One step of the vision tower for an image whose features this group's forward needs
+        (shown in its rows past the longest cached state); False when none needs a step."""
+        if self.tower_step_flops is None:
+            return False
+        images = ImageSet.union([p.job.payload.images for p in group.parts])
+        if images is None:
+            return False
+        payloads = {id(p.job.payload): p.job.payload for p in group.parts}.values()
+        if not images.tower_step(images.shown_in(self._ids_to_compute(payloads)), self.tower_step_flops):
+            return False
+        self.memory.synchronize()
+        return True
+
+    def _ids_to_compute(self, payloads: Iterable[PreparedRows]) -> Iterator[Sequence[int]]:
+        """The ids a forward over these requests' rows computes: each state past its longest
+        cached prefix, and every row after the state."""
+        for prepared in payloads:
+            state = prepared.prefix or list(prepared.state_ids)
+            cached = self.cache.longest_prefix(state) if state else None
+            yield state[len(cached) if cached is not None else 0 :]
+            yield from (p.ids[len(state) :] for p in prepared.prompts)
 
     def _run_planned(self, group: Group) -> dict[Hashable, list[ScoredRow]] | Any:
         """Score one planned group on this thread: one state (cached or prefilled once) for

@@ -19,7 +19,7 @@ forward of the vision-language model on the whole prompt (tests/test_vision.py).
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,6 +207,195 @@ def suffix_logits_after_images(
         return model.get_output_embeddings()(read).float()
 
 
+# The tower in steps (docs/images.md, "The tower in steps"): an image's tower is cut into pieces
+# (the stem; per block its projections, its attention a slice of query rows at a time, its
+# output and MLP; the merger), each priced in FLOPs, and a step runs pieces up to one
+# prefill chunk's price, so a newcomer waits for about one chunk behind an image.
+ATTENTION_ROWS = 768  # query rows per attention slice at the least: whole tiles of the CPU kernel (256)
+ROW_TILE = 256  # slices grow in whole tiles, so each slice runs the kernel's own tiling
+
+
+def text_chunk_flops(model: Any, chunk_tokens: int) -> int:
+    """What one prefill chunk of `chunk_tokens` costs the text model: two FLOPs per weight of its
+    decoder (the embeddings aside) per token; the tower's price for one step."""
+    decoder = model.get_decoder()  # the text model, whether `model` holds a tower or not
+    embed = decoder.get_input_embeddings().weight.numel()
+    weights = sum(p.numel() for p in decoder.parameters()) - embed
+    return 2 * chunk_tokens * weights
+
+
+@dataclass(frozen=True)
+class TowerPrices:
+    """The FLOPs of each piece of the tower for an image of `patches` patches (its geometry from
+    the vision config): the cost model of a step."""
+
+    patches: int
+    hidden: int
+    intermediate: int
+    depth: int
+    patch_inputs: int  # channels * temporal * patch * patch: one patch's pixel values
+    merged_hidden: int  # hidden * merge^2: one merged token's input to the merger
+    out_hidden: int
+
+    @classmethod
+    def of(cls, config: Any, patches: int) -> TowerPrices:
+        """The prices for one image of `patches` patches through the tower `config` describes."""
+        unit = config.spatial_merge_size**2
+        inputs = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        return cls(
+            patches,
+            config.hidden_size,
+            config.intermediate_size,
+            config.depth,
+            inputs,
+            config.hidden_size * unit,
+            config.out_hidden_size,
+        )
+
+    @property
+    def stem(self) -> int:
+        return 2 * self.patches * self.patch_inputs * self.hidden
+
+    @property
+    def projections(self) -> int:
+        """One block's norm, query/key/value projection and rotary embedding."""
+        return 2 * self.patches * 3 * self.hidden**2
+
+    def attention(self, rows: int) -> int:
+        """`rows` queries against every key of the image: scores and their weighted sum."""
+        return 4 * rows * self.patches * self.hidden
+
+    @property
+    def output(self) -> int:
+        """One block's attention output projection and MLP."""
+        return 2 * self.patches * (self.hidden**2 + 2 * self.hidden * self.intermediate)
+
+    @property
+    def merger(self) -> int:
+        tokens = self.patches * self.hidden // self.merged_hidden
+        return 2 * tokens * self.merged_hidden * (self.merged_hidden + self.out_hidden)
+
+    @property
+    def total(self) -> int:
+        """The whole tower on this image."""
+        block = self.projections + self.attention(self.patches) + self.output
+        return self.stem + self.depth * block + self.merger
+
+    def rows_per_slice(self, budget: int) -> int:
+        """Query rows per attention slice: what `budget` buys, in whole tiles of ROW_TILE rows and
+        at least ATTENTION_ROWS (the last slice takes the remainder)."""
+        rows = budget // max(1, 4 * self.patches * self.hidden) // ROW_TILE * ROW_TILE
+        return max(ATTENTION_ROWS, rows)
+
+
+def query_slices(n: int, rows: int) -> list[tuple[int, int]]:
+    """(start, stop) of each attention slice over `n` queries, `rows` at a time; a remainder
+    shorter than ATTENTION_ROWS joins the slice before it."""
+    cuts = [*range(0, n, rows), n]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] < ATTENTION_ROWS:
+        del cuts[-2]
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+STEPPED_ATTENTION = ("sdpa", "eager")  # attention interfaces called per slice; any other runs whole
+
+
+def stepped_tower(visual: Any, pixels: Any, grid_thw: Any, rows: int) -> Generator[int, None, Any]:
+    """The vision tower on one image, piece by piece: yields each next piece's price (FLOPs)
+    before running it and returns the merged features. The pieces are the tower's own modules
+    and helpers in its forward's order (transformers' `Qwen3_5VisionModel.forward`), with the
+    attention's queries taken `rows` at a time against all keys, so the features equal its
+    forward's (tests/test_tower_steps.py)."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+    from transformers.vision_utils import (
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    config = visual.config
+    prices = TowerPrices.of(config, int(grid_thw.prod()))
+    yield prices.stem
+    with torch.inference_mode():
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid_thw,
+            num_grid_per_side=visual.num_grid_per_side,
+            mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners,
+            spatial_merge_size=config.spatial_merge_size,
+            kwargs={},
+        )
+        positions = get_vision_position_ids(grid_thw, visual.spatial_merge_size, kwargs={})
+        hidden = visual.patch_embed(pixels.type(visual.dtype))
+        hidden = hidden + (visual.pos_embed(indices) * weights[:, :, None]).sum(1).to(hidden.dtype)
+        rotary = visual.rotary_pos_emb(hidden, positions)
+        n = hidden.shape[0]
+        hidden = hidden.reshape(n, -1)
+        del pixels, indices, weights, positions  # only the residual stream and rotary tables stay
+    for block in visual.blocks:
+        attn = block.attn
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+            config._attn_implementation, qwen.eager_attention_forward
+        )
+        yield prices.projections
+        with torch.inference_mode():
+            qkv = attn.qkv(block.norm1(hidden)).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3)
+            query, key, value = qkv.unbind(0)
+            query, key = qwen.apply_rotary_pos_emb_vision(query, key, *rotary)
+            query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        slices = []
+        for start, stop in query_slices(n, rows):
+            yield prices.attention(stop - start)
+            with torch.inference_mode():
+                out, _ = attend(
+                    attn,
+                    query[:, :, start:stop],
+                    key,
+                    value,
+                    attention_mask=None,
+                    scaling=attn.scaling,
+                    dropout=0.0,
+                    is_causal=False,
+                )
+            slices.append(out)
+        del qkv, query, key, value
+        yield prices.output
+        with torch.inference_mode():
+            out = torch.cat(slices, dim=1).reshape(n, -1).contiguous()
+            del slices
+            hidden = hidden + attn.proj(out)
+            hidden = hidden + block.mlp(block.norm2(hidden))
+    yield prices.merger
+    with torch.inference_mode():
+        return visual.merger(hidden)
+
+
+class TowerRun:
+    """One image's tower in progress, paused between engine steps: the generator keeps its
+    hidden states (counted in docs/memory.md) until the last step returns the features."""
+
+    def __init__(self, visual: Any, pixels: Any, grid_thw: Any, rows: int) -> None:
+        self._pieces = stepped_tower(visual, pixels, grid_thw, rows)
+        self._next = next(self._pieces)  # the first piece's price; nothing has run yet
+        self.features: Any = None
+        self.steps = 0
+
+    def advance(self, budget: int | None) -> bool:
+        """Run pieces while they fit in `budget` FLOPs (at least one; None: all); True once the
+        features are there."""
+        spent = 0
+        self.steps += 1
+        while budget is None or not spent or spent + self._next <= budget:
+            spent += self._next
+            try:
+                self._next = next(self._pieces)
+            except StopIteration as done:
+                self.features = done.value
+                return True
+        return False
+
+
 DIGEST_CHUNKS = 4  # 60 bits of the SHA-256 each: 240 bits spelled by an image's first tokens
 
 
@@ -304,6 +493,30 @@ class VisionTower:
         merged = estimate.element_bytes * self.out_hidden * patches // self.merge**2
         return int((per_patch * patches + merged) * estimate.SAFETY)
 
+    def steps_through(self, image: PreparedImage, budget: int | None) -> bool:
+        """Whether `image` goes through the tower in steps of `budget` FLOPs: its whole tower
+        costs more than one step, it has more patches than the least attention slice (a smaller
+        one costs no more than a step's least work), and the attention interface can be called a
+        slice at a time. Otherwise the tower runs in the forward that first needs it."""
+        config = self.model.config.vision_config
+        if (
+            budget is None
+            or image.patches <= ATTENTION_ROWS
+            or config._attn_implementation not in STEPPED_ATTENTION
+        ):
+            return False
+        return TowerPrices.of(config, image.patches).total > budget
+
+    def start(self, image: PreparedImage, pixels: Any, budget: int) -> TowerRun:
+        """`image`'s tower, paused before its first piece, with attention slices `budget` buys."""
+        import torch
+
+        visual = self.model.model.visual
+        weights = next(visual.parameters())
+        rows = TowerPrices.of(self.model.config.vision_config, image.patches).rows_per_slice(budget)
+        grid = torch.tensor([image.grid_thw], device=weights.device)
+        return TowerRun(visual, pixels.to(weights.device, weights.dtype), grid, rows)
+
     def patches(self, images: Sequence[PreparedImage]) -> int:
         """The most patches one image of `images` feeds the tower (it runs once per image)."""
         return max((i.patches for i in images), default=0)
@@ -324,6 +537,7 @@ class ImageSet:
         self.spans = spans
         self._features: dict[Key, Any] = {}
         self._pixels: dict[Key, Any] = {}
+        self._runs: dict[Key, TowerRun] = {}  # images part-way through the tower
         self._last_blocks: tuple[Sequence[int], list[tuple[int, int, Key]]] | None = None
         self.tower_runs = 0
 
@@ -340,8 +554,9 @@ class ImageSet:
             joined.images.update(part.images)
             joined._pixels.update(part._pixels)
             joined._features.update(part._features)
+            joined._runs.update(part._runs)
         for part in present:
-            part._pixels, part._features = joined._pixels, joined._features
+            part._pixels, part._features, part._runs = joined._pixels, joined._features, joined._runs
         return joined
 
     def shown_in(self, rows: Iterable[Sequence[int]]) -> set[Key]:
@@ -356,8 +571,42 @@ class ImageSet:
             if key not in self._pixels and key not in self._features:
                 self._pixels[key] = self.tower.pixels(self.images[key])
 
+    def tower_step(self, keys: Iterable[Key], budget: int | None) -> bool:
+        """One engine step of the tower, for the first image of `keys` (in this set's order)
+        whose features are missing and whose tower runs in steps (`VisionTower.steps_through`):
+        pieces up to `budget` FLOPs, its hidden states kept for the next step. True when a step
+        ran; False when none of these images needs one (cheap ones run in their forward)."""
+        wanted = set(keys)
+        for key, image in self.images.items():
+            if key not in wanted or key in self._features:
+                continue
+            run = self._runs.get(key)
+            if run is None and budget is not None and self.tower.steps_through(image, budget):
+                self.preprocess([key])
+                run = self._runs[key] = self.tower.start(image, self._pixels.pop(key), budget)
+            if run is None:
+                continue
+            try:
+                done = run.advance(budget)
+            except BaseException:
+                del self._runs[key]  # a failed piece ends the run; a retry starts the tower afresh
+                raise
+            if done:
+                self._finish(key)
+            return True
+        return False
+
+    def _finish(self, key: Key) -> None:
+        """Keep a stepped run's features and let its hidden states go."""
+        self._features[key] = self._runs.pop(key).features
+        self.tower_runs += 1
+
     def features(self, key: Key) -> Any:
-        """One image's features `[tokens, hidden]` (the tower runs on first use only)."""
+        """One image's features `[tokens, hidden]` (the tower runs on first use only; one that
+        is part-way through its steps is finished now)."""
+        if key in self._runs:
+            self._runs[key].advance(None)
+            self._finish(key)
         if key not in self._features:
             image = self.images[key]
             import torch
