@@ -18,17 +18,27 @@ stops at the first slice past `limit` (`PastLimit`), so a too-long text costs ab
 tokens' worth of tokenising; a slice whose bytes alone prove it past what is left is refused
 before it is tokenised (a long stretch without such a space is one slice, at most L x limit
 bytes).
+
+Every tokenizer call of at most two slices takes a turn (`Turns`): calls run in the order they
+ask, at most TURNS at once (a core is left to the event loop), so a request's encoding waits for
+at most one slice of each request encoding before it, never for a whole large one. A stretch
+that cannot be cut runs beside the turns, sharing the CPU rather than holding everyone's turn.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import unicodedata
+from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 SLICE_CHARS = 16_384  # one slice of a long text: what one tokenizer call covers
+TURNS = max(1, (os.cpu_count() or 2) - 1)  # tokenizer calls at once: a core stays with the event loop
 # Pre-tokenizer patterns (Qwen2/3 and Qwen3.5) in which no match holds a non-whitespace character
 # followed by a space: a space may only open a match, or belong to a run of whitespace.
 SPACE_SPLIT_PATTERNS = frozenset(
@@ -55,13 +65,41 @@ class PastLimit(Exception):
         self.tokens = tokens
 
 
+class Turns:
+    """A lock that `width` holders may hold at once, granted in the order it was asked for."""
+
+    def __init__(self, width: int = TURNS) -> None:
+        self.width = width
+        self._changed = threading.Condition()
+        self._waiting: deque[object] = deque()
+        self._holders = 0
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold one of the turns for the body of the `with`, after everyone who asked before."""
+        ticket = object()
+        with self._changed:
+            self._waiting.append(ticket)
+            self._changed.wait_for(lambda: self._waiting[0] is ticket and self._holders < self.width)
+            self._waiting.popleft()
+            self._holders += 1
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._holders -= 1
+                self._changed.notify_all()
+
+
 class BoundedEncoder:
     """Encodes text for one tokenizer (ids as `tokenizer.encode(text, add_special_tokens=False)`),
     stopping as soon as the text is proved past a limit."""
 
-    def __init__(self, tokenizer: Any, slice_chars: int = SLICE_CHARS) -> None:
+    def __init__(self, tokenizer: Any, slice_chars: int = SLICE_CHARS, turns: Turns | None = None) -> None:
         self.tokenizer = tokenizer
         self.slice_chars = slice_chars
+        self.turns = turns or Turns()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.max_token_bytes = _max_token_bytes(tokenizer, backend)
         self.slices_exact = backend is not None and _splits_before_spaces(tokenizer, backend)
@@ -104,7 +142,10 @@ class BoundedEncoder:
         return ids
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if len(text) > 2 * self.slice_chars:  # a stretch that cannot be cut: beside the turns
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        with self.turns.turn():
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 def _slices(text: str, size: int) -> Iterator[str]:
