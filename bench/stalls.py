@@ -16,6 +16,14 @@ loopback port and measures, over HTTP:
 4. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
    bound the memory estimate sets for that row at Qwen3.5-4B geometry in BF16, with the
    suffix chunked (as now) and whole (as before).
+
+Issue 30, tokenising and batching (`--issue30` runs only these; `--before SRC` runs them on a
+second service importing SRC, e.g. /work/main/src, side by side):
+
+5. six concurrent ~0.95 MB System One states (each past the token limit) and a tiny request
+   sent 0.5 s after them: each refusal's time, the tiny one's wait, /health worst (goal < 1 s);
+6. 200 questions over a ~29k-token state (--quick: ~8k tokens, SEMIF_MAX_BATCH_TOKENS=4096):
+   the engine's forwards (from /metrics) and the request's seconds.
 """
 
 from __future__ import annotations
@@ -250,11 +258,82 @@ def gpu_bound(tokens: int, chunk: int) -> dict:
     }
 
 
+def six_large_states_and_a_tiny_one(service: ServiceProcess) -> dict:
+    large = json.dumps(
+        {"model": "jev-latest", "state": "The zones recovered. " * 45_000, "questions": nouls(1)}
+    ).encode()
+    tiny = json.dumps({"model": "jev-latest", "state": "ok", "questions": nouls(1)}).encode()
+    tiny_alone = statistics.median(
+        post(service.url, service.token, "/v1/systemone", tiny)[1] for _ in range(3)
+    )
+
+    def late_tiny():
+        time.sleep(0.5)
+        return post(service.url, service.token, "/v1/systemone", tiny)
+
+    calls = [lambda: post(service.url, service.token, "/v1/systemone", large) for _ in range(6)]
+    with Prober(service.url, every=0.05) as prober:
+        results = in_parallel([*calls, late_tiny])
+    return {
+        "large": results[:6],
+        "tiny": results[6],
+        "tiny_alone": tiny_alone,
+        "health": max(prober.latencies),
+    }
+
+
+def forwards_run(service: ServiceProcess) -> int:
+    text = httpx.get(f"{service.url}/metrics", timeout=30).text
+    return int(
+        float(next(line for line in text.splitlines() if line.startswith("semif_forwards_total ")).split()[1])
+    )
+
+
+def rows_over_a_long_state(service: ServiceProcess, state: str, rows: int) -> dict:
+    body = json.dumps({"model": "jev-latest", "state": state, "questions": nouls(rows)}).encode()
+    before = forwards_run(service)
+    status, seconds = post(service.url, service.token, "/v1/systemone", body)
+    return {"status": status, "seconds": seconds, "forwards": forwards_run(service) - before}
+
+
+def issue30(model: Path, work: Path, codec, quick: bool, before: str | None) -> None:
+    """Phases 5 and 6 on this tree's service, and on one importing `before` when given."""
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    state = state_of(codec, 8_000 if quick else 31_000)  # ~29k real tokens
+    settings = {"device": "cpu", "demo": "true", **({"max_batch_tokens": 4096} if quick else {})}
+    trees = {"now": None, **({"before": before} if before else {})}
+    measured = {}
+    for name, src in trees.items():
+        extra = {"PYTHONPATH": src} if src else None
+        with ServiceProcess(
+            model, DEMO_REVISION, settings, work / f"issue30-{name}", extra_env=extra
+        ) as service:
+            print(f"issue 30, {name}: six large states and a tiny one ...", flush=True)
+            side = six_large_states_and_a_tiny_one(service)
+            print(f"issue 30, {name}: 200 questions over a long state ...", flush=True)
+            measured[name] = (side, rows_over_a_long_state(service, state, 200))
+    tokens = len(codec.encode(state))
+    for name, (side, rows) in measured.items():
+        print(f"{name}: 6 large states: " + ", ".join(f"{s} in {t:.2f} s" for s, t in side["large"]))
+        tiny_status, tiny_seconds = side["tiny"]
+        print(
+            f"{name}: tiny request alone {side['tiny_alone'] * 1000:.0f} ms; sent 0.5 s after them "
+            f"{tiny_status} in {tiny_seconds:.2f} s; /health worst {side['health'] * 1000:.0f} ms"
+        )
+        print(
+            f"{name}: 200 questions over a {tokens}-token state: {rows['status']} in "
+            f"{rows['seconds']:.1f} s, {rows['forwards']} forwards"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--issue30", action="store_true", help="only phases 5 and 6")
+    parser.add_argument("--before", help="also run phases 5 and 6 on a service importing this src")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -265,6 +344,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="semif-stalls-"))
     model = write_checkpoint(work / "model")
     codec = PromptCodec(AutoTokenizer.from_pretrained(str(model)))
+    if args.issue30 or args.before:
+        issue30(model, work, codec, args.quick, args.before)
+        if args.issue30:
+            return
     state_tokens = 8_000 if args.quick else 34_700  # ~32.4k real tokens (the sentence is ~15 per copy)
     rows = 64 if args.quick else 256
     state = state_of(codec, state_tokens)

@@ -308,7 +308,7 @@ class PromptCodec:
         and AnswerBoundary (option = the slot asked) where a code's logit is unreadable."""
         try:
             return self._encode_row(
-                state, PromptRow(question, descriptions), max_input_tokens, None, max_input_tokens
+                state, PromptRow(question, tuple(descriptions)), max_input_tokens, None, max_input_tokens
             )
         except PastLimit as past:
             raise TooManyTokens(past.tokens, max_input_tokens, at_least=True) from None
