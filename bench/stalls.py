@@ -21,21 +21,29 @@ loopback port and measures, over HTTP:
 5. the service's RSS growth for one question of ~32.7k tokens (goal < 1.5 GiB), and the
    bound the memory estimate sets for that row at Qwen3.5-4B geometry in BF16, with the
    suffix chunked (as now) and whole (as before);
-5. (issue 30) on the demo's vision checkpoint, a JPEG of a 64 x 64 scan under a header saying
+6. (issue 30) on the demo's vision checkpoint, a JPEG of a 64 x 64 scan under a header saying
    1024 x 1024: the time to its refusal (before: answered after ~10 s of engine time on filler
    pixels), /health meanwhile, and what a whole 1024 x 1024 JPEG costs the engine (what the
    corrupt one bought).
-5. reply amplification (issue 30): 72 described options of 14 KB names in rotations, a few
+7. reply amplification (issue 30): 72 described options of 14 KB names in rotations, a few
    hundred bytes of zstd, 8 at once: the refusal's time (goal 413 < 1 s), `/health` meanwhile
    (goal < 1 s) and the service's RSS growth; and in process, the largest legitimate reply
    (255 options of 64-character names in rotations) and one just under SEMIF_MAX_REPLY_BYTES,
    mapped and serialised as the door does it: the count vs the real bytes, and the time.
-5. `POST /calibrate` at its cap (SEMIF_CALIBRATE_MAX_LOGITS, 10,000 logits: 2,500 rows of 4):
+8. `POST /calibrate` at its cap (SEMIF_CALIBRATE_MAX_LOGITS, 10,000 logits: 2,500 rows of 4):
    the fit's time, `/health` meanwhile (goal: worst < 1 s), a tiny System One request sent
    0.5 s into the fit (goal < 3 s), and the refusal of a row more (goal: 422, before any fit).
-5. tiny requests' latencies sent 1, 3 and 6 s after a question about a 1024 x 1024 (and, without
+9. tiny requests' latencies sent 1, 3 and 6 s after a question about a 1024 x 1024 (and, without
    --quick, 1440 x 1440) PNG, on the demo's vision checkpoint, with the code before the tower
    ran in steps (a tree named by SEMIF_BENCH_BEFORE_SRC) and after (goal: about one chunk).
+
+Issue 30, tokenising and batching (`--only tokens` runs only the next two; `--before SRC` runs
+them on a second service importing SRC, an older checkout's src/, side by side):
+
+10. six concurrent ~0.95 MB System One states (each past the token limit) and a tiny request
+   sent 0.5 s after them: each refusal's time, the tiny one's wait, /health worst (goal < 1 s);
+11. 200 questions over a ~29k-token state (--quick: ~8k tokens, SEMIF_MAX_BATCH_TOKENS=4096):
+   the engine's forwards (from /metrics) and the request's seconds.
 """
 
 from __future__ import annotations
@@ -489,6 +497,19 @@ def tiny_beside_an_image(model: Path, work: Path, source: Path, side: int) -> di
     return {"tinies": tinies, "health_worst": max(prober.latencies)}
 
 
+def tower_rows(tower: dict) -> list[tuple[str, str, str]]:
+    """The tower phase's lines of the table."""
+    return [
+        (
+            f"tiny requests 1, 3, 6 s after a {side} x {side} PNG's question ({when}), /health worst",
+            ", ".join(f"{status} in {ms(seconds)}" for status, seconds in got["tinies"])
+            + f"; {ms(got['health_worst'])}",
+            "about one chunk; < 1 s" if when == "after" else "",
+        )
+        for (side, when), got in tower.items()
+    ]
+
+
 def post_quietly(url: str, token: str, path: str, body: bytes) -> None:
     """`post`, where the service may stop before it answers."""
     try:
@@ -653,16 +674,93 @@ def reply_build(options: int, name_length: int) -> dict:
     }
 
 
+def six_large_states_and_a_tiny_one(service: ServiceProcess) -> dict:
+    large = json.dumps(
+        {"model": "jev-latest", "state": "The zones recovered. " * 45_000, "questions": nouls(1)}
+    ).encode()
+    tiny = json.dumps({"model": "jev-latest", "state": "ok", "questions": nouls(1)}).encode()
+    tiny_alone = statistics.median(
+        post(service.url, service.token, "/v1/systemone", tiny)[1] for _ in range(3)
+    )
+
+    def late_tiny():
+        time.sleep(0.5)
+        return post(service.url, service.token, "/v1/systemone", tiny)
+
+    calls = [lambda: post(service.url, service.token, "/v1/systemone", large) for _ in range(6)]
+    with Prober(service.url, every=0.05) as prober:
+        results = in_parallel([*calls, late_tiny])
+    return {
+        "large": results[:6],
+        "tiny": results[6],
+        "tiny_alone": tiny_alone,
+        "health": max(prober.latencies),
+    }
+
+
+def forwards_run(service: ServiceProcess) -> int:
+    text = httpx.get(f"{service.url}/metrics", timeout=30).text
+    return int(
+        float(next(line for line in text.splitlines() if line.startswith("semif_forwards_total ")).split()[1])
+    )
+
+
+def rows_over_a_long_state(service: ServiceProcess, state: str, rows: int) -> dict:
+    body = json.dumps({"model": "jev-latest", "state": state, "questions": nouls(rows)}).encode()
+    before = forwards_run(service)
+    status, seconds = post(service.url, service.token, "/v1/systemone", body)
+    return {"status": status, "seconds": seconds, "forwards": forwards_run(service) - before}
+
+
+def issue30(model: Path, work: Path, codec, quick: bool, before: str | None) -> None:
+    """Phases 5 and 6 on this tree's service, and on one importing `before` when given."""
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    state = state_of(codec, 8_000 if quick else 31_000)  # ~29k real tokens
+    settings = {"device": "cpu", "demo": "true", **({"max_batch_tokens": 4096} if quick else {})}
+    trees = {"now": None, **({"before": before} if before else {})}
+    measured = {}
+    for name, src in trees.items():
+        extra = {"PYTHONPATH": src} if src else None
+        with ServiceProcess(
+            model, DEMO_REVISION, settings, work / f"issue30-{name}", extra_env=extra
+        ) as service:
+            print(f"issue 30, {name}: six large states and a tiny one ...", flush=True)
+            side = six_large_states_and_a_tiny_one(service)
+            print(f"issue 30, {name}: 200 questions over a long state ...", flush=True)
+            measured[name] = (side, rows_over_a_long_state(service, state, 200))
+    tokens = len(codec.encode(state))
+    for name, (side, rows) in measured.items():
+        print(f"{name}: 6 large states: " + ", ".join(f"{s} in {t:.2f} s" for s, t in side["large"]))
+        tiny_status, tiny_seconds = side["tiny"]
+        print(
+            f"{name}: tiny request alone {side['tiny_alone'] * 1000:.0f} ms; sent 0.5 s after them "
+            f"{tiny_status} in {tiny_seconds:.2f} s; /health worst {side['health'] * 1000:.0f} ms"
+        )
+        print(
+            f"{name}: 200 questions over a {tokens}-token state: {rows['status']} in "
+            f"{rows['seconds']:.1f} s, {rows['forwards']} forwards"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["images", "calibrate"], help="run one phase alone")
+    parser.add_argument(
+        "--only", choices=["images", "calibrate", "tower", "tokens"], help="run one phase alone"
+    )
+    parser.add_argument("--before", help="also run the tokenising phases on a service importing this src/")
     args = parser.parse_args()
+    sides = [1024] if args.quick else [1024, 1440]
     if args.only == "images":
         work = Path(tempfile.mkdtemp(prefix="semif-stalls-"))
         print_table([("measurement", "measured", "goal"), *image_rows(corrupt_image(work, args.quick))])
+        return
+    if args.only == "tower":
+        work = Path(tempfile.mkdtemp(prefix="semif-stalls-"))
+        print_table([("measurement", "measured", "goal"), *tower_rows(tower_before_after(work, sides))])
         return
 
     from transformers import AutoTokenizer
@@ -673,6 +771,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="semif-stalls-"))
     model = write_checkpoint(work / "model")
     codec = PromptCodec(AutoTokenizer.from_pretrained(str(model)))
+    if args.only == "tokens" or args.before:
+        issue30(model, work, codec, args.quick, args.before)
+        if args.only == "tokens":
+            return
     state_tokens = 8_000 if args.quick else 34_700  # ~32.4k real tokens (the sentence is ~15 per copy)
     rows = 64 if args.quick else 256
     state = state_of(codec, state_tokens)
@@ -705,7 +807,7 @@ def main() -> None:
     with ServiceProcess(model, DEMO_REVISION, settings, work / "calibrate") as service:
         fitted = calibrate_beside_health(service, cap)
     print("tiny beside an image in the tower, before and after ...", flush=True)
-    tower = tower_before_after(work, [1024] if args.quick else [1024, 1440])
+    tower = tower_before_after(work, sides)
     bound = gpu_bound(32_700, 2048)
     builds = [reply_build(255, 64), reply_build(255, 112)]
 
@@ -825,15 +927,7 @@ def main() -> None:
         for b in builds
     ]
     lines += calibrate_lines(fitted, cap)
-    for (side, when), got in tower.items():
-        lines.append(
-            (
-                f"tiny requests 1, 3, 6 s after a {side} x {side} PNG's question ({when}), /health worst",
-                ", ".join(f"{status} in {ms(seconds)}" for status, seconds in got["tinies"])
-                + f"; {ms(got['health_worst'])}",
-                "about one chunk; < 1 s" if when == "after" else "",
-            )
-        )
+    lines += tower_rows(tower)
     print_table(lines)
 
 

@@ -4,6 +4,7 @@ driven through a gated fake engine on a real thread (a model cannot be paused mi
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import pytest
@@ -42,10 +43,10 @@ def test_requests_over_the_same_state_prefix_share_one_group_and_others_pad_toge
     ]
 
 
-def test_padded_tokens_are_rows_times_the_widest_row_plus_the_prefix_prefilled():
+def test_padded_tokens_are_rows_times_the_widest_row_the_prefix_not_charged_again():
     (over_state,) = plan_groups([job("a", "s", 100, (4, 6)), job("b", "s", 100, (9,))], Bounds())
     assert (over_state.rows, over_state.width, over_state.true_tokens) == (3, 9, 19)
-    assert over_state.padded_tokens == 3 * 9 + 100
+    assert over_state.padded_tokens == 3 * 9
     (plain,) = plan_groups([job("c", rows=(7, 2))], Bounds())
     assert plain.padded_tokens == 2 * 7
 
@@ -58,9 +59,18 @@ def test_a_job_that_does_not_fit_beside_others_opens_a_new_group_whole():
 
 def test_a_job_too_large_alone_is_cut_into_consecutive_slices_that_each_fit():
     bounds = Bounds(max_batch_rows=64, max_batch_tokens=100)
-    big = job("big", "s", 40, (10, 10, 10, 10, 10, 10, 10))
-    assert shape(plan_groups([big], bounds)) == [[("big", 0, 6)], [("big", 6, 7)]]
+    big = job("big", "s", 40, (10,) * 13)
+    assert shape(plan_groups([big], bounds)) == [[("big", 0, 10)], [("big", 10, 13)]]
     assert all(bounds.fits(g) for g in plan_groups([big], bounds))
+
+
+def test_rows_over_a_prefix_longer_than_the_budget_are_batched_by_their_own_width():
+    bounds = Bounds(max_batch_rows=256, max_batch_tokens=1024)
+    questions = job("q", "long state", 29_000, (12,) * 200)
+    groups = plan_groups([questions], bounds)
+    per_group = 1024 // 12  # rows of width 12 under the budget, whatever the prefix's length
+    assert len(groups) == math.ceil(200 / per_group) == 3
+    assert [g.rows for g in groups] == [per_group, per_group, 200 - 2 * per_group]
 
 
 def test_a_single_row_past_the_bounds_still_runs_alone():

@@ -257,7 +257,9 @@ def test_the_state_is_tokenised_once_per_request_not_once_per_row(engine, monkey
     assert codec.splits_after_state  # probed once, before counting
     encoded: list[int] = []
     real = type(codec).encode
-    monkeypatch.setattr(codec, "encode", lambda text: encoded.append(len(text)) or real(codec, text))
+    monkeypatch.setattr(
+        codec, "encode", lambda text, *limit: encoded.append(len(text)) or real(codec, text, *limit)
+    )
     codec.encode_prompts(state, rows, 100_000)
     assert sum(encoded) < 3 * len(state)  # forty rows, the state's text tokenised about once
 

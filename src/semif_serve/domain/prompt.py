@@ -9,6 +9,10 @@ once: every prompt over a state starts with the same text up to the comma after 
 and the space after it (checked once per tokenizer on probes; Qwen's pre-tokenizer splits
 there whatever precedes it) the ids of the whole prompt are the ids of that head followed by
 the ids of the rest. Otherwise every prompt is encoded whole, as before.
+
+Every encoding of a row's text runs under what the row may still hold (its token limit, and
+what is left of the request's budget): a text proved past it is refused before the rest of it
+is tokenised (`tokens.BoundedEncoder`), with the refusal the limit gives (`TooManyTokens`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from semif_serve.domain.alphabet import NATIVE_CODES, AnswerAlphabet, answer_codes
 from semif_serve.domain.alphabet import TokenizerContractError as TokenizerContractError
+from semif_serve.domain.tokens import BoundedEncoder, PastLimit
 from semif_serve.domain.types import AnswerBoundary, DecisionError, PromptRow, TooManyOptions, TooManyTokens
 
 PROMPT_VERSION = "direct-options-v1"
@@ -116,6 +121,7 @@ class PromptCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.bounded = BoundedEncoder(tokenizer)
         self.alphabet: AnswerAlphabet = answer_codes(tokenizer)
         self.codes = self.alphabet.codes
         self.slots = list(self.alphabet.token_ids)
@@ -188,44 +194,67 @@ class PromptCodec:
         prompts: list[EncodedPrompt] = []
         total = shared = 0
         for index, row in enumerate(rows):
+            added = total - shared  # the request's tokens so far, less the state the row repeats
+            room = (
+                max_input_tokens
+                if max_request_tokens is None
+                else min(max_input_tokens, max_request_tokens - added)
+            )
             try:
                 if head is None and self.splits_after_state:
-                    head = self._head(state, row)
-                prompt = self._encode_row(state, row, max_input_tokens, head)
+                    head = self._head(state, row, room)
+                prompt = self._encode_row(state, row, max_input_tokens, head, room)
+            except PastLimit as past:
+                refusal = TooManyTokens(past.tokens, max_input_tokens, at_least=True)
+                if past.tokens <= max_input_tokens and max_request_tokens is not None:
+                    need = added + past.tokens  # within the row's limit: past what the request has left
+                    refusal = TooManyTokens.for_request(
+                        need, max_request_tokens, index + 1, len(rows), at_least=True
+                    )
+                refusal.row = index
+                raise refusal from None
             except DecisionError as exc:
                 exc.row = index
                 raise
             if not prompts:
                 shared = prompt.head_tokens or len(self.state_prefix(state, prompt))
                 total = shared  # the state counts once; every row adds what follows it
-            total += len(prompt.ids) - shared
-            if max_request_tokens is not None and total > max_request_tokens:
-                raise TooManyTokens.for_request(total, max_request_tokens, index + 1, len(rows))
+            total += len(prompt.ids) - shared  # at most the budget: each row is encoded under what is left
             prompts.append(prompt)
         return prompts
 
-    def _head(self, state: Any, row: PromptRow) -> StateHead | None:
-        """What every prompt over `state` shares, from one rendering (None: no cut found)."""
+    def _head(self, state: Any, row: PromptRow, room: int | None = None) -> StateHead | None:
+        """What every prompt over `state` shares, from one rendering (None: no cut found);
+        PastLimit once a row over it (one more token at least) is proved past `room`."""
         text = self.render_prompt(state, row.question, row.descriptions)
         user = user_message(state, row.question, row.descriptions, self.codes)
         cut = self._state_cut(text, state, row.question, row.descriptions)
         if cut is None:
             return None
-        return StateHead(text[:cut], self.encode(text[:cut]), text[text.find(user) + len(user) :])
+        try:
+            ids = self.encode(text[:cut], None if room is None else room - 1)
+        except PastLimit as past:
+            raise PastLimit(past.tokens + 1) from None
+        return StateHead(text[:cut], ids, text[text.find(user) + len(user) :])
 
     def _row_text(self, head: StateHead, row: PromptRow) -> str:
         """The chat-template rendering of `row` over the head's state, spliced (not re-rendered)."""
         return head.text + user_message_after_state(row.question, row.descriptions, self.codes) + head.closing
 
     def _encode_row(
-        self, state: Any, row: PromptRow, max_input_tokens: int, head: StateHead | None
+        self, state: Any, row: PromptRow, max_input_tokens: int, head: StateHead | None, room: int
     ) -> EncodedPrompt:
-        if head is None:
-            return self.encode_prompt(state, row.question, row.descriptions, max_input_tokens)
+        """One row's prompt, encoded under `room` tokens (PastLimit past it)."""
         if len(row.descriptions) > self.capacity:
             raise TooManyOptions(len(row.descriptions), self.capacity)
+        if head is None:
+            text = self.render_prompt(state, row.question, row.descriptions)
+            return self._checked(text, self.encode(text, room), row.descriptions, max_input_tokens)
         text = self._row_text(head, row)
-        ids = head.ids + self.encode(text[len(head.text) :])
+        try:
+            ids = head.ids + self.encode(text[len(head.text) :], room - len(head.ids))
+        except PastLimit as past:
+            raise PastLimit(len(head.ids) + past.tokens) from None
         return self._checked(text, ids, row.descriptions, max_input_tokens, len(head.text), len(head.ids))
 
     def render_prompt(self, state: Any, question: str, descriptions: Sequence[str]) -> str:
@@ -238,19 +267,30 @@ class PromptCodec:
             messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
         """Token ids without special tokens added, as SemIf encodes; an image placeholder becomes
         its span (the tokenizer splits at special tokens before anything else, so this equals
-        encoding the text with the image's vision tokens written in)."""
+        encoding the text with the image's vision tokens written in). With `limit`, PastLimit
+        as soon as the ids are proved more than `limit`."""
         if self._span_pattern is None:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self.bounded.encode(text, limit)
         ids: list[int] = []
         at = 0
         for match in self._span_pattern.finditer(text):
-            ids += self.tokenizer.encode(text[at : match.start()], add_special_tokens=False)
+            ids += self._encode_within(text[at : match.start()], limit, len(ids))
             ids += self._spans[match[0]].token_ids
             at = match.end()
-        return ids + list(self.tokenizer.encode(text[at:], add_special_tokens=False))
+        ids += self._encode_within(text[at:], limit, len(ids))
+        if limit is not None and len(ids) > limit:
+            raise PastLimit(len(ids))
+        return ids
+
+    def _encode_within(self, text: str, limit: int | None, before: int) -> list[int]:
+        """`text`'s ids after `before` ids of the same prompt, under what `limit` leaves."""
+        try:
+            return self.bounded.encode(text, None if limit is None else limit - before)
+        except PastLimit as past:
+            raise PastLimit(before + past.tokens) from None
 
     def digest(self, text: str) -> str:
         """A prompt's `prompt_sha256`: of its UTF-8 text, then of each image's SHA-256 (hex) in the
@@ -266,10 +306,12 @@ class PromptCodec:
     ) -> EncodedPrompt:
         """Render, tokenise and check one prompt; raise TooManyTokens past `max_input_tokens`
         and AnswerBoundary (option = the slot asked) where a code's logit is unreadable."""
-        if len(descriptions) > self.capacity:
-            raise TooManyOptions(len(descriptions), self.capacity)
-        text = self.render_prompt(state, question, descriptions)
-        return self._checked(text, self.encode(text), descriptions, max_input_tokens)
+        try:
+            return self._encode_row(
+                state, PromptRow(question, tuple(descriptions)), max_input_tokens, None, max_input_tokens
+            )
+        except PastLimit as past:
+            raise TooManyTokens(past.tokens, max_input_tokens, at_least=True) from None
 
     def _checked(
         self,

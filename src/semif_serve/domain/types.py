@@ -140,18 +140,26 @@ class Refusal(DecisionError):
 class TooManyTokens(Refusal):
     """A prompt is longer than the per-call token limit (prompts are never truncated)."""
 
-    def __init__(self, tokens: int, limit: int, question: int | None = None) -> None:
+    def __init__(
+        self, tokens: int, limit: int, question: int | None = None, *, at_least: bool = False
+    ) -> None:
+        need = (
+            f"at least {tokens}" if at_least else str(tokens)
+        )  # at_least: refused before it was all counted
         super().__init__(
-            f"the prompt is {tokens} tokens, over the limit of {limit}; it is never truncated", question
+            f"the prompt is {need} tokens, over the limit of {limit}; it is never truncated", question
         )
         self.tokens = tokens
         self.limit = limit
 
     @classmethod
-    def for_request(cls, tokens: int, limit: int, counted: int, rows: int) -> TooManyTokens:
-        """The request as a whole passes its token budget (counted up to row `counted` of `rows`)."""
+    def for_request(
+        cls, tokens: int, limit: int, counted: int, rows: int, *, at_least: bool = False
+    ) -> TooManyTokens:
+        """The request as a whole passes its token budget (counted up to row `counted` of `rows`;
+        `at_least`: that row was not counted to its end)."""
         refusal = cls(tokens, limit)
-        need = f"at least {tokens}" if counted < rows else str(tokens)
+        need = f"at least {tokens}" if counted < rows or at_least else str(tokens)
         refusal.message = (
             f"the request needs {need} tokens (the state once, plus every row's tokens after it; "
             f"{counted} of {rows} rows counted), over the per-request budget of {limit}; "

@@ -2,12 +2,13 @@
 
 `plan_groups` is pure (no torch, no asyncio): requests over the same state prefix share one
 group (one prefill, or one cache hit); rows go into right-padded groups bounded by
-`max_batch_rows` and `max_batch_tokens` (padded tokens = rows x widest suffix, plus the prefix
-for groups over a state); a request's rows are split only when the request alone exceeds the
-bounds. `Batcher` is the asyncio side: when the engine is free it takes everything queued
-(never waiting on purpose), drops cancelled requests before their forward, runs each group on
-the engine thread through `run_group`, and when a merged group fails, retries each request
-alone so that one bad request fails alone.
+`max_batch_rows` and `max_batch_tokens` (padded tokens = rows x widest suffix: what the group's
+forward runs over the prefilled state; the prefix is prefilled once for all its groups, in its
+own chunks, and is not charged to each group); a request's rows are split only when the
+request alone exceeds the bounds. `Batcher` is the asyncio side: when the engine is free it
+takes everything queued (never waiting on purpose), drops cancelled requests before their
+forward, runs each group on the engine thread through `run_group`, and when a merged group
+fails, retries each request alone so that one bad request fails alone.
 
 Fairness: what is taken together is one round of groups; rounds take turns a group at a time,
 and requests that arrive while a group runs form a new round that goes first after it. So a
@@ -83,8 +84,8 @@ class Group:
 
     @property
     def padded_tokens(self) -> int:
-        """What the bounds limit: rows x widest row, plus the prefix it prefills."""
-        return self.rows * self.width + self.prefix_tokens
+        """What the bounds limit: rows x widest row (the suffix forward over the prefilled state)."""
+        return self.rows * self.width
 
     @property
     def job_ids(self) -> tuple[Hashable, ...]:
@@ -360,6 +361,6 @@ class Batcher(Generic[R]):
             s.forwards += 1
             s.rows += group.rows
             s.true_tokens += group.true_tokens
-            s.padded_tokens += group.rows * group.width
+            s.padded_tokens += group.padded_tokens
             s.merged_forwards += len(set(group.job_ids)) > 1
         return results

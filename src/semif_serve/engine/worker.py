@@ -1,4 +1,5 @@
-"""The one worker that owns the engine: requests are encoded off the event loop, queued, and
+"""The one worker that owns the engine: requests are encoded off the event loop (each on a thread
+of its own, so none waits for another's tokenising), queued, and
 merged into as few forwards as fit whenever the engine thread is free (`batching.Batcher`);
 every failure is mapped, released and re-raised unchained, and a failed merged forward is
 retried request by request so that only the failing request fails."""
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("semif_serve.worker")
 T = TypeVar("T")
+ENCODERS = 32  # encoder threads where the caller gives none (the service gives SEMIF_MAX_QUEUE)
 
 
 # How cuBLAS and cuDNN report a failed workspace or handle allocation (a RuntimeError, not an OOM).
@@ -56,11 +58,14 @@ def classify_failure(exc: BaseException) -> DecisionError:
 class EngineWorker:
     """Runs engine jobs one at a time on a dedicated thread; merges queued requests' rows."""
 
-    def __init__(self, policy: ReleasePolicy, bounds: Bounds | None = None) -> None:
+    def __init__(self, policy: ReleasePolicy, bounds: Bounds | None = None, encoders: int = ENCODERS) -> None:
         self.policy = policy
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-engine")
-        # One tokenizer thread: requests are encoded (and refused) before they join a group.
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-encode")
+        # Requests are encoded (and refused) before they join a group, each on its own thread while
+        # at most `encoders` are in flight (the tokenizer releases the GIL, so they share the CPU).
+        self._encoder = ThreadPoolExecutor(max_workers=encoders, thread_name_prefix="semif-encode")
+        # Requests with images are prepared one at a time: decoded pixels' memory stays one request's.
+        self._image_encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-images")
         self.batcher: Batcher[ScoredRow] = Batcher(
             self._run_group, bounds or Bounds(), self._executor, idle=self._fill_idle
         )
@@ -91,7 +96,7 @@ class EngineWorker:
         engine.cache.demand.enter(demand_key)
         try:
             prepared = await loop.run_in_executor(
-                self._encoder,
+                self._image_encoder if images else self._encoder,
                 lambda: engine.prepare(
                     state,
                     rows,
@@ -162,4 +167,5 @@ class EngineWorker:
     def shutdown(self) -> None:
         """Stop the threads after the running job."""
         self._encoder.shutdown(wait=True, cancel_futures=True)
+        self._image_encoder.shutdown(wait=True, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)

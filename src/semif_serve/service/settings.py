@@ -85,7 +85,10 @@ class Settings(BaseSettings):
     )
     max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
     max_batch_tokens: int = Field(
-        16_384, ge=1, description="Padded tokens (rows x widest row + prefix) of merged requests per forward."
+        16_384,
+        ge=1,
+        description="Padded tokens (rows x widest suffix) of merged requests per forward; the prefilled "
+        "state is not charged.",
     )
     calibration: Path | None = Field(None, description="calibration.json: workload temperatures.")
     metrics_public: bool = Field(True, description="Serve /metrics without the token.")

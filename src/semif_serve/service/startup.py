@@ -74,7 +74,8 @@ class Service:
             StateCache(settings.state_cache_mib * MIB), settings.prefill_chunk_tokens
         ).with_direct_path(settings.direct_path)
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
-        worker = EngineWorker(policy, Bounds(settings.max_batch_rows, settings.max_batch_tokens))
+        bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens)
+        worker = EngineWorker(policy, bounds, encoders=settings.max_queue)  # a thread per admitted request
         warm_up(engine, worker, settings.max_input_tokens)
         baseline = policy.mark_baseline()
         cap = engine.memory.cap_bytes()
