@@ -288,18 +288,25 @@ def encoding_before_after(codec, state: str, rows: int) -> dict:
     return {"once": once_s, "whole": whole_s, "state_tokens": once[0].head_tokens}
 
 
-def heavy_and_tiny(service: ServiceProcess, state: str, rows: int) -> dict:
-    heavy, tiny = systemone(state, rows), systemone(TINY_STATE, 1)
+def tiny_beside(service: ServiceProcess, path: str, heavy: bytes, tiny: bytes, delay: float):
+    """A tiny System One request alone (3 times), then sent `delay` s into a heavy POST to `path`,
+    with /health probed meanwhile: (the tiny ones alone, the heavy result, the tiny result, prober)."""
     tiny_alone = [post(service.url, service.token, "/v1/systemone", tiny) for _ in range(3)]
 
     def late_tiny():
-        time.sleep(1.0)
+        time.sleep(delay)
         return post(service.url, service.token, "/v1/systemone", tiny)
 
     with Prober(service.url, every=0.05) as prober:
         heavy_result, tiny_result = in_parallel(
-            [lambda: post(service.url, service.token, "/v1/systemone", heavy), late_tiny]
+            [lambda: post(service.url, service.token, path, heavy), late_tiny]
         )
+    return tiny_alone, heavy_result, tiny_result, prober
+
+
+def heavy_and_tiny(service: ServiceProcess, state: str, rows: int) -> dict:
+    heavy, tiny = systemone(state, rows), systemone(TINY_STATE, 1)
+    tiny_alone, heavy_result, tiny_result, prober = tiny_beside(service, "/v1/systemone", heavy, tiny, 1.0)
     return {
         "tiny_alone": statistics.median(s for _, s in tiny_alone),
         "tiny_beside": tiny_result,
@@ -406,17 +413,8 @@ def calibrate_beside_health(service: ServiceProcess, cap: int) -> dict:
     tiny = json.dumps(
         {"model": "jev-latest", "state": "The release went well.", "questions": nouls(1)}
     ).encode()
-    tiny_alone = [post(service.url, service.token, "/v1/systemone", tiny) for _ in range(3)]
     refused = [post(service.url, service.token, "/calibrate", over) for _ in range(3)]
-
-    def late_tiny():
-        time.sleep(0.5)
-        return post(service.url, service.token, "/v1/systemone", tiny)
-
-    with Prober(service.url, every=0.05) as prober:
-        fit, tiny_result = in_parallel(
-            [lambda: post(service.url, service.token, "/calibrate", at_cap), late_tiny]
-        )
+    tiny_alone, fit, tiny_result, prober = tiny_beside(service, "/calibrate", at_cap, tiny, 0.5)
     return {
         "fit": fit,
         "fit_bytes": len(at_cap),
@@ -448,7 +446,7 @@ def calibrate_lines(result: dict, cap: int) -> list[tuple[str, str, str]]:
         ),
         (
             f"  {cap + 4} logits: status, time",
-            ", ".join(f"{s} in {ms(t)}" for s, t in result["refused"]),
+            statuses(result["refused"]),
             "422, no fit",
         ),
     ]
@@ -502,8 +500,7 @@ def tower_rows(tower: dict) -> list[tuple[str, str, str]]:
     return [
         (
             f"tiny requests 1, 3, 6 s after a {side} x {side} PNG's question ({when}), /health worst",
-            ", ".join(f"{status} in {ms(seconds)}" for status, seconds in got["tinies"])
-            + f"; {ms(got['health_worst'])}",
+            statuses(got["tinies"]) + f"; {ms(got['health_worst'])}",
             "about one chunk; < 1 s" if when == "after" else "",
         )
         for (side, when), got in tower.items()
@@ -554,13 +551,18 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms"
 
 
+def statuses(results) -> str:
+    """(status, seconds) pairs as the table shows them."""
+    return ", ".join(f"{status} in {ms(seconds)}" for status, seconds in results)
+
+
 def image_rows(corrupt: dict) -> list[tuple[str, str, str]]:
     """Phase 5's lines of the table."""
     return [
         (
             f"JPEG of a 64 x 64 scan under a 1024 x 1024 header ({corrupt['bytes']} B), vision demo: "
             "status, time",
-            ", ".join(f"{s} in {ms(t)}" for s, t in corrupt["refusals"]),
+            statuses(corrupt["refusals"]),
             "422, no engine work",
         ),
         ("  /health worst meanwhile", ms(corrupt["health_worst"]), "< 1 s"),
@@ -823,12 +825,12 @@ def main() -> None:
         ),
         (
             f"72,165-row bodies ({attack['big_bytes']} B): status, time to it",
-            ", ".join(f"{s} in {ms(t)}" for s, t in big),
+            statuses(big),
             "413 < 100 ms",
         ),
         (
             "  one such body alone, 3 times one after another",
-            ", ".join(f"{s} in {ms(t)}" for s, t in attack["alone"]),
+            statuses(attack["alone"]),
             "413 < 100 ms",
         ),
         (
@@ -838,7 +840,7 @@ def main() -> None:
         ),
         (
             f"frame bombs ({attack['bomb_bytes']} B of empty zstd frames): status, time",
-            ", ".join(f"{s} in {ms(t)}" for s, t in bombs),
+            statuses(bombs),
             "4xx",
         ),
         (
@@ -866,12 +868,12 @@ def main() -> None:
         ("/health worst meanwhile", ms(fairness["health_worst"]), "< 1 s"),
         (
             f"two Content-Types, {headers['plain_bytes']} B JSON: status, time (client side)",
-            ", ".join(f"{s} in {ms(t)}" for s, t in headers["plain"]),
+            statuses(headers["plain"]),
             "400 < 1 s",
         ),
         (
             f"  {headers['inflating_bytes']} B of zstd inflating to ~10 MB JSON: status, time",
-            ", ".join(f"{s} in {ms(t)}" for s, t in headers["inflating"]),
+            statuses(headers["inflating"]),
             "400 < 1 s",
         ),
         (
@@ -902,12 +904,12 @@ def main() -> None:
     lines += [
         (
             f"reply amplification ({amplified['bytes']} B zstd, {amplified['inflated']} B inflated): alone",
-            ", ".join(f"{s} in {ms(t)}" for s, t in amplified["alone"]),
+            statuses(amplified["alone"]),
             "413 < 1 s",
         ),
         (
             f"  {len(amplified['concurrent'])} at once: status, time",
-            ", ".join(f"{s} in {ms(t)}" for s, t in amplified["concurrent"]),
+            statuses(amplified["concurrent"]),
             "413 < 1 s",
         ),
         ("  /health worst meanwhile", ms(amplified["health_worst"]), "< 1 s"),
