@@ -140,7 +140,7 @@ class ControlPlane:
                 "--endpoint-reconciler-type=none",
             ],
         )
-        self.wait_for(lambda: self._get_ok("/readyz"), 120, "the API server to be ready")
+        self.wait_for(lambda: self.serves("/readyz"), 120, "the API server to be ready")
         master = f"--master={self.url}"
         self._start(
             "kube-controller-manager",
@@ -171,12 +171,13 @@ class ControlPlane:
             )
         )
         self.wait_for(
-            lambda: self._get_ok("/api/v1/namespaces/default/serviceaccounts/default"),
+            lambda: self.serves("/api/v1/namespaces/default/serviceaccounts/default"),
             120,
             "the controller manager to create the default service account",
         )
 
-    def _get_ok(self, path: str) -> bool:
+    def serves(self, path: str) -> bool:
+        """Whether GET `path` answers 200 now."""
         try:
             return self.api.get(path).status_code == 200
         except httpx.TransportError:
