@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import secrets
 import socket
 import ssl
 import subprocess
@@ -93,9 +94,20 @@ class ControlPlane:
         self.workdir = workdir
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api = httpx.Client(base_url=self.url, timeout=30)
+        self.url = f"https://127.0.0.1:{self.port}"
+        # One bearer token for the suite and the components, made per run, kept in the work dir.
+        self._token = secrets.token_urlsafe(24)
+        self.api = self.client()
         self.kubeconfig = workdir / "kubeconfig"
+
+    def client(self, timeout: float = 30) -> httpx.Client:
+        """A client of the API (its self-signed loopback certificate is not checked)."""
+        return httpx.Client(
+            base_url=self.url,
+            timeout=timeout,
+            verify=False,
+            headers={"Authorization": f"Bearer {self._token}"},
+        )
 
     def _start(self, name: str, args: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
@@ -108,6 +120,9 @@ class ControlPlane:
         subprocess.run(
             ["openssl", "genrsa", "-out", str(work / "sa.key"), "2048"], check=True, capture_output=True
         )
+        tokens = work / "tokens.csv"
+        tokens.touch(mode=0o600)
+        tokens.write_text(f'{self._token},suite,suite,"system:masters"\n')
         client, peer = free_port(), free_port()
         self._start(
             "etcd",
@@ -126,11 +141,9 @@ class ControlPlane:
                 f"--etcd-servers=http://127.0.0.1:{client}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
-                f"--secure-port={free_port()}",
+                f"--secure-port={self.port}",
                 f"--cert-dir={work / 'certs'}",
-                # The unauthenticated port, on loopback only: the components and the suite use it.
-                "--insecure-bind-address=127.0.0.1",
-                f"--insecure-port={self.port}",
+                f"--token-auth-file={tokens}",
                 "--authorization-mode=AlwaysAllow",
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--service-account-issuer=https://kubernetes.default.svc",
@@ -141,7 +154,21 @@ class ControlPlane:
             ],
         )
         self.wait_for(lambda: self.serves("/readyz"), 120, "the API server to be ready")
-        master = f"--master={self.url}"
+        self.kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {"name": "local", "cluster": {"server": self.url, "insecure-skip-tls-verify": True}}
+                    ],
+                    "users": [{"name": "local", "user": {"token": self._token}}],
+                    "contexts": [{"name": "local", "context": {"cluster": "local", "user": "local"}}],
+                    "current-context": "local",
+                }
+            )
+        )
+        master = f"--kubeconfig={self.kubeconfig}"
         self._start(
             "kube-controller-manager",
             [
@@ -158,18 +185,6 @@ class ControlPlane:
             ],
         )
         self._start("kube-scheduler", [master, "--leader-elect=false", "--port=0", "--secure-port=0"])
-        self.kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "local", "cluster": {"server": self.url}}],
-                    "users": [{"name": "local", "user": {}}],
-                    "contexts": [{"name": "local", "context": {"cluster": "local", "user": "local"}}],
-                    "current-context": "local",
-                }
-            )
-        )
         self.wait_for(
             lambda: self.serves("/api/v1/namespaces/default/serviceaccounts/default"),
             120,
@@ -216,6 +231,10 @@ class ControlPlane:
             content=json.dumps(obj),
             headers={"Content-Type": "application/apply-patch+yaml"},
         )
+
+    def create(self, obj: dict) -> httpx.Response:
+        """POST `obj` to its collection: the suite's own objects (1.20's aggregator cannot apply)."""
+        return self.api.post(api_path(obj), json=obj)
 
     def get(self, path: str, **params) -> dict:
         response = self.api.get(path, params=params)
@@ -284,7 +303,7 @@ class StandInKubelet:
         self.addresses: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stand-in-kubelet", daemon=True)
-        self.api = httpx.Client(base_url=plane.url, timeout=30)
+        self.api = plane.client()
 
     def start(self) -> None:
         for node in self.nodes.values():
@@ -294,7 +313,8 @@ class StandInKubelet:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         self.api.close()
 
     def _run(self) -> None:
@@ -484,7 +504,8 @@ class ExternalMetrics:
         self._thread.start()
 
     def stop(self) -> None:
-        self.server.shutdown()
+        if self._thread.is_alive():
+            self.server.shutdown()
         self.server.server_close()
 
     def registration(self) -> list[dict]:
@@ -566,7 +587,7 @@ class StandInClusterDns:
     SUFFIX = ".svc.cluster.local"
 
     def __init__(self, plane: ControlPlane):
-        self.api = httpx.Client(base_url=plane.url, timeout=10)
+        self.api = plane.client(10)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.2)
@@ -579,7 +600,8 @@ class StandInClusterDns:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self.sock.close()
         self.api.close()
 

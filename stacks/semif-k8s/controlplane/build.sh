@@ -78,10 +78,11 @@ fi
 OPENAPI=pkg/generated/openapi/zz_generated.openapi.go
 if [ ! -f "$OPENAPI" ]; then
   nice -n 19 go build -o "$CACHE/openapi-gen" ./vendor/k8s.io/kube-openapi/cmd/openapi-gen
-  inputs=$(grep -rl --include=doc.go -E '^// *\+k8s:openapi-gen=true' pkg staging/src vendor/k8s.io \
-    2>/dev/null | grep -v '^vendor/k8s.io/kubernetes' | xargs -n1 dirname | sort -u \
-    | sed -e 's#^staging/src/##' -e 's#^vendor/##' -e 's#^pkg/#k8s.io/kubernetes/pkg/#' | sort -u \
-    | paste -sd, -)
+  # Every package with a +k8s:openapi-gen tag in any file, as the tree's Makefile finds them
+  # (grep -r does not follow vendor/k8s.io's links into staging/; _examples are not packages).
+  inputs=$(grep -rl --include='*.go' --exclude='*_test.go' -E '^// *\+k8s:openapi-gen=' pkg staging/src vendor \
+    | xargs -n1 dirname | grep -v '/_' | sort -u \
+    | sed -e 's#^staging/src/##' -e 's#^vendor/##' -e 's#^pkg/#k8s.io/kubernetes/pkg/#' | paste -sd, -)
   mkdir -p pkg/generated/openapi
   nice -n 19 "$CACHE/openapi-gen" --logtostderr -v 0 \
     --go-header-file hack/boilerplate/boilerplate.generatego.txt \
@@ -90,7 +91,11 @@ if [ ! -f "$OPENAPI" ]; then
     --output-file-base zz_generated.openapi --report-filename "$CACHE/openapi-violations.list"
 fi
 
-ldflags="-s -w -X k8s.io/component-base/version.gitVersion=v1.20.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=20"
+# The version the binaries and /version report (GOPATH mode: vendored paths carry vendor/).
+ldflags="-s -w"
+for v in k8s.io/kubernetes/vendor/k8s.io/component-base/version k8s.io/kubernetes/vendor/k8s.io/client-go/pkg/version; do
+  ldflags="$ldflags -X $v.gitVersion=v1.20.2 -X $v.gitMajor=1 -X $v.gitMinor=20 -X $v.gitTreeState=clean"
+done
 for cmd in kube-apiserver kube-controller-manager kube-scheduler; do
   if [ ! -x "$BIN/$cmd" ]; then
     nice -n 19 go build -p 1 -ldflags "$ldflags" -o "$BIN/$cmd.tmp" "./cmd/$cmd"
