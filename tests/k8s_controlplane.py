@@ -65,7 +65,7 @@ def missing_components() -> str | None:
     return (
         f"the Kubernetes 1.20.2 control plane is not built in {BIN} "
         f"(missing: {', '.join(absent) or '.complete'}); run {BUILD_SCRIPT.relative_to(ROOT)} "
-        f"(about 15 minutes once per machine). Last build output:\n{tail}"
+        f"(10 to 30 minutes, once per machine). Last build output:\n{tail}"
     )
 
 

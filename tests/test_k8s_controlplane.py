@@ -4,7 +4,7 @@ Real etcd, kube-apiserver, kube-controller-manager and kube-scheduler on 127.0.0
 (tests/k8s_controlplane.py; built once per machine by stacks/semif-k8s/controlplane/build.sh);
 a stand-in kubelet plays the nodes (GPU capacity, taints, labels; pod status, no containers). The
 scheduler, the deployment, endpoints, disruption and HPA controllers are Kubernetes' own.
-Run alone: `pytest -m k8s_controlplane` (about 5 minutes). Skips, naming the build script and
+Run alone: `uv run pytest -m k8s_controlplane` (under 3 minutes). Skips, naming the build script and
 its last output, where the control plane is not built.
 """
 
@@ -512,6 +512,7 @@ def test_an_empty_metric_holds_the_replicas_and_says_so(cluster, namespace):
     plane, _, metrics = cluster
     objects = install(plane, {**HOST_PATH, "gateway": {"enabled": False}}, namespace)
     (scaled,) = [o for o in objects if o["kind"] == "ScaledObject"]
+    assert scaled["spec"]["triggers"][0]["metadata"]["ignoreNullValues"] == "false"
     hpa, metric = keda_hpa(scaled)
     hpa["metadata"]["name"] = f"keda-hpa-{namespace}"
     metric_name = f"{metric}-{namespace}"

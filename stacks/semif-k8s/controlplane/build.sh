@@ -115,7 +115,7 @@ fi
 "$BIN/kube-apiserver" --version >/dev/null
 "$BIN/etcd" --version >/dev/null
 touch "$BIN/.complete"
-# The 3 GB of source, Go toolchain and build cache are not needed once the binaries exist.
+# The 2.2 GB of source, Go toolchain and build cache are not needed once the binaries exist.
 if [ -z "${SEMIF_K8S_KEEP_BUILD:-}" ]; then
   rm -rf "$SRC_DIR" "$GOPATH_DIR" "$CACHE/gocache" "$CACHE/dl" "$CACHE/debs" "$TOOLS" "$CACHE/openapi-gen"
 fi
