@@ -117,6 +117,6 @@ fi
 touch "$BIN/.complete"
 # The 2.2 GB of source, Go toolchain and build cache are not needed once the binaries exist.
 if [ -z "${SEMIF_K8S_KEEP_BUILD:-}" ]; then
-  rm -rf "$SRC_DIR" "$GOPATH_DIR" "$CACHE/gocache" "$CACHE/dl" "$CACHE/debs" "$TOOLS" "$CACHE/openapi-gen"
+  rm -rf "$SRC_DIR" "$GOPATH_DIR" "$CACHE/gocache" "$CACHE/dl" "$CACHE/debs" "$TOOLS" "$CACHE/openapi-gen" "$CACHE/openapi-violations.list"
 fi
 echo "$BIN"
