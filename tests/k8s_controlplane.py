@@ -70,6 +70,7 @@ def missing_components() -> str | None:
 
 
 def free_port() -> int:
+    """A loopback TCP port free now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -84,6 +85,7 @@ def api_path(obj: dict, name: str | None = None) -> str:
 
 
 def now_rfc3339() -> str:
+    """Now, as the API writes times."""
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -199,6 +201,7 @@ class ControlPlane:
             return False
 
     def stop(self) -> None:
+        """Stops every component, newest first."""
         for _, process in reversed(self.processes):
             process.terminate()
         for _, process in reversed(self.processes):
@@ -209,6 +212,7 @@ class ControlPlane:
         self.api.close()
 
     def exited(self) -> list[str]:
+        """The components that have exited."""
         return [name for name, process in self.processes if process.poll() is not None]
 
     def wait_for(self, condition: Callable[[], object], seconds: float, what: str, every: float = 0.2):
@@ -237,14 +241,17 @@ class ControlPlane:
         return self.api.post(api_path(obj), json=obj)
 
     def get(self, path: str, **params) -> dict:
+        """GET `path` as JSON; an error status raises."""
         response = self.api.get(path, params=params)
         response.raise_for_status()
         return response.json()
 
     def pods(self, namespace: str, selector: str = "") -> list[dict]:
+        """The pods of `namespace` matching the label `selector`."""
         return self.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=selector)["items"]
 
     def kubectl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Runs the built kubectl against this control plane."""
         return subprocess.run(
             [str(BIN / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
             capture_output=True,
@@ -263,6 +270,7 @@ class GpuNode:
     taints: list[dict] = field(default_factory=list)
 
     def manifest(self) -> dict:
+        """The Node object the kubelet registers: capacity, taints, labels, Ready."""
         capacity = {"cpu": "32", "memory": "256Gi", "pods": "110", "ephemeral-storage": "500Gi"}
         if self.gpus:
             capacity["nvidia.com/gpu"] = str(self.gpus)

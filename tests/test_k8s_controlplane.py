@@ -480,6 +480,8 @@ def test_the_hpa_keda_would_create_scales_up_one_a_period_to_the_cap_and_waits_t
         lambda: plane.get(path).get("status", {}).get("currentMetrics"), 60, "the HPA to read the metric"
     )
     assert replicas() == 1
+    # Read through the aggregator from the loopback server, by Kubernetes' own HPA controller.
+    assert f"/apis/{ExternalMetrics.GROUP}/v1beta1/namespaces/{namespace}/{metric}" in metrics.requests
     # Load for 10 replicas: up by one a period, capped at maxReplicas (the GPU pool).
     metrics.values[metric] = target * 10
     steps = [time.monotonic()]
