@@ -10,6 +10,7 @@ its last output, where the control plane is not built.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import shutil
@@ -59,12 +60,16 @@ def cluster(tmp_path_factory) -> Iterator[tuple[ControlPlane, StandInKubelet, Ex
         print(f"\n*** SKIPPING the control-plane suite: {reason}\n", flush=True)
         pytest.skip(reason)
     work = tmp_path_factory.mktemp("k8s")
-    plane = ControlPlane(work)
-    metrics = ExternalMetrics(work)
-    kubelet = StandInKubelet(plane, NODES)
-    try:
+    with contextlib.ExitStack() as teardown:
+        # Each part stops even when another's stop fails (no component outlives the session).
+        plane = ControlPlane(work)
+        teardown.callback(plane.stop)
         plane.start()
+        metrics = ExternalMetrics(work)
+        teardown.callback(metrics.stop)
         metrics.start()
+        kubelet = StandInKubelet(plane, NODES)
+        teardown.callback(kubelet.stop)
         kubelet.start()
         for obj in [*custom_resource_definitions(), *metrics.registration()]:
             response = plane.create(obj)
@@ -85,10 +90,6 @@ def cluster(tmp_path_factory) -> Iterator[tuple[ControlPlane, StandInKubelet, Ex
         }
         assert plane.create(priority).status_code == 201
         yield plane, kubelet, metrics
-    finally:
-        kubelet.stop()
-        metrics.stop()
-        plane.stop()
 
 
 @pytest.fixture
