@@ -53,10 +53,13 @@ class Gateway:
         max_queue: int = 32,
         balance: int = 200,
         haproxy: str = "haproxy",
+        config: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`config`: a config text to run instead (its servers from DNS); `env`: more variables."""
         self.port = free_port()
         self.config = workdir / "haproxy.cfg"
-        self.config.write_text(config_with_servers(ports), encoding="utf-8")
+        self.config.write_text(config or config_with_servers(ports), encoding="utf-8")
         self.log = workdir / "haproxy.log"
         self.env = {
             **os.environ,
@@ -64,6 +67,7 @@ class Gateway:
             "SEMIF_GATEWAY_OPS_PORT": str(free_port()),
             "SEMIF_GATEWAY_MAX_QUEUE": str(max_queue),
             "SEMIF_GATEWAY_BALANCE": str(balance),
+            **(env or {}),
         }
         self.haproxy = haproxy
         self.process: subprocess.Popen | None = None

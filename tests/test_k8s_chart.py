@@ -42,10 +42,10 @@ CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor"}
 IN_CI = bool(os.environ.get("CI"))
 
 
-def render(values: dict | None = None) -> list[dict]:
+def render(values: dict | None = None, namespace: str = NAMESPACE) -> list[dict]:
     """Every object the chart renders for `values`, as `helm template` would print them."""
     with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE)
+        manifests = chart.render(values or {}, name=RELEASE, namespace=namespace)
     objects = []
     for path, text in sorted(manifests.items()):
         if path.endswith(".yaml"):
@@ -136,6 +136,8 @@ def test_the_scaled_object_and_service_monitor_validate_against_their_crd_schema
         ({"settings": {"SEMIF_MAX_QUEUE": 32}}, "/settings/SEMIF_MAX_QUEUE"),
         ({"autoscaling": {"maxReplicas": 40}}, "gateway.slots (16) must be at least"),
         ({"shutdown": {"graceSeconds": 0}}, "/shutdown/graceSeconds"),
+        ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "rollout.maxSurge and rollout.maxUnavailable"),
+        ({"rollout": {"maxSurge": -1, "maxUnavailable": 1}}, "/rollout/maxSurge"),
     ],
 )
 def test_a_broken_values_file_fails_to_render_naming_what_is_wrong(broken, named):
@@ -173,7 +175,7 @@ def test_each_replica_gets_one_gpu_a_read_only_model_the_token_as_a_file_and_pro
     volumes = {v["name"]: v for v in pod["volumes"]}
 
     for bound in ("requests", "limits"):
-        assert container["resources"][bound]["nvidia.com/gpu"] == 1
+        assert container["resources"][bound]["nvidia.com/gpu"] == "1"
         assert container["resources"][bound]["cpu"] and container["resources"][bound]["memory"]
     # The model: read-only mount, read-only source, and SEMIF_MODEL_PATH inside it.
     assert mounts["model"]["readOnly"] is True
@@ -201,7 +203,83 @@ def test_each_replica_gets_one_gpu_a_read_only_model_the_token_as_a_file_and_pro
     sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     drain = int(env["SEMIF_SHUTDOWN_GRACE_SECONDS"])
     assert pod["terminationGracePeriodSeconds"] > sleep + drain
-    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+@pytest.mark.parametrize("set_name", VALUE_SETS)
+def test_every_resource_quantity_is_a_string_as_server_side_apply_requires(set_name):
+    pods = [o["spec"]["template"]["spec"] for o in rendered(set_name) if o["kind"] == "Deployment"]
+    quantities = [
+        (container["name"], name, quantity)
+        for pod in pods
+        for container in pod["containers"]
+        for bound in container["resources"].values()
+        for name, quantity in bound.items()
+    ]
+    assert any(name == "nvidia.com/gpu" for _, name, _ in quantities)
+    assert [q for q in quantities if not isinstance(q[2], str)] == []
+    integers = {"resources": {"requests": {"cpu": 2, "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}}
+    (container,) = server_deployment(render(integers))["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"]["cpu"] == "2"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+@pytest.mark.parametrize("set_name", VALUE_SETS)
+def test_a_rolling_update_can_start_with_no_gpu_spare(set_name):
+    """At full scale every GPU is taken: a step must stop an old pod before it needs a new GPU."""
+    deployment = server_deployment(rendered(set_name))
+    rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+    assert rolling["maxSurge"] == 0 and rolling["maxUnavailable"] >= 1, rolling
+
+
+def prometheus_operator_labels(service_monitor: dict, service: dict) -> dict[str, str]:
+    """The target labels the Prometheus Operator gives a ServiceMonitor's scrape of `service`.
+
+    Its documented rule: `job` is the value of the Service label named by spec.jobLabel, else the
+    Service's name; `namespace` and `service` are the Service's.
+    """
+    job_label = service_monitor["spec"].get("jobLabel")
+    job = service["metadata"]["labels"].get(job_label) if job_label else service["metadata"]["name"]
+    return {"job": job, "namespace": service["metadata"]["namespace"], "service": service["metadata"]["name"]}
+
+
+@pytest.mark.parametrize(
+    "set_name", [n for n in VALUE_SETS if VALUE_SETS[n].get("serviceMonitor", {}).get("enabled")]
+)
+def test_the_autoscaling_query_selects_the_series_the_service_monitor_scrapes(set_name):
+    objects = rendered(set_name)
+    monitor = one(objects, "ServiceMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [
+        o for o in objects if o["kind"] == "Service" and selector.items() <= o["metadata"]["labels"].items()
+    ]
+    labels = prometheus_operator_labels(monitor, service)
+    (trigger,) = one(objects, "ScaledObject")["spec"]["triggers"]
+    matchers = re.findall(r'(\w+)="([^"]*)"', trigger["metadata"]["query"])
+    assert matchers, trigger["metadata"]["query"]
+    assert {name: value for name, value in matchers if labels.get(name) != value} == {}, labels
+
+
+@pytest.mark.parametrize(
+    "set_name", [n for n in VALUE_SETS if VALUE_SETS[n].get("autoscaling", {}).get("enabled", True)]
+)
+def test_an_empty_autoscaling_query_is_an_error_not_zero_load(set_name):
+    (trigger,) = one(rendered(set_name), "ScaledObject")["spec"]["triggers"]
+    assert trigger["metadata"]["ignoreNullValues"] == "false"
+
+
+@pytest.mark.parametrize(
+    "set_name", [n for n in VALUE_SETS if VALUE_SETS[n].get("gateway", {}).get("enabled", True)]
+)
+def test_the_gateway_pods_prefer_distinct_nodes(set_name):
+    gateway = one(rendered(set_name), "Deployment", f"{RELEASE}-semif-serve-gateway")["spec"]["template"]
+    (term,) = gateway["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert (
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"].items()
+        <= gateway["metadata"]["labels"].items()
+    )
 
 
 @pytest.mark.parametrize("set_name", VALUE_SETS)

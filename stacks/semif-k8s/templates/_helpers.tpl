@@ -41,3 +41,14 @@ app.kubernetes.io/component: gateway
 {{- define "semif.terminationGrace" -}}
 {{- add .Values.shutdown.preStopSleepSeconds .Values.shutdown.graceSeconds .Values.shutdown.marginSeconds -}}
 {{- end -}}
+
+{{/* Requests and limits with every quantity a string: server-side apply rejects a bare number
+(`nvidia.com/gpu: 1`, "expected string"), which client-side apply and the schemas accept. */}}
+{{- define "semif.resources" -}}
+{{- range $bound, $quantities := . }}
+{{ $bound }}:
+{{- range $name, $quantity := $quantities }}
+  {{ $name }}: {{ $quantity | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
