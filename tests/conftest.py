@@ -23,6 +23,12 @@ from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
 TOKEN = "test-token-0123456789"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The control-plane suite runs last, so that CI's build of it (started beside the tests) has
+    the whole run to finish."""
+    items.sort(key=lambda item: item.get_closest_marker("k8s_controlplane") is not None)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("demo-model"))

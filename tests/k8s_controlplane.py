@@ -55,6 +55,22 @@ RESOURCES = {
 }
 
 
+def build_under_way() -> bool:
+    """Whether build.sh is running now (its pid file names a live process)."""
+    try:
+        os.kill(int((CACHE / ".building").read_text().strip()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def wait_for_build(seconds: float) -> None:
+    """Wait up to `seconds` for a build under way to end (CI starts it beside the tests)."""
+    deadline = time.monotonic() + seconds
+    while build_under_way() and time.monotonic() < deadline:
+        time.sleep(5)
+
+
 def missing_components() -> str | None:
     """Why the control plane cannot start here (None: it can), naming the build script."""
     absent = [name for name in COMPONENTS if not os.access(BIN / name, os.X_OK)]

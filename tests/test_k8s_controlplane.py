@@ -29,6 +29,7 @@ from k8s_controlplane import (
     StandInKubelet,
     custom_resource_definitions,
     missing_components,
+    wait_for_build,
 )
 from test_k8s_chart import RELEASE, VALUE_SETS, render, required_tool
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from gateway import Gateway  # noqa: E402
 
 pytestmark = pytest.mark.k8s_controlplane
+BUILD_WAIT_SECONDS = 40 * 60  # a cold build on 2 busy cores, started by .ci/run beside the tests
 
 FULLNAME = f"{RELEASE}-semif-serve"
 SERVER = "app.kubernetes.io/component=server"
@@ -56,6 +58,7 @@ HOST_PATH = {"model": {"source": "hostPath", "hostPath": {"path": "/srv/models"}
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> Iterator[tuple[ControlPlane, StandInKubelet, ExternalMetrics]]:
+    wait_for_build(BUILD_WAIT_SECONDS)
     if reason := missing_components():
         print(f"\n*** SKIPPING the control-plane suite: {reason}\n", flush=True)
         pytest.skip(reason)
