@@ -291,3 +291,33 @@ def test_the_reply_amplification_attack_leaves_memory_flat(server):
         tracemalloc.stop()
     assert_refused_naming_the_need(reply)
     assert peak < 64 * 2**20  # the reply would have been ~145 MB of text, several times that as objects
+
+
+def missing_images_body(key_length: int, placeholders: int) -> dict:
+    """One state key of `key_length` characters holding `placeholders` images that have no asset:
+    each is its own error, and each error's loc repeats the key."""
+    return {
+        "model": "jev-latest",
+        "state": {"K" * key_length: "<image:a>" * placeholders},
+        "questions": {"q": {"type": "noul"}},
+    }
+
+
+def bad_criteria_body(id_length: int, criteria: int) -> dict:
+    """One question of an `id_length`-character id whose `criteria` criteria are each invalid."""
+    choice = {"type": "choice", "criteria": {f"c{i}": 1 for i in range(criteria)}}
+    return {"model": "jev-latest", "state": "s", "questions": {"q" * id_length: choice}}
+
+
+@pytest.mark.parametrize(
+    "body", [missing_images_body(20_000, 1_000), bad_criteria_body(10_000, 200)], ids=["images", "criteria"]
+)
+def test_a_422_stays_small_however_many_errors_a_small_body_makes(client, body):
+    raw = json.dumps(body).encode()
+    reply = client.post("/v1/systemone", content=raw, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 422
+    detail = reply.json()["detail"]
+    assert len(reply.content) < 64 * 1024 < 10 * len(raw)  # before: 20 MB and 6 MB replies
+    assert detail[-1]["msg"].startswith("and ") and detail[-1]["msg"].endswith("more errors, not listed")
+    assert all(len(str(part)) < 300 for item in detail for part in item["loc"])
+    assert any("characters)" in str(part) for item in detail for part in item["loc"])  # the cut is said

@@ -32,12 +32,43 @@ MAX_LEVELS = 10
 Text = str | dict[str, Any] | list[Any]
 
 
+# A 422 echoes the request's keys: bounded so that a small body never buys a large error reply.
+MAX_REPORTED_ERRORS = 32
+MAX_ECHOED_CHARS = 256
+
+
+def clipped(value: Any, limit: int = MAX_ECHOED_CHARS) -> Any:
+    """A string cut to `limit` characters (saying how long it was); anything else as it is."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]}... ({len(value)} characters)"
+    return value
+
+
+def bounded_detail(detail: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first MAX_REPORTED_ERRORS items, every loc part and message clipped, then one item
+    counting the rest."""
+    kept = [
+        {
+            "loc": [clipped(part) for part in item["loc"]],
+            "msg": clipped(item["msg"], 4 * MAX_ECHOED_CHARS),
+            "type": item["type"],
+        }
+        for item in detail[:MAX_REPORTED_ERRORS]
+    ]
+    if len(detail) > MAX_REPORTED_ERRORS:
+        more = len(detail) - MAX_REPORTED_ERRORS
+        kept.append({"loc": ["body"], "msg": f"and {more} more errors, not listed", "type": "value_error"})
+    return kept
+
+
 class SystemOneValidationError(ServiceError):
-    """A request that breaks a rule: 422 with FastAPI's `detail[]` ({loc, msg, type} each)."""
+    """A request that breaks a rule: 422 with FastAPI's `detail[]` ({loc, msg, type} each),
+    bounded (`bounded_detail`)."""
 
     def __init__(self, detail: list[dict[str, Any]]) -> None:
-        super().__init__(422, "validation_error", detail[0]["msg"] if detail else "invalid request")
-        self.detail = detail
+        bounded = bounded_detail(detail)
+        super().__init__(422, "validation_error", bounded[0]["msg"] if bounded else "invalid request")
+        self.detail = bounded
 
 
 def _check_ordering(kind: str, value: str | None, options: int) -> None:
