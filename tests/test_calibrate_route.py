@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
 from pathlib import Path
 
 import pytest
 from conftest import in_process_client, make_settings
 
+import semif_serve.doors.native.api as native_api
 from semif_serve.app import create_app
+from semif_serve.domain.fitting import calibration_report, reliability_bins
 from semif_serve.service.startup import Service
 from semif_serve.tools.cli import main
 
@@ -124,6 +127,7 @@ def test_the_route_needs_the_bearer_token(client):
         (lambda b: b["rows"][0].pop("group"), "rows[0].group", "required"),
         (lambda b: b.update(rows=[]), "rows", "at least 1"),
         (lambda b: b.update(workload=" "), "workload", "non-empty"),
+        (lambda b: b["rows"][0].update(logits=[1e307, 0.0]), "rows[0].logits", "within +-1e+06"),
     ],
 )
 def test_a_broken_rule_is_a_422_naming_the_field(client, change, field, words):
@@ -147,3 +151,29 @@ def test_rows_over_the_logit_limit_are_refused_before_any_fit(engine, checkpoint
     error = reply.json()["error"]
     assert (error["code"], error["field"]) == ("validation_error", "rows")
     assert "10 logits" in error["message"] and "SEMIF_CALIBRATE_MAX_LOGITS" in error["message"]
+
+
+def test_logits_at_the_float_limit_fit_to_finite_numbers_not_nan():
+    # z / T at the search's least T (0.05) overflows these; the fit must shift before it scales.
+    rows = [([1e307, 0.0], 0), ([0.0, 1e307], 0), ([1e308, -1e308], 0), ([0.5, -0.5], 1)]
+    report = calibration_report(rows, ["a", "b", "c", "d"])
+    numbers = [value for value in report.values() if isinstance(value, float)]
+    assert numbers and all(math.isfinite(value) for value in numbers)
+    for temperature in (0.05, 1.0, 20.0):  # the reliability bins read softmax at any T
+        assert all(math.isfinite(b.confidence) for b in reliability_bins(rows, temperature) if b.count)
+
+
+def test_fits_run_on_their_own_thread_so_decisions_keep_the_shared_pool(client):
+    seen = []
+    original = native_api.calibration_report
+
+    def recording(*args):
+        seen.append(threading.current_thread().name)
+        return original(*args)
+
+    body = {"workload": "w", "rows": [{"logits": [0.5, -0.5], "label": k % 2, "group": k} for k in range(8)]}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_api, "calibration_report", recording)
+        reply = client.post("/calibrate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert seen and all(name.startswith("semif-calibrate") for name in seen)

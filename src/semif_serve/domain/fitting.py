@@ -21,11 +21,12 @@ Row = tuple[Sequence[float], int]
 
 
 def _row_nll(logits: Sequence[float], gold: int, temperature: float) -> float:
-    # -log p_gold via log-sum-exp, capped where upstream's probability floor would bite.
-    scaled = [float(z) / temperature for z in logits]
-    top = max(scaled)
-    lse = top + math.log(math.fsum(math.exp(s - top) for s in scaled))
-    return min(lse - scaled[gold], -math.log(PROB_FLOOR))
+    # -log p_gold via log-sum-exp, capped where upstream's probability floor would bite; shifted
+    # by the largest logit before scaling, so that no z / T overflows (inf - inf would be NaN).
+    top = max(float(z) for z in logits)
+    shifted = [(float(z) - top) / temperature for z in logits]
+    lse = math.log(math.fsum(math.exp(s) for s in shifted))
+    return min(lse - shifted[gold], -math.log(PROB_FLOOR))
 
 
 def mean_nll(rows: Sequence[Row], temperature: float = 1.0) -> float:

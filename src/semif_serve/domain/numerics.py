@@ -14,6 +14,9 @@ ECE_BINS = 10
 def softmax(values: Sequence[float], temperature: float = 1.0) -> list[float]:
     """softmax(values / temperature), computed stably in float64."""
     scaled = [float(v) / temperature for v in values]
+    if not all(math.isfinite(s) for s in scaled):  # v / T overflowed: shift by the largest v first
+        top = max(float(v) for v in values)
+        scaled = [(float(v) - top) / temperature for v in values]
     peak = max(scaled)
     exps = [math.exp(s - peak) for s in scaled]
     total = math.fsum(exps)

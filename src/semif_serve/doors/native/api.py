@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -330,6 +331,10 @@ def read_shared(body: bytes, identity: dict[str, str]) -> tuple[Any, list[Questi
 # -- the door -------------------------------------------------------------------------------------
 
 
+# Fits take turns on one thread of their own: however many arrive, decisions keep the shared pool.
+FITS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-calibrate")
+
+
 class NativeDoor(DecisionDoor):
     """SemIf's native API over the decision core."""
 
@@ -382,7 +387,8 @@ class NativeDoor(DecisionDoor):
 
     async def calibrate(self, request: Request, body: bytes) -> CalibrationReport:
         """`POST /calibrate`: fit the workload's single-read T on labelled rows, with the code
-        `semif-serve calibrate` runs (on a worker thread: the fit is CPU work)."""
+        `semif-serve calibrate` runs (on the one fitting thread: the fit is seconds of CPU work, and
+        fits in turn never take the threads every request's parsing runs on)."""
         parsed = await asyncio.to_thread(parse_body, CalibrateBody, body)
         limit = self.service.settings.calibrate_max_logits
         logits = sum(len(row.logits) for row in parsed.rows)
@@ -393,9 +399,12 @@ class NativeDoor(DecisionDoor):
                 "(SEMIF_CALIBRATE_MAX_LOGITS); fit fewer rows per request",
             )
         rows = [(row.logits, row.label) for row in parsed.rows]
-        report = await asyncio.to_thread(calibration_report, rows, [row.group for row in parsed.rows])
-        before, after = await asyncio.to_thread(
-            lambda: (reliability_bins(rows, 1.0), reliability_bins(rows, report["temperature"]))
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(
+            FITS, calibration_report, rows, [row.group for row in parsed.rows]
+        )
+        before, after = await loop.run_in_executor(
+            FITS, lambda: (reliability_bins(rows, 1.0), reliability_bins(rows, report["temperature"]))
         )
         return CalibrationReport(
             **report,

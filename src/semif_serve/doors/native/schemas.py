@@ -130,6 +130,10 @@ class SharedDecisionsBody(BaseModel):
         return decisions
 
 
+# Far past any model's logits, and small enough that z / T stays finite at the search's least T.
+MAX_CALIBRATE_LOGIT = 1e6
+
+
 class CalibrateRow(BaseModel):
     """One labelled read: the option logits of a question's single read and the index of the right option."""
 
@@ -141,8 +145,8 @@ class CalibrateRow(BaseModel):
     @field_validator("logits")
     @classmethod
     def _finite(cls, logits: list[float]) -> list[float]:
-        if not all(math.isfinite(z) for z in logits):
-            raise ValueError("logits must be finite numbers")
+        if not all(math.isfinite(z) and abs(z) <= MAX_CALIBRATE_LOGIT for z in logits):
+            raise ValueError(f"logits must be finite numbers within +-{MAX_CALIBRATE_LOGIT:g}")
         return logits
 
     @field_validator("label")
