@@ -101,7 +101,7 @@ for v in k8s.io/kubernetes/vendor/k8s.io/component-base/version k8s.io/kubernete
 done
 for cmd in kube-apiserver kube-controller-manager kube-scheduler; do
   if [ ! -x "$BIN/$cmd" ]; then
-    nice -n 19 go build -p 1 -ldflags "$ldflags" -o "$BIN/$cmd.tmp" "./cmd/$cmd"
+    nice -n 19 go build -ldflags "$ldflags" -o "$BIN/$cmd.tmp" "./cmd/$cmd"  # every core, at the lowest priority
     mv "$BIN/$cmd.tmp" "$BIN/$cmd"
   fi
 done
