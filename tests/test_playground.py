@@ -390,6 +390,52 @@ def test_the_copied_snippets_carry_a_placeholder_and_run_to_the_same_answers(pag
     assert f"baseURL: {json.dumps(server.url)}" in snippets["javascript"]
 
 
+# Option names that look like integers: a JavaScript object lists them first, ascending ("1", "2", "10").
+WRITTEN_ORDER = ["10", "2", "b", "1"]
+INTEGER_LIKE_QUESTIONS = (
+    '{"seats": {"type": "choice", "instructions": "How many seats the customer asks for",'
+    ' "criteria": {"10": "ten or more", "2": "two", "b": "it is a billing question", "1": "one"}}}'
+)
+
+
+@needs_browser
+def test_options_named_like_integers_are_sent_shown_and_copied_in_the_written_order(page, server):
+    state = "Please add seats for our two new hires."
+    page.type_token(TOKEN)
+    page.edit("state", json.dumps(state))
+    page.edit("questions", INTEGER_LIKE_QUESTIONS)
+    page.run()
+    (column,) = page.columns()
+    # The service's answer to the same JSON text, sent as written (httpx does not reorder it).
+    text = f'{{"model": "jev-latest", "state": {json.dumps(state)}, "questions": {INTEGER_LIKE_QUESTIONS}}}'
+    reply = httpx.post(
+        f"{server.url}/v1/systemone",
+        content=text,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        timeout=120,
+    ).json()
+    answer = reply["answers"]["seats"]
+    assert list(answer["probabilities"]) == WRITTEN_ORDER
+    assert [reading["order"] for reading in answer["x_semif"]["readings"]][0] == WRITTEN_ORDER
+    assert_column_shows(column, reply)
+    drawn = page.driver.execute_script(
+        """const card = document.querySelector('#results .card[data-question="seats"]');
+           return [[...card.querySelectorAll('.bar-row')].map((row) => row.dataset.option),
+                   [...card.querySelectorAll('.readings tbody th')].map((th) => th.textContent),
+                   [...card.querySelectorAll('.readings thead th[title]')].map((th) => th.title)]"""
+    )
+    assert drawn == [
+        WRITTEN_ORDER,
+        WRITTEN_ORDER,
+        [f"asked in the order {', '.join(r['order'])}" for r in answer["x_semif"]["readings"]],
+    ]
+    curl = page.copied(0, "curl")
+    body = json.loads(curl.split("<<'JSON'\n", 1)[1].rsplit("\nJSON", 1)[0])
+    assert list(body["questions"]["seats"]["criteria"]) == WRITTEN_ORDER
+    python = page.copied(0, "python")
+    assert python.index('"10": ') < python.index('"2": ') < python.index('"b": ') < python.index('"1": ')
+
+
 @needs_browser
 def test_every_control_is_labelled_and_a_run_works_from_the_keyboard(page, server):
     unlabelled = page.driver.execute_script(

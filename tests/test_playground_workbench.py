@@ -58,6 +58,12 @@ TASK_QUESTIONS = {
         "criteria": ["calm", "annoyed", "angry"],
     },
 }
+# Question ids that are Object.prototype's names: a plain object keyed by them breaks or drops them.
+PROTOTYPE_QUESTIONS = {
+    "constructor": TASK_QUESTIONS["team"],
+    "toString": TASK_QUESTIONS["urgent"],
+    "__proto__": TASK_QUESTIONS["frustration"],
+}
 TICKETS = [
     "My card was charged twice for the October invoice.",
     "The API returns a 500 on every POST; checkout is down.",
@@ -348,22 +354,28 @@ def test_the_model_picker_lists_what_v1_models_lists_and_two_models_run_side_by_
 # -- evaluating and calibrating a workload ---------------------------------------------------------------
 
 
-def levbench_file(tmp_path: Path, items: int, seed: int) -> tuple[Path, list[dict]]:
+def drawn_label(rng: random.Random, question: dict):
+    if question["type"] == "choice":
+        return rng.choice(list(question["criteria"]))
+    if question["type"] == "noul":
+        return rng.random() < 0.5
+    return rng.randrange(len(question["criteria"]))
+
+
+def levbench_file(
+    tmp_path: Path, items: int, seed: int, questions: dict = TASK_QUESTIONS
+) -> tuple[Path, list[dict]]:
     """A task file in levbench's format, with labels drawn at random."""
     rng = random.Random(seed)
     rows = [
         {
             "state": TICKETS[i % len(TICKETS)] + f" (ticket {i})",
-            "labels": {
-                "team": rng.choice(list(TASK_QUESTIONS["team"]["criteria"])),
-                "urgent": rng.random() < 0.5,
-                "frustration": rng.randrange(3),
-            },
+            "labels": {qid: drawn_label(rng, question) for qid, question in questions.items()},
         }
         for i in range(items)
     ]
     path = tmp_path / "tickets.json"
-    path.write_text(json.dumps({"questions": TASK_QUESTIONS, "items": rows}))
+    path.write_text(json.dumps({"questions": questions, "items": rows}))
     return path, rows
 
 
@@ -373,21 +385,21 @@ def label_id(question: dict, value) -> str:
     return str(value)
 
 
-def cli_reports(server, tmp_path: Path, rows: list[dict]) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+def cli_reports(
+    server, tmp_path: Path, rows: list[dict], questions: dict = TASK_QUESTIONS
+) -> tuple[dict[str, dict], dict[str, list[dict]]]:
     """Each question's `semif-serve calibrate --json` report on the API's single reads of the same
     items, and those reads (each item's option logits, by question)."""
     reads = [
-        api(server, {"model": "jev-latest", "state": row["state"], "questions": TASK_QUESTIONS}).json()[
-            "answers"
-        ]
+        api(server, {"model": "jev-latest", "state": row["state"], "questions": questions}).json()["answers"]
         for row in rows
     ]
     reports = {}
-    for qid, question in TASK_QUESTIONS.items():
+    for n, (qid, question) in enumerate(questions.items()):
         gold, preds, out = (
-            tmp_path / f"{qid}.jsonl",
-            tmp_path / f"{qid}-preds.jsonl",
-            tmp_path / f"{qid}.json",
+            tmp_path / f"q{n}.jsonl",
+            tmp_path / f"q{n}-preds.jsonl",
+            tmp_path / f"q{n}.json",
         )
         lines_gold, lines_pred = [], []
         for i, (row, answers) in enumerate(zip(rows, reads, strict=True)):
@@ -404,7 +416,7 @@ def cli_reports(server, tmp_path: Path, rows: list[dict]) -> tuple[dict[str, dic
         assert main(["calibrate", "--gold", str(gold), "--predictions", str(preds), "--json", str(out)]) == 0
         reports[qid] = json.loads(out.read_text())
     return reports, {
-        qid: [answers[qid]["x_semif"]["option_logits"] for answers in reads] for qid in TASK_QUESTIONS
+        qid: [answers[qid]["x_semif"]["option_logits"] for answers in reads] for qid in questions
     }
 
 
@@ -418,25 +430,24 @@ def evaluate(page: Page, path: Path, in_flight: int) -> None:
 
 
 def shown_reports(page: Page) -> dict[str, dict]:
-    return page.driver.execute_script(
-        """return Object.fromEntries([...document.querySelectorAll('#eval-results .card')].map((card) => [
+    """Each card's numbers by question id (as pairs from the page: no object keyed by the file's ids)."""
+    cards = page.driver.execute_script(
+        """return [...document.querySelectorAll('#eval-results .card')].map((card) => [
              card.dataset.question,
-             Object.fromEntries([...card.querySelectorAll('.num')].map((n) => [n.dataset.field,
-                                                                               n.textContent]))]))"""
+             [...card.querySelectorAll('.num')].map((n) => [n.dataset.field, n.textContent])])"""
     )
+    return {qid: dict(fields) for qid, fields in cards}
 
 
-def test_an_evaluation_shows_the_accuracy_ece_and_temperature_semif_serve_calibrate_prints(
-    page, server, tmp_path
-):
-    path, rows = levbench_file(tmp_path, items=9, seed=3)
+def assert_evaluated_as_semif_serve_calibrate_prints(page, server, tmp_path, questions: dict) -> None:
+    path, rows = levbench_file(tmp_path, items=9, seed=3, questions=questions)
     enter_token(page)
     evaluate(page, path, in_flight=3)
     assert page.find("#eval-status").text.startswith("Done: 9 requests, 3 questions fitted")
     assert 1 <= int(page.find("body").get_attribute("data-eval-max-in-flight")) <= 3
     shown = shown_reports(page)
-    expected, reads = cli_reports(server, tmp_path, rows)
-    assert set(shown) == set(TASK_QUESTIONS)
+    expected, reads = cli_reports(server, tmp_path, rows, questions)
+    assert list(shown) == list(questions)
     for qid, report in expected.items():
         numbers = shown[qid]
         for field in ("accuracy", "nll", "ece"):
@@ -451,7 +462,7 @@ def test_an_evaluation_shows_the_accuracy_ece_and_temperature_semif_serve_calibr
             assert_shown(numbers["ece_out_of_fold"], report["ece_out_of_fold"])
         # The accuracy, by hand: how often the single read's top option is the label.
         tops = [max(logits, key=logits.get) for logits in reads[qid]]
-        labels = [label_id(TASK_QUESTIONS[qid], row["labels"][qid]) for row in rows]
+        labels = [label_id(questions[qid], row["labels"][qid]) for row in rows]
         assert_shown(numbers["accuracy_after"], sum(map(str.__eq__, tops, labels)) / len(rows))
     page.find("#eval-copy").click()
     entries = json.loads(page.find("#eval-results .snippet").get_attribute("value"))
@@ -462,13 +473,38 @@ def test_an_evaluation_shows_the_accuracy_ece_and_temperature_semif_serve_calibr
     assert_only_own_origin_and_nothing_kept(page, server, requests)
 
 
-def test_fixture_rows_are_evaluated_as_semif_serve_calibrate_reads_the_same_file(page, server, tmp_path):
+def test_an_evaluation_shows_the_accuracy_ece_and_temperature_semif_serve_calibrate_prints(
+    page, server, tmp_path
+):
+    assert_evaluated_as_semif_serve_calibrate_prints(page, server, tmp_path, TASK_QUESTIONS)
+
+
+def test_questions_named_as_object_prototype_names_are_each_evaluated_and_fitted(page, server, tmp_path):
+    assert_evaluated_as_semif_serve_calibrate_prints(page, server, tmp_path, PROTOTYPE_QUESTIONS)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        [
+            {"id": "yes", "description": "It succeeded."},
+            {"id": "no", "description": "It failed."},
+            {"id": "unsure", "description": "Cannot tell."},
+        ],
+        # Integer-like ids: a JS object would put them first, ascending; the rows' order is kept.
+        [
+            {"id": "10", "description": "It succeeded on every host."},
+            {"id": "2", "description": "It failed."},
+            {"id": "b", "description": "Cannot tell."},
+            {"id": "1", "description": "It succeeded on some hosts."},
+        ],
+    ],
+    ids=["named-options", "integer-like-options"],
+)
+def test_fixture_rows_are_evaluated_as_semif_serve_calibrate_reads_the_same_file(
+    page, server, tmp_path, options
+):
     rng = random.Random(11)
-    options = [
-        {"id": "yes", "description": "It succeeded."},
-        {"id": "no", "description": "It failed."},
-        {"id": "unsure", "description": "Cannot tell."},
-    ]
     rows = [
         {
             "id": f"r{i}",
@@ -477,7 +513,7 @@ def test_fixture_rows_are_evaluated_as_semif_serve_calibrate_reads_the_same_file
             "state": f"Rollout {i}: health checks {'passed' if i % 2 else 'failed'}.",
             "question": "Did the deployment succeed?",
             "options": options,
-            "label": rng.randrange(3),
+            "label": rng.randrange(len(options)),
         }
         for i in range(8)
     ]

@@ -76,6 +76,84 @@
     return value !== null && typeof value === "object" && !Array.isArray(value);
   }
 
+  // A JSON object as its entries in the written order: a JS object puts integer-like keys ("10", "2")
+  // first and treats `__proto__` apart, and SemIf's answer depends on the options' order, so what the
+  // page sends, copies and reads keeps the order of the text it came from.
+  class Ordered {
+    constructor(entries) {
+      this.entries = [];
+      for (const [key, value] of entries) this.set(key, value);
+    }
+    // A repeated key keeps its first place and takes the last value (as Python's json reads it).
+    set(key, value) {
+      const found = this.entries.find(([k]) => k === key);
+      if (found) found[1] = value;
+      else this.entries.push([key, value]);
+    }
+    get(key) {
+      const found = this.entries.find(([k]) => k === key);
+      return found ? found[1] : undefined;
+    }
+    has(key) {
+      return this.entries.some(([k]) => k === key);
+    }
+    keys() {
+      return this.entries.map(([k]) => k);
+    }
+  }
+
+  const JSON_TOKEN = /\s*(?:("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)|(true|false|null)|([{}[\],:]))/y;
+
+  // JSON text as values whose objects are Ordered; throws JSON.parse's SyntaxError on text that is not JSON.
+  function parseOrdered(text) {
+    JSON.parse(text);
+    let at = 0;
+    const next = () => {
+      JSON_TOKEN.lastIndex = at;
+      const match = JSON_TOKEN.exec(text);
+      at = JSON_TOKEN.lastIndex;
+      return match;
+    };
+    const value = (t) => {
+      if (t[1] !== undefined || t[3] !== undefined) return JSON.parse(t[1] ?? t[3]);
+      if (t[2] !== undefined) return Number(t[2]);
+      if (t[4] === "[") {
+        const items = [];
+        for (let u = next(); u[4] !== "]"; u = next()) {
+          if (u[4] === ",") continue;
+          items.push(value(u));
+        }
+        return items;
+      }
+      const object = new Ordered([]);
+      for (let u = next(); u[4] !== "}"; u = next()) {
+        if (u[4] === ",") continue;
+        next(); // the colon
+        object.set(JSON.parse(u[1]), value(next()));
+      }
+      return object;
+    };
+    return value(next());
+  }
+
+  // JSON text of a value whose objects may be Ordered or Maps, in their order (`indent` spaces a level).
+  function toJson(value, indent = 0, depth = 0) {
+    const pad = indent ? `\n${" ".repeat(indent * (depth + 1))}` : "";
+    const end = indent ? `\n${" ".repeat(indent * depth)}` : "";
+    if (Array.isArray(value)) {
+      if (!value.length) return "[]";
+      return `[${value.map((v) => pad + (v === undefined ? "null" : toJson(v, indent, depth + 1))).join(",")}${end}]`;
+    }
+    let entries = null;
+    if (value instanceof Ordered) entries = value.entries;
+    else if (value instanceof Map) entries = [...value.entries()];
+    else if (isObject(value)) entries = Object.entries(value);
+    if (entries === null) return JSON.stringify(value);
+    const kept = entries.filter(([, v]) => v !== undefined);
+    if (!kept.length) return "{}";
+    return `{${kept.map(([k, v]) => `${pad}${JSON.stringify(String(k))}:${indent ? " " : ""}${toJson(v, indent, depth + 1)}`).join(",")}${end}}`;
+  }
+
   function checkState(value) {
     return typeof value === "string" || typeof value === "object" && value !== null
       ? ""
@@ -99,15 +177,17 @@
     const error = byId(`${id}-error`);
     let message = "";
     let value;
+    let tree;
     try {
       value = JSON.parse(area.value);
       message = check(value);
+      if (!message) tree = parseOrdered(area.value);
     } catch (exc) {
       message = `Invalid JSON: ${exc.message}`;
     }
     error.textContent = message;
     area.setAttribute("aria-invalid", message ? "true" : "false");
-    return { ok: !message, value };
+    return { ok: !message, value, tree };
   }
 
   const EDITORS = {
@@ -117,7 +197,7 @@
   };
 
   function pretty(value) {
-    return JSON.stringify(value, null, 2);
+    return toJson(value, 2);
   }
 
   // -- talking to the service -------------------------------------------------------------------
@@ -150,7 +230,7 @@
       payload = raw.body;
     } else if (body !== undefined) {
       headers["Content-Type"] = "application/json";
-      payload = JSON.stringify(body);
+      payload = toJson(body);
     }
     const started = performance.now();
     let response;
@@ -171,13 +251,15 @@
       return { ok: false, error: { title: "The service could not be reached", items: [String(exc.message)] } };
     }
     let data = null;
+    let tree = null;
     try {
       data = JSON.parse(text);
+      tree = parseOrdered(text);
     } catch (exc) {
       data = null;
     }
     const milliseconds = performance.now() - started;
-    if (response.ok && data !== null) return { ok: true, data, milliseconds };
+    if (response.ok && data !== null) return { ok: true, data, tree, milliseconds };
     return { ok: false, error: describeError(response.status, data, text) };
   }
 
@@ -195,8 +277,8 @@
     }
     models = reply.data.models;
     const names = models.map((m) => m.name);
-    const about = Object.fromEntries(models.map((m) => [m.name, m.description]));
-    const described = (m) => (m.x_alias_of && about[m.x_alias_of] ? `${m.description} ${about[m.x_alias_of]}` : m.description);
+    const about = new Map(models.map((m) => [m.name, m.description]));
+    const described = (m) => (m.x_alias_of && about.has(m.x_alias_of) ? `${m.description} ${about.get(m.x_alias_of)}` : m.description);
     const defaults = { model: DEFAULT_MODEL, "model-a": DEFAULT_MODEL, "model-b": names.find((n) => n !== DEFAULT_MODEL) };
     for (const [id, fallback] of Object.entries(defaults)) {
       const select = byId(id);
@@ -259,9 +341,7 @@
 
   function withOrderings(questions, mode) {
     if (!mode) return questions;
-    const out = {};
-    for (const [id, question] of Object.entries(questions)) out[id] = { ...question, x_orderings: mode };
-    return out;
+    return new Ordered(questions.entries.map(([id, question]) => [id, new Ordered([...question.entries, ["x_orderings", mode]])]));
   }
 
   function orderingsLabel(mode) {
@@ -280,29 +360,29 @@
         return null;
       }
     }
-    const base = { model: byId("model").value, state: state.value };
+    const base = { model: byId("model").value, state: state.tree };
     if (compare === "orderings") {
       return ["a", "b"].map((side) => {
         const mode = byId(`orderings-${side}`).value;
         return {
           label: `${side.toUpperCase()}: ${orderingsLabel(mode)}`,
-          body: { ...base, questions: withOrderings(questions.value, mode) },
+          body: { ...base, questions: withOrderings(questions.tree, mode) },
         };
       });
     }
     if (compare === "models") {
       return ["a", "b"].map((side) => {
         const model = byId(`model-${side}`).value;
-        return { label: `${side.toUpperCase()}: ${model}`, body: { ...base, model, questions: questions.value } };
+        return { label: `${side.toUpperCase()}: ${model}`, body: { ...base, model, questions: questions.tree } };
       });
     }
     if (compare === "phrasings") {
       return [
-        { label: "A: first phrasing", body: { ...base, questions: questions.value } },
-        { label: "B: second phrasing", body: { ...base, questions: second.value } },
+        { label: "A: first phrasing", body: { ...base, questions: questions.tree } },
+        { label: "B: second phrasing", body: { ...base, questions: second.tree } },
       ];
     }
-    return [{ label: "Result", body: { ...base, questions: questions.value } }];
+    return [{ label: "Result", body: { ...base, questions: questions.tree } }];
   }
 
   // -- drawing the answers --------------------------------------------------------------------------
@@ -362,7 +442,8 @@
     );
   }
 
-  function answerCard(id, answer, image) {
+  // `tree`: the answer as Ordered (its options in the request's order, as the service writes them).
+  function answerCard(id, answer, tree, image) {
     const semif = answer.x_semif || {};
     const card = el("article", { class: "card", dataset: { question: id } });
     card.append(el("h3", {}, el("span", { text: id }), el("span", { class: "badge", text: answer.type })));
@@ -376,16 +457,16 @@
       card.append(el("p", { class: "answer" }, "P(true) ", num("noul", answer.noul)));
       bars.append(bar("bar:true", "P(true)", answer.noul));
     } else if (answer.type === "choice") {
-      names = Object.keys(answer.probabilities);
+      names = tree.get("probabilities").keys();
       finals = names.map((n) => answer.probabilities[n]);
       card.append(el("p", { class: "answer" }, "answer ", el("strong", { class: "num", dataset: { field: "choice" }, text: answer.choice })));
       names.forEach((n, k) => bars.append(bar(`bar:${n}`, n, finals[k], n, n === answer.choice)));
     } else if (answer.type !== "score") {
       // An answer type this page does not draw yet: shown as the service sent it.
-      card.append(el("pre", { class: "raw", text: pretty(answer) }));
+      card.append(el("pre", { class: "raw", text: pretty(tree) }));
       return card;
     } else {
-      names = Object.keys(answer.probabilities);
+      names = tree.get("probabilities").keys();
       finals = names.map((n) => answer.probabilities[n]);
       card.append(el("p", { class: "answer" }, "expected score ", num("score", answer.score), ` of 0 … ${names.length - 1}`));
       card.append(scoreScale(answer.score, names.length));
@@ -599,13 +680,13 @@
 
   // The images a body's text names, in the order they were added (the SDK sends only those).
   function referencedImages(body) {
-    const text = JSON.stringify(body);
+    const text = toJson(body);
     return images.filter((image) => text.includes(image.placeholder));
   }
 
   // The `assets` entries of a multipart body: each image named by its part, `asset-<i>`.
   function partsOf(used) {
-    return Object.fromEntries(used.map((image, i) => [image.placeholder, { type: "image", part: `asset-${i}` }]));
+    return new Ordered(used.map((image, i) => [image.placeholder, { type: "image", part: `asset-${i}` }]));
   }
 
   // typesafe-sdk's multipart body: the JSON as part `request`, then each image as part `asset-<i>`.
@@ -614,7 +695,7 @@
     const assets = partsOf(used);
     const head = (name, type, filename) =>
       `--${boundary}\r\nContent-Disposition: form-data; name="${name}"${filename ? `; filename="${filename}"` : ""}\r\nContent-Type: ${type}\r\n\r\n`;
-    const chunks = [head("request", "application/json"), JSON.stringify({ ...body, assets }), "\r\n"];
+    const chunks = [head("request", "application/json"), toJson({ ...body, assets }), "\r\n"];
     used.forEach((image, i) => chunks.push(head(`asset-${i}`, image.type, `asset-${i}`), image.bytes, "\r\n"));
     chunks.push(`--${boundary}--\r\n`);
     return { contentType: `multipart/form-data; boundary=${boundary}`, body: new Blob(chunks) };
@@ -629,7 +710,7 @@
 
   // The image a box question is about: the first named in the question, else in the state.
   function imageOf(question, body, used) {
-    const named = (value) => used.find((image) => JSON.stringify(value).includes(image.placeholder));
+    const named = (value) => used.find((image) => toJson(value).includes(image.placeholder));
     return named(question) || named(body.state) || used[0];
   }
 
@@ -646,7 +727,7 @@
       if (!value.length) return "[]";
       return `[\n${value.map((v) => pad + pyLiteral(v, depth + 1)).join(",\n")},\n${end}]`;
     }
-    const entries = Object.entries(value);
+    const entries = value instanceof Ordered ? value.entries : Object.entries(value);
     if (!entries.length) return "{}";
     return `{\n${entries.map(([k, v]) => `${pad}${JSON.stringify(k)}: ${pyLiteral(v, depth + 1)}`).join(",\n")},\n${end}}`;
   }
@@ -779,8 +860,8 @@
       const used = referencedImages(request.body);
       const column = el("section", { class: "column", "aria-label": request.label }, el("h2", { text: request.label }));
       if (reply.ok) {
-        for (const [id, answer] of Object.entries(reply.data.answers)) {
-          column.append(answerCard(id, answer, imageOf(request.body.questions[id], request.body, used)));
+        for (const [id, tree] of reply.tree.get("answers").entries) {
+          column.append(answerCard(id, JSON.parse(toJson(tree)), tree, imageOf(request.body.questions.get(id), request.body, used)));
         }
         column.append(footer(reply.data, reply.milliseconds));
       } else {
@@ -795,33 +876,37 @@
   // -- evaluating and calibrating a labelled workload ----------------------------------------------
 
   // A label as the option name it picks in `x_semif.option_logits` (choice: a name; score: a level; noul: a bool).
-  function labelKey(question, value) {
-    if (question.type === "noul" && typeof value === "boolean") return value ? "true" : "false";
-    if (question.type === "score" && Number.isInteger(value)) return String(value);
-    if (question.type === "choice" && typeof value === "string") return value;
+  function labelKey(type, value) {
+    if (type === "noul" && typeof value === "boolean") return value ? "true" : "false";
+    if (type === "score" && Number.isInteger(value)) return String(value);
+    if (type === "choice" && typeof value === "string") return value;
     return null;
   }
 
+  // A task's parts are Ordered (the file's text, in its order) and Maps: question ids, option ids and
+  // workload names are the file's strings, `constructor` and `__proto__` as any other.
   // levbench's task file: {questions, items: [{state, labels, group_id?}]}; one request per item.
   function levbenchTasks(data) {
-    if (!isObject(data.questions) || !Array.isArray(data.items)) throw new Error("a task file has `questions` (an object) and `items` (a list)");
-    for (const [id, question] of Object.entries(data.questions)) {
-      if (!isObject(question) || !["noul", "choice", "score"].includes(question.type)) {
+    const defined = data.get("questions");
+    const items = data.get("items");
+    if (!(defined instanceof Ordered) || !Array.isArray(items)) throw new Error("a task file has `questions` (an object) and `items` (a list)");
+    for (const [id, question] of defined.entries) {
+      if (!(question instanceof Ordered) || !["noul", "choice", "score"].includes(question.get("type"))) {
         throw new Error(`question ${JSON.stringify(id)}: only noul, choice and score questions can be evaluated from labels`);
       }
     }
-    return data.items.map((item, i) => {
-      if (!isObject(item) || !isObject(item.labels) || item.state === undefined) throw new Error(`items[${i}] needs a state and labels`);
-      const labels = {};
-      for (const [id, value] of Object.entries(item.labels)) {
-        const question = data.questions[id];
-        if (!question) throw new Error(`items[${i}] labels question ${JSON.stringify(id)}, which the file does not define`);
-        const key = labelKey(question, value);
-        if (key === null) throw new Error(`items[${i}].labels.${id}: ${JSON.stringify(value)} is not a ${question.type} answer`);
-        labels[id] = key;
+    return items.map((item, i) => {
+      if (!(item instanceof Ordered) || !(item.get("labels") instanceof Ordered) || !item.has("state")) throw new Error(`items[${i}] needs a state and labels`);
+      const labels = new Map();
+      for (const [id, value] of item.get("labels").entries) {
+        if (!defined.has(id)) throw new Error(`items[${i}] labels question ${JSON.stringify(id)}, which the file does not define`);
+        const type = defined.get(id).get("type");
+        const key = labelKey(type, value);
+        if (key === null) throw new Error(`items[${i}].labels.${id}: ${JSON.stringify(value)} is not a ${type} answer`);
+        labels.set(id, key);
       }
-      const questions = Object.fromEntries(Object.keys(labels).map((id) => [id, data.questions[id]]));
-      return { where: `items[${i}]`, state: item.state, questions, labels, group: item.group_id === undefined ? i : item.group_id };
+      const questions = new Ordered([...labels.keys()].map((id) => [id, defined.get(id)]));
+      return { where: `items[${i}]`, state: item.get("state"), questions, labels, group: item.has("group_id") ? item.get("group_id") : i };
     });
   }
 
@@ -831,17 +916,27 @@
       if (!line.trim()) return [];
       let row;
       try {
-        row = JSON.parse(line);
+        row = parseOrdered(line);
       } catch (exc) {
         throw new Error(`line ${i + 1}: not valid JSON: ${exc.message}`);
       }
-      const options = row.options;
-      if (!isObject(row) || !Array.isArray(options) || !Number.isInteger(row.label) || !options[row.label]) {
+      const options = row instanceof Ordered ? row.get("options") : undefined;
+      const label = row instanceof Ordered ? row.get("label") : undefined;
+      if (!Array.isArray(options) || !options.every((o) => o instanceof Ordered) || !Number.isInteger(label) || !options[label]) {
         throw new Error(`line ${i + 1}: a fixture row has options and a label that indexes them`);
       }
-      const criteria = Object.fromEntries(options.map((o) => [o.id, o.description]));
-      const question = { type: "choice", instructions: row.question, criteria };
-      return [{ where: `line ${i + 1}`, state: row.state, questions: { [name]: question }, labels: { [name]: options[row.label].id }, group: row.group_id === undefined ? row.id : row.group_id }];
+      // The criteria in the row's option order, as `semif-serve calibrate`'s rows list them.
+      const criteria = new Ordered(options.map((o) => [String(o.get("id")), o.get("description")]));
+      const question = new Ordered([["type", "choice"], ["instructions", row.get("question")], ["criteria", criteria]]);
+      return [
+        {
+          where: `line ${i + 1}`,
+          state: row.get("state"),
+          questions: new Ordered([[name, question]]),
+          labels: new Map([[name, String(options[label].get("id"))]]),
+          group: row.has("group_id") ? row.get("group_id") : row.get("id"),
+        },
+      ];
     });
   }
 
@@ -850,8 +945,8 @@
     const trimmed = text.trimStart();
     if (trimmed.startsWith("{")) {
       try {
-        const data = JSON.parse(text);
-        if (isObject(data) && "items" in data) return { format: "levbench", tasks: levbenchTasks(data) };
+        const data = parseOrdered(text);
+        if (data instanceof Ordered && data.has("items")) return { format: "levbench", tasks: levbenchTasks(data) };
       } catch (exc) {
         if (!(exc instanceof SyntaxError)) throw exc;
       }
@@ -870,7 +965,7 @@
       const parsed = parseTaskFile(file.name, await file.text());
       if (!parsed.tasks.length) throw new Error("the file has no items");
       evalTasks = parsed.tasks;
-      const questions = new Set(evalTasks.flatMap((t) => Object.keys(t.labels)));
+      const questions = new Set(evalTasks.flatMap((t) => [...t.labels.keys()]));
       status.textContent = `${file.name}: ${parsed.format}, ${evalTasks.length} requests, questions ${[...questions].join(", ")}.`;
       status.className = "status good";
       byId("eval-run").disabled = false;
@@ -882,7 +977,7 @@
 
   // Every task through POST /v1/systemone, at most `inFlight` at a time; each question's single reads.
   async function readAll(tasks, model, inFlight, run, progress) {
-    const reads = {};
+    const reads = new Map(); // question id → its rows
     let next = 0;
     let active = 0;
     let failure = null;
@@ -903,14 +998,16 @@
           run.controller.abort();
           return;
         }
-        for (const [id, key] of Object.entries(task.labels)) {
-          const logits = reply.data.answers[id].x_semif.option_logits;
-          const names = Object.keys(logits);
+        const answers = reply.tree.get("answers");
+        for (const [id, key] of task.labels) {
+          const logits = answers.get(id).get("x_semif").get("option_logits");
+          const names = logits.keys();
           if (!names.includes(key)) {
             failure = { title: `${task.where}: label ${JSON.stringify(key)} of ${id} is not an option`, items: [`options: ${names.join(", ")}`] };
             return;
           }
-          (reads[id] = reads[id] || []).push({ logits: names.map((n) => logits[n]), label: names.indexOf(key), group: task.group });
+          if (!reads.has(id)) reads.set(id, []);
+          reads.get(id).push({ logits: names.map((n) => logits.get(n)), label: names.indexOf(key), group: task.group });
         }
         progress();
       }
@@ -1029,19 +1126,19 @@
         return;
       }
       status.textContent = "Fitting each question's temperature…";
-      const entries = {};
+      const entries = new Map(); // workload → its temperature
       const cards = [];
-      for (const [id, rows] of Object.entries(reads)) {
+      for (const [id, rows] of reads) {
         const reply = await call("POST", CALIBRATE_PATH, { workload: id, rows });
         if (!reply.ok) {
           cards.push(errorBox({ title: `${id}: ${reply.error.title}`, items: reply.error.items }));
           continue;
         }
-        Object.assign(entries, reply.data.entry);
+        for (const [workload, temperature] of reply.tree.get("entry").entries) entries.set(workload, temperature);
         cards.push(reportCard(id, reply.data));
       }
       results.replaceChildren(...cards, entryPanel(entries));
-      status.textContent = `Done: ${tasks.length} requests, ${Object.keys(reads).length} questions fitted.`;
+      status.textContent = `Done: ${tasks.length} requests, ${reads.size} questions fitted.`;
     } catch (exc) {
       results.replaceChildren(errorBox({ title: "The page could not finish the evaluation", items: [String(exc.message)] }));
       status.textContent = "Failed.";
@@ -1149,7 +1246,15 @@
     showCompare();
     await loadHealth();
     const reply = await fetch(TEMPLATES_PATH, { cache: "no-store", credentials: "omit" });
-    templates = (await reply.json()).templates;
+    const listed = parseOrdered(await reply.text()).get("templates");
+    templates = listed.map((t) => ({
+      id: t.get("id"),
+      name: t.get("name"),
+      description: t.get("description"),
+      state: t.get("state"),
+      questions: t.get("questions"),
+      phrasing_b: t.get("phrasing_b"),
+    }));
     const picker = byId("template");
     picker.replaceChildren(...templates.map((t) => el("option", { value: t.id, text: t.name })));
     picker.addEventListener("change", () => showTemplate(templates.find((t) => t.id === picker.value)));
