@@ -7,6 +7,7 @@ read): the refusal comes from the service's own checks, not from Pillow.
 from __future__ import annotations
 
 import io
+import re
 import struct
 import threading
 import time
@@ -51,6 +52,9 @@ PNG = encoded(noise(), "PNG")
 JPEG = encoded(noise(), "JPEG")
 PROGRESSIVE = encoded(noise(), "JPEG", progressive=True)
 RESTARTS = encoded(noise(), "JPEG", restart_marker_rows=1)
+# A restart interval of one MCU: 16 MCUs of 16 x 16 (4:2:0), so 15 restart markers.
+RESTART_EVERY_MCU = encoded(noise(), "JPEG", quality=90, restart_marker_blocks=1)
+PROGRESSIVE_RESTARTS = encoded(noise(), "JPEG", progressive=True, restart_marker_blocks=1)
 
 
 def with_frame_size(data: bytes, sof: bytes, width: int, height: int) -> bytes:
@@ -89,6 +93,33 @@ def short_restart_interval(data: bytes) -> bytes:
     return data[: restarts[1] - 10] + data[restarts[1] :]
 
 
+def restart_markers(data: bytes) -> list[int]:
+    return [m.start() for m in re.finditer(rb"\xff[\xd0-\xd7]", data)]
+
+
+def without_restart_intervals(data: bytes, first: int, count: int = 1) -> bytes:
+    """The JPEG without the restart marker `first` (counted over the whole file) and the
+    `count` - 1 next ones and the intervals they open: the markers left are whole intervals."""
+    rst = restart_markers(data)
+    return data[: rst[first]] + data[rst[first + count] :]
+
+
+def palette_png(depth: int, indices: list[int], palette: bytes | None, *, after: bytes = b"") -> bytes:
+    """An 8 x 2 palette PNG (colour type 3), byte by byte, each row the pixel `indices` at
+    `depth` bits; its PLTE chunk holds `palette` (none if None); `after`: chunks after IDAT."""
+    width, per_byte = 8, 8 // depth
+    row = bytearray()
+    for at in range(0, width, per_byte):
+        value = 0
+        for index in indices[at : at + per_byte]:
+            value = value << depth | index
+        row.append(value)
+    header = struct.pack(">IIBBBBB", width, 2, depth, 3, 0, 0, 0)
+    plte = chunk(b"PLTE", palette) if palette is not None else b""
+    idat = chunk(b"IDAT", zlib.compress((b"\x00" + bytes(row)) * 2))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + plte + idat + after + chunk(b"IEND", b"")
+
+
 def without_last_scan(data: bytes) -> bytes:
     return data[: data.rindex(b"\xff\xda")] + b"\xff\xd9"
 
@@ -109,6 +140,26 @@ CORRUPT = {
     "progressive jpeg header 1024x1024": with_frame_size(PROGRESSIVE, b"\xff\xc2", 1024, 1024),
     "jpeg with a short restart interval": short_restart_interval(RESTARTS),
     "progressive jpeg missing its last scan": without_last_scan(PROGRESSIVE),
+    "jpeg missing a whole restart interval": without_restart_intervals(RESTART_EVERY_MCU, 3),
+    "jpeg missing eight restart intervals (markers still in turn)": without_restart_intervals(
+        RESTART_EVERY_MCU, 3, 8
+    ),
+    "jpeg whose restart interval (DRI) is doubled": RESTART_EVERY_MCU.replace(
+        b"\xff\xdd\x00\x04\x00\x01", b"\xff\xdd\x00\x04\x00\x02"
+    ),
+    "progressive jpeg missing a whole restart interval of an AC scan": without_restart_intervals(
+        PROGRESSIVE_RESTARTS, 30
+    ),
+    "palette png without a palette (PLTE)": palette_png(8, [3] * 8, None),
+    "palette png whose pixels index past its 1-entry palette": palette_png(8, [200] * 8, b"\x10\x20\x30"),
+    "4-bit palette png whose pixels index past its 3-entry palette": palette_png(
+        4, [0, 1, 2, 3] * 2, b"\x80" * 9
+    ),
+    "palette png whose PLTE is not whole entries": palette_png(8, [0] * 8, b"\x10\x20\x30\x40"),
+    "1-bit palette png with a 3-entry palette": palette_png(1, [0, 1] * 4, b"\x80" * 9),
+    "palette png whose PLTE comes after its image data": palette_png(
+        8, [0] * 8, None, after=chunk(b"PLTE", b"\x10\x20\x30")
+    ),
     "arithmetic-coded jpeg (SOF9)": with_marker(JPEG, b"\xff\xc0", b"\xff\xc9"),
     "arithmetic-coded progressive jpeg (SOF10)": with_marker(PROGRESSIVE, b"\xff\xc2", b"\xff\xca"),
     "lossless jpeg (SOF3)": with_marker(JPEG, b"\xff\xc0", b"\xff\xc3"),
@@ -127,6 +178,16 @@ PILLOW_FILLS = [
     "progressive jpeg header 1024x1024",
     "jpeg with a short restart interval",
     "progressive jpeg missing its last scan",
+    "jpeg missing a whole restart interval",
+    "jpeg missing eight restart intervals (markers still in turn)",
+    "jpeg whose restart interval (DRI) is doubled",
+    "progressive jpeg missing a whole restart interval of an AC scan",
+    "palette png without a palette (PLTE)",
+    "palette png whose pixels index past its 1-entry palette",
+    "4-bit palette png whose pixels index past its 3-entry palette",
+    "palette png whose PLTE is not whole entries",
+    "1-bit palette png with a 3-entry palette",
+    "palette png whose PLTE comes after its image data",
     "arithmetic-coded jpeg (SOF9)",
     "arithmetic-coded progressive jpeg (SOF10)",
 ]
@@ -165,6 +226,22 @@ def test_a_corrupt_image_is_a_422_naming_the_asset(client, name):
         ("progressive jpeg missing its last scan", "unread"),
         ("arithmetic-coded jpeg (SOF9)", "arithmetic-coded"),
         ("lossless jpeg (SOF3)", "lossless"),
+        ("jpeg missing a whole restart interval", "RST4 at byte .* where RST3 is next"),
+        (
+            "jpeg missing eight restart intervals (markers still in turn)",
+            "has 7 restart markers where .* make 15",
+        ),
+        ("jpeg whose restart interval (DRI) is doubled", "more restart markers than the 7"),
+        ("progressive jpeg missing a whole restart interval of an AC scan", "restart interval is missing"),
+        ("palette png without a palette (PLTE)", "without a palette"),
+        (
+            "palette png whose pixels index past its 1-entry palette",
+            "index 200, past its palette .* of 1 entries",
+        ),
+        ("4-bit palette png whose pixels index past its 3-entry palette", "index 3, past"),
+        ("palette png whose PLTE is not whole entries", "not a whole number"),
+        ("1-bit palette png with a 3-entry palette", "has at most 2"),
+        ("palette png whose PLTE comes after its image data", "without a palette"),
     ],
 )
 def test_the_refusal_says_what_is_wrong(name, words):
@@ -174,7 +251,9 @@ def test_the_refusal_says_what_is_wrong(name, words):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    source=st.sampled_from([PNG, JPEG, PROGRESSIVE, RESTARTS]),
+    source=st.sampled_from(
+        [PNG, JPEG, PROGRESSIVE, RESTARTS, PROGRESSIVE_RESTARTS, palette_png(4, [1] * 8, b"\x80" * 6)]
+    ),
     edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
     cut=st.integers(0, 10**6),
 )
@@ -239,10 +318,60 @@ VALID = {
     "png with bytes after IEND": (PNG + b"trailing", (64, 64)),
     "16-bit grey png": (encoded(PILImage.new("I;16", (30, 10)), "PNG"), (30, 10)),
     "palette png": (encoded(noise().convert("P"), "PNG"), (64, 64)),
+    **{
+        f"{depth}-bit palette png{' with tRNS' if alpha else ''}": (
+            encoded(
+                noise((17, 33)).quantize(2**depth),
+                "PNG",
+                bits=depth,
+                **({"transparency": 0} if alpha else {}),
+            ),
+            (17, 33),
+        )
+        for depth in (1, 2, 4, 8)
+        for alpha in (False, True)
+    },
+    "palette png by hand, every index in its palette": (
+        palette_png(2, [0, 1, 2, 3] * 2, b"\x80" * 12),
+        (8, 2),
+    ),
+    "palette png by hand, a palette longer than its indices": (
+        palette_png(8, [1] * 8, b"\x80" * 765),
+        (8, 2),
+    ),
     "baseline jpeg": (JPEG, (64, 64)),
     "optimised 4:4:4 jpeg": (encoded(noise(), "JPEG", optimize=True, subsampling=0, quality=95), (64, 64)),
     "progressive jpeg": (PROGRESSIVE, (64, 64)),
     "jpeg with restart markers": (RESTARTS, (64, 64)),
+    "jpeg restarting at every MCU": (RESTART_EVERY_MCU, (64, 64)),
+    "progressive jpeg restarting at every MCU": (PROGRESSIVE_RESTARTS, (64, 64)),
+    **{
+        f"{kind} {width}x{height} jpeg restarting every {blocks} MCUs": (
+            encoded(noise((width, height)), "JPEG", restart_marker_blocks=blocks, **options),
+            (width, height),
+        )
+        for kind, options in {
+            "4:2:0": {},
+            "4:2:2": {"subsampling": 1},
+            "4:4:4": {"subsampling": 0},
+            "progressive 4:2:0": {"progressive": True},
+            "progressive 4:4:4": {"progressive": True, "subsampling": 0},
+        }.items()
+        for width, height in ((17, 33), (37, 23), (9, 8))
+        for blocks in (1, 3)
+    },
+    "progressive jpeg restarting every row": (
+        encoded(noise((41, 19)), "JPEG", progressive=True, restart_marker_rows=1),
+        (41, 19),
+    ),
+    "grey progressive jpeg with restarts": (
+        encoded(noise((17, 33)).convert("L"), "JPEG", progressive=True, restart_marker_blocks=2),
+        (17, 33),
+    ),
+    "cmyk jpeg with restarts": (
+        encoded(noise((17, 33)).convert("CMYK"), "JPEG", restart_marker_blocks=1),
+        (17, 33),
+    ),
     "baseline jpeg whose scan header says Se = 0": (with_scan_end_zero(JPEG), (64, 64)),
     "grey jpeg": (encoded(noise().convert("L"), "JPEG"), (64, 64)),
     "cmyk jpeg": (encoded(noise().convert("CMYK"), "JPEG"), (64, 64)),

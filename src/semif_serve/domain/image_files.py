@@ -3,8 +3,11 @@
 Pillow decodes without complaint, and fills with pixels it never read: a PNG whose zlib stream
 ends before its last row (the rest left black), a PNG without IEND or with a wrong CRC after
 its first IDAT, a JPEG whose entropy-coded data ends before the frame its header declares
-(libjpeg fills the rest grey and warns; Pillow silences the warning), a JPEG without EOI, a
-JPEG whose frame header names a coding it reads as garbage (arithmetic coding reads any bits).
+(libjpeg fills the rest grey and warns; Pillow silences the warning), a JPEG missing a whole
+restart interval (libjpeg resynchronises at the next restart marker and fills the gap grey), a
+JPEG without EOI, a JPEG whose frame header names a coding it reads as garbage (arithmetic
+coding reads any bits), a palette PNG without a palette (Pillow invents one) or with pixels
+past its palette's end.
 `png_layout` and `jpeg_layout` walk the chunks and markers (cheap: no pixel is decoded) and
 refuse those; `png_data_complete` inflates the image data to count it; `jpeg_padded` gives the
 bytes a JPEG completeness probe decodes (see domain.images.decode_whole).
@@ -40,8 +43,8 @@ JPEG_REFUSED = {
     0xDE: "hierarchical (DHP)",
     0xDC: "DNL (a height given after the scan)",
 }
-SOS, EOI, SOI = 0xDA, 0xD9, 0xD8
-RESTARTS = range(0xD0, 0xD8)
+SOS, EOI, SOI, DRI = 0xDA, 0xD9, 0xD8, 0xDD
+RESTARTS = range(0xD0, 0xD8)  # RST0..RST7, written in turn (modulo 8) between restart intervals
 # A marker in entropy-coded data: the first 0xFF of a run (fill bytes belong to the marker),
 # not followed by the 0x00 that stuffs a data byte 0xFF. Possessive and anchored: linear time.
 ENTROPY_MARKER = re.compile(rb"(?<!\xff)\xff++([^\x00])")
@@ -65,6 +68,7 @@ class PngLayout:
     colour_type: int
     interlaced: bool
     idat: tuple[tuple[int, int], ...]  # (start, stop) of each IDAT chunk's data
+    palette: int = 0  # entries of the PLTE chunk (0: none)
 
     @property
     def raw_bytes(self) -> int:
@@ -81,10 +85,13 @@ class PngLayout:
 
 
 def png_layout(data: bytes) -> PngLayout:
-    """Walk every chunk of a PNG: IHDR first, each chunk whole with its CRC right, IEND last.
+    """Walk every chunk of a PNG: IHDR first, each chunk whole with its CRC right, IEND last; a
+    palette image's (colour type 3) PLTE before its image data, of at most 2^bit depth entries.
     Raises BrokenImage."""
-    view, pos, idat = memoryview(data), len(PNG_SIGNATURE), []
+    view, pos = memoryview(data), len(PNG_SIGNATURE)
+    idat: list[tuple[int, int]] = []
     header: tuple[int, ...] | None = None
+    palette: int | None = None
     while True:
         if pos + 8 > len(data):
             raise BrokenImage("the PNG ends before its IEND chunk")
@@ -95,13 +102,22 @@ def png_layout(data: bytes) -> PngLayout:
         (crc,) = struct.unpack_from(">I", data, stop)
         if zlib.crc32(view[pos + 4 : stop]) != crc:
             raise BrokenImage(f"the CRC of the PNG's {kind!r} chunk at byte {pos} is wrong")
-        if header is None and kind != b"IHDR":
-            raise BrokenImage("the PNG's first chunk is not IHDR")
         if kind == b"IHDR":
-            header = struct.unpack_from(">IIBBBBB", data, pos + 8) if length == 13 else None
-            if header is None:
+            if header is not None:
+                raise BrokenImage("the PNG has two IHDR chunks")
+            if length != 13:
                 raise BrokenImage("the PNG's IHDR chunk is not 13 bytes")
+            header = struct.unpack_from(">IIBBBBB", data, pos + 8)
+        elif header is None:
+            raise BrokenImage("the PNG's first chunk is not IHDR")
+        elif kind == b"PLTE" and header[3] == 3:  # other types' PLTE is a hint no decoder reads
+            palette = _png_palette(length, header[2], palette)
         elif kind == b"IDAT":
+            if not idat and header[3] == 3 and palette is None:  # a PLTE after IDAT comes too late
+                raise BrokenImage(
+                    "the PNG is a palette image (colour type 3) without a palette (PLTE) before its "
+                    "image data (its decoder would invent the colours)"
+                )
             idat.append((pos + 8, stop))
         elif kind == b"IEND":
             break
@@ -109,7 +125,22 @@ def png_layout(data: bytes) -> PngLayout:
     if header is None or not idat:
         raise BrokenImage("the PNG has no image data (IDAT)")
     width, height, depth, colour, _, _, interlace = header
-    return PngLayout(width, height, depth, colour, interlace == 1, tuple(idat))
+    return PngLayout(width, height, depth, colour, interlace == 1, tuple(idat), palette or 0)
+
+
+def _png_palette(length: int, depth: int, seen: int | None) -> int:
+    """The entries of a palette PNG's PLTE chunk of `length` bytes (at most 2^`depth`). Raises BrokenImage."""
+    if seen is not None:
+        raise BrokenImage("the PNG has two palette (PLTE) chunks")
+    if length == 0 or length % 3:
+        raise BrokenImage(f"the PNG's palette (PLTE) is {length} bytes, not a whole number of RGB entries")
+    entries = length // 3
+    if entries > min(256, 1 << depth):
+        raise BrokenImage(
+            f"the PNG's palette (PLTE) has {entries} entries: a {depth}-bit palette image has "
+            f"at most {min(256, 1 << depth)}"
+        )
+    return entries
 
 
 def png_data_complete(data: bytes, layout: PngLayout) -> None:
@@ -150,10 +181,13 @@ class JpegLayout:
 def jpeg_layout(data: bytes, max_scans: int) -> JpegLayout:
     """Walk a JPEG's markers up to its first EOI: one frame of a coding Pillow reads, at most
     `max_scans` scans (checked as they are met), each component's every coefficient read to its
-    last bit by some scan, every scan's data followed by a marker. Raises BrokenImage."""
-    pos, frame, scans = 2, None, 0
+    last bit by some scan, every scan's data followed by a marker, and within each scan every
+    restart interval the scan's MCUs and the restart interval (DRI) in force make, their restart
+    markers in turn. Raises BrokenImage."""
+    pos, frame, scans, interval = 2, None, 0, 0
     ends: list[int] = []
     known: dict[int, list[int]] = {}  # per component: the lowest bit of each coefficient read so far
+    geometry = FrameGeometry(0, 0, {})
     while True:
         match = MARKER.match(data, pos)
         if match is None:
@@ -181,15 +215,20 @@ def jpeg_layout(data: bytes, max_scans: int) -> JpegLayout:
             if frame is not None:
                 raise BrokenImage("the JPEG has two frame headers (SOF) in one picture")
             frame = marker
-            known = _frame_components(body)
+            known, geometry = _frame_components(body)
+        elif marker == DRI:
+            if len(body) != 2:
+                raise BrokenImage(f"the JPEG's restart interval (DRI) segment is {len(body)} bytes, not 2")
+            (interval,) = struct.unpack(">H", body)  # in MCUs, for the scans that follow; 0: none
         elif marker == SOS:
             if frame is None:
                 raise BrokenImage("the JPEG has a scan before its frame header (SOF)")
             scans += 1
             if scans > max_scans:
                 raise BrokenImage(f"the JPEG has more than {max_scans} scans, the most this service decodes")
-            _read_scan(body, known, sequential=frame != 0xC2)
-            pos = _entropy_end(data, pos, ends)
+            mcus = geometry.mcus(_read_scan(body, known, sequential=frame != 0xC2))
+            restarts = -(-mcus // interval) - 1 if interval else 0
+            pos = _entropy_end(data, pos, ends, restarts, scans)
     if frame is None:
         raise BrokenImage("the JPEG has no frame header (SOF)")
     for component, bits in known.items():
@@ -201,16 +240,45 @@ def jpeg_layout(data: bytes, max_scans: int) -> JpegLayout:
     return JpegLayout(JPEG_READ[frame], scans, tuple(ends), pos)
 
 
-def _frame_components(body: bytes) -> dict[int, list[int]]:
-    if len(body) < 6 or len(body) < 6 + 3 * body[5]:
+@dataclass(frozen=True)
+class FrameGeometry:
+    """A frame's size and each component's sampling factors (H, V), by component id."""
+
+    width: int
+    height: int
+    sampling: dict[int, tuple[int, int]]
+
+    def mcus(self, components: list[int]) -> int:
+        """The MCUs of a scan of these components: an interleaved scan's MCU covers 8 Hmax x
+        8 Vmax pixels; a scan of one component has one of that component's 8 x 8 blocks per MCU."""
+        h_max = max(h for h, _ in self.sampling.values())
+        v_max = max(v for _, v in self.sampling.values())
+        if len(components) > 1:
+            return -(-self.width // (8 * h_max)) * -(-self.height // (8 * v_max))
+        h, v = self.sampling[components[0]]
+        return -(-self.width * h // (8 * h_max)) * -(-self.height * v // (8 * v_max))
+
+
+def _frame_components(body: bytes) -> tuple[dict[int, list[int]], FrameGeometry]:
+    if len(body) < 6 or body[5] == 0 or len(body) < 6 + 3 * body[5]:
         raise BrokenImage("the JPEG's frame header (SOF) is cut short")
     if body[0] != 8:
         raise BrokenImage(f"the JPEG has {body[0]}-bit samples: this service reads 8-bit JPEGs only")
+    height, width = struct.unpack_from(">HH", body, 1)
+    if width == 0 or height == 0:
+        raise BrokenImage(f"the JPEG's frame header (SOF) declares {width} x {height} pixels")
+    sampling = {}
+    for i in range(body[5]):
+        h, v = body[7 + 3 * i] >> 4, body[7 + 3 * i] & 0x0F
+        if not (1 <= h <= 4 and 1 <= v <= 4):
+            raise BrokenImage(f"the JPEG's component {body[6 + 3 * i]} has sampling factors {h} x {v}")
+        sampling[body[6 + 3 * i]] = (h, v)
     unread = 99  # no bit of the coefficient read yet
-    return {body[6 + 3 * i]: [unread] * 64 for i in range(body[5])}
+    return {component: [unread] * 64 for component in sampling}, FrameGeometry(width, height, sampling)
 
 
-def _read_scan(body: bytes, known: dict[int, list[int]], *, sequential: bool) -> None:
+def _read_scan(body: bytes, known: dict[int, list[int]], *, sequential: bool) -> list[int]:
+    """Mark the coefficients the scan reads; returns the ids of its components."""
     count = body[0] if body else 0
     if count == 0 or len(body) < 4 + 2 * count:
         raise BrokenImage("the JPEG's scan header (SOS) is cut short")
@@ -223,18 +291,44 @@ def _read_scan(body: bytes, known: dict[int, list[int]], *, sequential: bool) ->
             raise BrokenImage(f"the JPEG's scan names component {body[1 + 2 * i]}, not in its frame")
         for k in range(first, min(last, 63) + 1):
             component[k] = bits & 0x0F  # a scan leaves coefficient k known down to bit Al
+    return [body[1 + 2 * i] for i in range(count)]
 
 
-def _entropy_end(data: bytes, pos: int, ends: list[int]) -> int:
+def _entropy_end(data: bytes, pos: int, ends: list[int], restarts: int, scan: int) -> int:
     """Where the scan's entropy-coded data starting at `pos` ends (its next marker other than a
-    restart); the end of every segment is appended to `ends`."""
+    restart), after exactly `restarts` restart markers, RST0, RST1, ... (modulo 8): libjpeg, at
+    a restart marker out of turn, skips to it and fills the intervals between grey. The end of
+    every segment is appended to `ends`."""
+    seen = 0
     for match in ENTROPY_MARKER.finditer(data, pos):
         ends.append(match.start())
         if len(ends) > MAX_JPEG_SEGMENTS:
             raise BrokenImage(f"the JPEG has more than {MAX_JPEG_SEGMENTS} restart intervals")
-        if match[1][0] not in RESTARTS:
+        marker = match[1][0]
+        if marker not in RESTARTS:
+            if seen != restarts:
+                raise BrokenImage(_missing_intervals(scan, seen, restarts))
             return match.start()
+        if seen == restarts:
+            raise BrokenImage(
+                f"the JPEG's scan {scan} has more restart markers than the {restarts} its restart "
+                "interval and size make"
+            )
+        if marker - RESTARTS.start != seen % 8:
+            raise BrokenImage(
+                f"the JPEG's scan {scan} has restart marker RST{marker - RESTARTS.start} at byte "
+                f"{match.start()} where RST{seen % 8} is next (a restart interval is missing: its "
+                "decoder would fill it)"
+            )
+        seen += 1
     raise BrokenImage("the JPEG ends inside its scan data, before its end marker (EOI)")
+
+
+def _missing_intervals(scan: int, seen: int, restarts: int) -> str:
+    return (
+        f"the JPEG's scan {scan} has {seen} restart markers where its restart interval and size make "
+        f"{restarts} (a restart interval is missing: its decoder would fill it)"
+    )
 
 
 def jpeg_padded(data: bytes, layout: JpegLayout, padding: bytes) -> bytes:

@@ -160,9 +160,10 @@ def read_image(
 
 def decode_whole(data: bytes, layout: PngLayout | JpegLayout) -> tuple[int, int]:
     """Decode every pixel of a structurally whole image and check none was filled in: a PNG's
-    image data must inflate to every row (counted), a JPEG must decode to the same pixels with
-    padding where each entropy-coded segment ends (a decoder that ran short of a segment reads
-    the padding instead of filling, so the pixels differ). Returns the upright (width, height);
+    image data must inflate to every row (counted) and a palette PNG's pixels must index its
+    palette; a JPEG must decode to the same pixels with padding where each entropy-coded segment
+    ends (a decoder that ran short of a segment reads the padding instead of filling, so the
+    pixels differ). Returns the upright (width, height);
     raises BrokenImage, or Pillow's own errors."""
     from PIL import Image, ImageChops
 
@@ -170,6 +171,13 @@ def decode_whole(data: bytes, layout: PngLayout | JpegLayout) -> tuple[int, int]
         png_data_complete(data, layout)
     with Image.open(io.BytesIO(data), formats=PILLOW_OPENERS) as image:
         image.load()
+        if isinstance(layout, PngLayout) and layout.colour_type == 3:
+            _, largest = image.getextrema()  # mode P: the palette indices themselves
+            if isinstance(largest, tuple) or largest >= layout.palette:
+                raise BrokenImage(
+                    f"the PNG's pixels use palette index {largest}, past its palette (PLTE) of "
+                    f"{layout.palette} entries (its decoder would invent the colour)"
+                )
         if isinstance(layout, JpegLayout):
             padded = io.BytesIO(jpeg_padded(data, layout, PROBE_PADDING))
             with Image.open(padded, formats=["JPEG"]) as probe:
