@@ -87,6 +87,21 @@ def vision_reference(vision_checkpoint):
     return load_reference(vision_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def app(service):
+    """The real app over the session's service (a module that needs another defines its own)."""
+    return create_app(service)
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    """`app` behind a real uvicorn on a loopback port, with the service's own server settings."""
+    from test_hardening import HardenedServer  # it imports this module's helpers
+
+    with HardenedServer(app) as running:
+        yield running
+
+
 @pytest.fixture
 def client(service):
     """An in-process client of the real app (admission included)."""

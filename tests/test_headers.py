@@ -19,7 +19,7 @@ import pytest
 from conftest import TOKEN, decision, make_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_hardening import AUTH, HardenedServer, assert_envelope, read_response
+from test_hardening import AUTH, assert_envelope, read_response
 
 import semif_serve.doors.native.schemas as native_schemas
 import semif_serve.doors.systemone.api as systemone_api
@@ -42,17 +42,6 @@ def native_request(state: str = "Health checks passed.") -> dict:
 
 
 BODIES = {"/decide/shared": native_request, "/v1/systemone": systemone_request}
-
-
-@pytest.fixture(scope="module")
-def app(service):
-    return create_app(service)
-
-
-@pytest.fixture(scope="module")
-def server(app):
-    with HardenedServer(app) as running:
-        yield running
 
 
 class Parsed:

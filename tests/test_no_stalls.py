@@ -15,17 +15,6 @@ from test_hardening import AUTH, HardenedServer, assert_envelope, read_response
 from semif_serve.app import create_app
 
 
-@pytest.fixture(scope="module")
-def app(service):
-    return create_app(service)
-
-
-@pytest.fixture(scope="module")
-def server(app):
-    with HardenedServer(app) as running:
-        yield running
-
-
 def closed(sock) -> bool:
     """Whether the server closed the connection (nothing more will come)."""
     sock.settimeout(5)
