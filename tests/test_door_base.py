@@ -88,7 +88,7 @@ def test_a_memory_refusal_names_the_widest_decision_whichever_it_is(engine, chec
     from conftest import make_settings
 
     service = Service.start(
-        make_settings(checkpoint), engine=engine.with_memory(SimulatedMemory(floor=0, cap=1))
+        make_settings(checkpoint), engine=engine.with_options(memory=SimulatedMemory(floor=0, cap=1))
     )
     long_question = "Is every one of the following zones healthy: " + ", ".join(
         f"zone-{i}" for i in range(60)

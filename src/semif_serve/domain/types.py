@@ -185,7 +185,9 @@ class AnswerBoundary(Refusal):
 class TooLargeForMemory(Refusal):
     """Even one row of the call needs more memory than the cap leaves."""
 
-    def __init__(self, need_bytes: int, available_bytes: int, question: int | None = None) -> None:
+    def __init__(
+        self, need_bytes: int, available_bytes: int, question: int | None = None, *, row: int | None = None
+    ) -> None:
         from semif_serve.domain.numerics import GIB
 
         super().__init__(
@@ -195,6 +197,7 @@ class TooLargeForMemory(Refusal):
         )
         self.need_bytes = need_bytes
         self.available_bytes = available_bytes
+        self.row = row
 
 
 class ImageTooLargeForMemory(TooLargeForMemory):

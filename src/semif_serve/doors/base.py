@@ -21,6 +21,7 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
 from semif_serve.domain.images import ImageAsset
+from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.domain.types import DecisionError, DecisionOutcome, Question
 from semif_serve.http.errors import ServiceError, internal
 from semif_serve.service.core import RequestRecord
@@ -73,17 +74,6 @@ def rule_for(table: Mapping[type[DecisionError], ErrorRule], exc: DecisionError)
         if kind in table:
             return table[kind]
     raise NoErrorRule(f"no error rule for {type(exc).__name__}")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """A door's own bounds on a request, passed to the core."""
-
-    max_input_tokens: int
-    max_options: int
-    max_rows: int
-    max_request_tokens: int | None = None  # tokens over all rows of a request (None: no such budget)
-    max_reply_bytes: int | None = None  # the reply's bytes, counted before it is built (None: no budget)
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -173,18 +163,8 @@ class DecisionDoor(ABC):
         `limits.max_reply_bytes`), record the call for the log line and the metrics, and turn a
         domain error into the door's refusal through its table."""
         try:
-            outcome = await self.service.core.decide(
-                state,
-                questions,
-                shared=shared,
-                max_input_tokens=limits.max_input_tokens,
-                max_options=limits.max_options,
-                max_rows=limits.max_rows,
-                max_request_tokens=limits.max_request_tokens,
-                images=images,
-                reply_bytes=reply_bytes,
-                max_reply_bytes=limits.max_reply_bytes,
-            )
+            asked = DecisionRequest(state, tuple(questions), shared, limits, tuple(images), reply_bytes)
+            outcome = await self.service.core.decide(asked)
         except DecisionError as exc:
             rule = rule_for(self.errors, exc)
             raise self.refusal(exc, rule, shared, [q.id for q in questions]) from None
