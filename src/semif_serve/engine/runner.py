@@ -22,7 +22,6 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
 from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import BatchTiming, PromptRow
@@ -237,26 +236,10 @@ class TorchEngine:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def score(
-        self,
-        state: Any,
-        rows: Sequence[PromptRow],
-        *,
-        shared: bool,
-        max_input_tokens: int,
-        max_request_tokens: int | None = None,
-        images: Sequence[ImageAsset] = (),
-    ) -> Readout:
-        """`read` of rows given one by one (warm-up, tests and benches; the worker sends a request)."""
-        request = RowsRequest.of(
-            state,
-            rows,
-            shared=shared,
-            max_input_tokens=max_input_tokens,
-            max_request_tokens=max_request_tokens,
-            images=images,
-        )
-        return self.read(request)
+    def score(self, state: Any, rows: Sequence[PromptRow], **limits: Any) -> Readout:
+        """`read` of rows given one by one, with `RowsRequest.of`'s keywords (warm-up, tests and
+        benches; the worker sends a request)."""
+        return self.read(RowsRequest.of(state, rows, **limits))
 
     def read(self, request: RowsRequest) -> Readout:
         """Read one request's rows alone. `shared=False` with one row runs SemIf's plain

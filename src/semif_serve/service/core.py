@@ -147,26 +147,12 @@ class DecisionCore:
     def __init__(self, scorer: Scorer, calibration: CalibrationTable) -> None:
         self.scorer = scorer
         self.calibration = calibration
-
-    @property
-    def model_info(self) -> dict[str, str]:
-        """The `model` block results report."""
-        return self.scorer.model_info
-
-    @property
-    def identity(self) -> ModelIdentity:
-        """The loaded model's identity (source, revision, dtype, device, demo)."""
-        return self.scorer.identity
-
-    @property
-    def capacity(self) -> int:
-        """How many options one question can have: the tokenizer's answer codes."""
-        return self.scorer.capacity
-
-    @property
-    def reads_images(self) -> bool:
-        """Whether the loaded model reads images (it has a vision tower)."""
-        return self.scorer.reads_images
+        # The loaded model's facts, read once: the `model` block, its identity, how many options
+        # a question can have (the answer codes) and whether it reads images.
+        self.model_info: dict[str, str] = scorer.model_info
+        self.identity: ModelIdentity = scorer.identity
+        self.capacity: int = scorer.capacity
+        self.reads_images: bool = scorer.reads_images
 
     async def decide(self, request: DecisionRequest) -> DecisionOutcome:
         """Ask every question (in every ordering) over the request's state in one engine batch
