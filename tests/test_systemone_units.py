@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from semif_serve.domain.answers import choice_confidence, expected_score, score_confidence
 from semif_serve.domain.orderings import option_orders, orderings_policy, parse_type_map
 from semif_serve.domain.prompt import PromptCodec
 from semif_serve.domain.types import ConfigurationError
-from semif_serve.doors.systemone.api import choice_confidence, expected_score, score_confidence
 from semif_serve.service.settings import load_settings
 
 

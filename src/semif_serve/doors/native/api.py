@@ -45,7 +45,7 @@ from semif_serve.doors.base import (
     ErrorRule,
     Limits,
     error_responses,
-    rule_for,
+    refusal_of,
 )
 from semif_serve.doors.native.schemas import (
     MAX_OPTIONS,
@@ -144,13 +144,7 @@ NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
 def native_error(exc: DecisionError, shared: bool) -> ServiceError:
     """The native door's answer to a domain error, naming the request field it concerns: the
     decision's own field where its position is known, else the list of decisions."""
-    rule = rule_for(NATIVE_ERRORS, exc)
-    template = rule.shared_field if shared else rule.field
-    path = None
-    if template is not None:
-        known = exc.question is not None
-        path = template.format(question=exc.question) if known else template.split("[{question}]")[0]
-    return ServiceError(rule.status, rule.code, exc.message, path, dict(rule.headers))
+    return refusal_of(NATIVE_ERRORS, exc, shared, ())
 
 
 def to_question(body: QuestionBody) -> Question:
@@ -346,10 +340,6 @@ class NativeDoor(DecisionDoor):
     def render(self, error: ServiceError, request: Request) -> JSONResponse:
         """The native envelope, with the error's headers and the request id."""
         return error_response(error, getattr(request.state, "request_id", None))
-
-    def refusal(self, exc: DecisionError, rule: ErrorRule, shared: bool, ids: Sequence[str]) -> ServiceError:
-        """The native envelope's error for a domain error (the field names the decision)."""
-        return native_error(exc, shared)
 
     @property
     def limits(self) -> Limits:

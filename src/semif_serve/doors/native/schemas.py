@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE
 from semif_serve.doors.base import TimingBody
-from semif_serve.http.errors import ServiceError, invalid
+from semif_serve.http.errors import ErrorDetail, ErrorEnvelope, ServiceError, invalid  # noqa: F401 - published here
 from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
 MAX_OPTIONS = NATIVE_ALPHABET_SIZE
@@ -208,21 +208,6 @@ def parse_body(model: type[Body], body: bytes) -> Body:
 
 
 # -- responses (the routes build their replies as these models) ----------------------------------
-
-
-class ErrorDetail(BaseModel):
-    """What went wrong: a stable code, the rule, the offending field (or null), the request id."""
-
-    code: str
-    message: str
-    field: str | None
-    request_id: str | None = None
-
-
-class ErrorEnvelope(BaseModel):
-    """The one body every non-2xx native response carries."""
-
-    error: ErrorDetail
 
 
 class ModelInfo(BaseModel):
