@@ -56,7 +56,6 @@ from semif_serve.doors.native.schemas import (
     CombinedBody,
     DecisionBody,
     DecisionResult,
-    ErrorEnvelope,
     ModelInfo,
     NativeResult,
     QuestionBody,
@@ -78,7 +77,7 @@ from semif_serve.doors.reply_size import (
     text_bytes,
 )
 from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
-from semif_serve.http.errors import ServiceError, error_response, invalid
+from semif_serve.http.errors import ErrorEnvelope, ServiceError, error_response, invalid
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
 CALIBRATE_PATH = "/calibrate"

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE
 from semif_serve.doors.base import TimingBody
-from semif_serve.http.errors import ErrorDetail, ErrorEnvelope, ServiceError, invalid  # noqa: F401 - published here
+from semif_serve.http.errors import ServiceError, invalid
 from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
 MAX_OPTIONS = NATIVE_ALPHABET_SIZE
@@ -318,37 +318,3 @@ class CalibrationReport(BaseModel):
     bins_before: list[BinBody]
     bins_after: list[BinBody]
     entry: dict[str, float]
-
-
-class StateCacheBody(BaseModel):
-    """`/health.state_cache`: the budget, the totals, and per tier (`state`, `question`)."""
-
-    budget_bytes: int
-    bytes: int
-    entries: int
-    hits: int
-    misses: int
-    evictions: int
-    by_kind: dict[str, dict[str, int]]  # {kind: {hits, misses, entries, bytes}}
-    deferred_prefills: int  # states of lone questions waiting for an idle prefill
-
-
-class HealthBody(BaseModel):
-    """`GET /health`: pins, limits, workloads, queue, memory and readiness; no secrets."""
-
-    status: str
-    ready: bool
-    version: str
-    semif: dict[str, str]
-    model: ModelInfo
-    device: str
-    dtype: str
-    demo: bool
-    limits: dict[str, float]
-    images: dict[str, bool | int]
-    calibration: dict[str, dict[str, dict[str, float]]]
-    queue: dict[str, int]
-    memory: dict[str, int | None]
-    batching: dict[str, int]
-    state_cache: StateCacheBody
-    weights: dict[str, Any]
