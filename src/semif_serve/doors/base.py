@@ -21,7 +21,7 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
 from semif_serve.domain.images import ImageAsset
-from semif_serve.domain.types import DecisionError, DecisionOutcome, Question
+from semif_serve.domain.types import BatchTiming, DecisionError, DecisionOutcome, Question
 from semif_serve.http.errors import ServiceError, internal
 from semif_serve.service.core import RequestRecord
 from semif_serve.service.startup import Service
@@ -134,20 +134,16 @@ def error_responses(
     return published
 
 
+def fields_of(kind: type) -> dict[str, Any]:
+    """A domain dataclass's fields as annotations: a wire model that publishes the same fields
+    takes them from the one declaration, in the domain, instead of restating them."""
+    return {f.name: f.type for f in dataclasses.fields(kind)}
+
+
 class TimingBody(BaseModel):
     """How a shared-path batch ran."""
 
-    prefix_tokens: int
-    prefill_seconds: float
-    replicate_seconds: float
-    suffix_forward_seconds: float
-    batch_size: int
-    true_suffix_tokens: int
-    padded_suffix_tokens: int
-    forward_batches: int
-    merged_requests: int
-    prefill: str
-    prefill_shared: bool
+    __annotations__ = fields_of(BatchTiming)  # every field of the domain's BatchTiming, each required
 
 
 class DecisionDoor(ABC):

@@ -215,16 +215,7 @@ def decision_result(
         if answer.calibrated is not None:
             result.calibrated = calibrated_body(answer.calibrated, None)
         return result
-    combined = answer.combined
-    block = CombinedBody(
-        method=COMBINE_METHOD,
-        mode=combined.mode,
-        orderings=combined.orderings,
-        probabilities=combined.probabilities,
-        top=combined.top,
-        agreement=combined.agreement,
-        spread=combined.spread,
-    )
+    block = CombinedBody.model_validate({"method": COMBINE_METHOD, **asdict(answer.combined)})
     if answer.calibrated is not None:
         block.calibrated = calibrated_body(answer.calibrated, [o.id for o in question.options])
     result.orderings = natives

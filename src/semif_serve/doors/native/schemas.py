@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE
-from semif_serve.doors.base import TimingBody
+from semif_serve.domain.types import Combined
+from semif_serve.doors.base import TimingBody, fields_of
 from semif_serve.http.errors import ServiceError, invalid
 from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
@@ -253,13 +254,8 @@ class CalibratedBody(BaseModel):
 class CombinedBody(BaseModel):
     """The answer combined over orderings; read `top` and `probabilities` for anything real."""
 
-    method: str
-    mode: str
-    orderings: int
-    probabilities: dict[str, float]
-    top: str
-    agreement: float
-    spread: float
+    # The method, then every field of the domain's Combined (declared there once), each required.
+    __annotations__ = {"method": "str", **fields_of(Combined)}
     calibrated: CalibratedBody | None = None
 
 
