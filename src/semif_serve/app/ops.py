@@ -21,6 +21,18 @@ from semif_serve.http.observability import Metrics
 from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot, take_snapshot
 
+# The /health limits read as they are from the settings (the rest are the loaded model's).
+SETTINGS_LIMITS = (
+    "max_rows",
+    "max_input_tokens",
+    "max_queue",
+    "max_body_bytes",
+    "max_reply_bytes",
+    "release_margin_mib",
+    "systemone_max_input_tokens",
+    "systemone_max_rows",
+)
+
 
 class SemIfPins(BaseModel):
     """`/health.semif`: the SemIf commit the method follows and the prompt's version."""
@@ -133,22 +145,16 @@ class HealthBody(BaseModel):
 def health_body(service: Service, now: StatusSnapshot) -> HealthBody:
     """`GET /health`: the pins, limits, workloads, device and readiness; no secrets."""
     settings = service.settings
-    limits = HealthLimits(
-        max_rows=settings.max_rows,
-        max_input_tokens=settings.max_input_tokens,
-        max_options=MAX_OPTIONS,
-        max_queue=settings.max_queue,
-        max_body_bytes=settings.max_body_bytes,
-        max_reply_bytes=settings.max_reply_bytes,
-        release_margin_mib=settings.release_margin_mib,
-        answer_codes=service.core.capacity,
-        systemone_max_options=min(SYSTEMONE_MAX_OPTIONS, service.core.capacity),
-        systemone_max_input_tokens=settings.systemone_max_input_tokens,
-        systemone_max_rows=settings.systemone_max_rows,
+    limits = HealthLimits.model_validate(
+        {name: getattr(settings, name) for name in SETTINGS_LIMITS}
+        | {
+            "max_options": MAX_OPTIONS,
+            "answer_codes": service.core.capacity,
+            "systemone_max_options": min(SYSTEMONE_MAX_OPTIONS, service.core.capacity),
+        }
     )
     if settings.device == "cuda":
         limits.vram_cap_gib = settings.vram_cap_gib
-    cache = now.cache
     return HealthBody(
         status=now.status,
         ready=now.ready,
@@ -180,15 +186,9 @@ def health_body(service: Service, now: StatusSnapshot) -> HealthBody:
             forwards=now.batches.forwards,
             merged_forwards=now.batches.merged_forwards,
         ),
-        state_cache=StateCacheBody(
-            budget_bytes=cache.budget_bytes,
-            bytes=cache.bytes,
-            entries=cache.entries,
-            hits=cache.hits,
-            misses=cache.misses,
-            evictions=cache.evictions,
-            by_kind={kind: asdict(stats) for kind, stats in cache.by_kind.items()},
-            deferred_prefills=now.deferred_prefills,
+        # CacheStats' own fields by name (its `refused` is the metrics', not /health's).
+        state_cache=StateCacheBody.model_validate(
+            asdict(now.cache) | {"deferred_prefills": now.deferred_prefills}
         ),
     )
 

@@ -23,25 +23,9 @@ from semif_serve.doors.reply_size import (
     scalars_bytes,
     text_bytes,
 )
-from semif_serve.doors.systemone.schemas import (
-    BatchTimingBlock,
-    BoxAnswer,
-    BoxCoordinates,
-    BoxEdge,
-    BoxQuestion,
-    ChoiceAnswer,
-    ChoiceQuestion,
-    NoulAnswer,
-    NoulQuestion,
-    Reading,
-    ScoreAnswer,
-    ScoreQuestion,
-    SemIfBlock,
-    SystemOneResponse,
-    Usage,
-)
+from semif_serve.doors.systemone import schemas as wire
 
-TIMING_BYTES = scalars_bytes(BatchTimingBlock, {"prefill": PREFILL_BYTES})
+TIMING_BYTES = scalars_bytes(wire.BatchTimingBlock, {"prefill": PREFILL_BYTES})
 
 
 def semif_bytes(question: Question) -> int:
@@ -50,11 +34,11 @@ def semif_bytes(question: Question) -> int:
     n = len(question.options)
     names = sum(text_bytes(o.id) for o in question.options)
     by_name = map_bytes(names, n * FLOAT_BYTES, n)
-    reading = object_bytes(Reading, {"order": array_bytes(names, n), "probabilities": by_name})
+    reading = object_bytes(wire.Reading, {"order": array_bytes(names, n), "probabilities": by_name})
     readings = order_count(n, question.orderings)
     calibrated = question.workload is not None
     return object_bytes(
-        SemIfBlock,
+        wire.SemIfBlock,
         {
             "prompt_sha256": SHA256_BYTES,
             "prompt_version": text_bytes(PROMPT_VERSION),
@@ -79,30 +63,32 @@ def answer_bytes(kind: str, asked: tuple[Question, ...]) -> int:
     sizes = {"type": text_bytes(kind)}
     if kind == "box":
         edges = [
-            object_bytes(BoxEdge, {"probabilities": by_name, "ordered": by_name, "x_semif": semif_bytes(q)})
+            object_bytes(
+                wire.BoxEdge, {"probabilities": by_name, "ordered": by_name, "x_semif": semif_bytes(q)}
+            )
             for q in asked
         ]
         return object_bytes(
-            BoxAnswer,
+            wire.BoxAnswer,
             sizes
             | {
-                "box": scalars_bytes(BoxCoordinates),
+                "box": scalars_bytes(wire.BoxCoordinates),
                 "confidence": FLOAT_BYTES,
                 "x_edges": map_bytes(sum(map(text_bytes, EDGES)), sum(edges), len(edges)),
             },
         )
     sizes["x_semif"] = semif_bytes(first)
     if kind == "noul":
-        return object_bytes(NoulAnswer, sizes | {"noul": FLOAT_BYTES})
+        return object_bytes(wire.NoulAnswer, sizes | {"noul": FLOAT_BYTES})
     sizes |= {"probabilities": by_name, "confidence": FLOAT_BYTES}
     if kind == "choice":
-        return object_bytes(ChoiceAnswer, sizes | {"choice": max(names)})
+        return object_bytes(wire.ChoiceAnswer, sizes | {"choice": max(names)})
     legend = map_bytes(sum(names), sum(text_bytes(o.description) for o in first.options), n)
-    return object_bytes(ScoreAnswer, sizes | {"score": FLOAT_BYTES, "legend": legend})
+    return object_bytes(wire.ScoreAnswer, sizes | {"score": FLOAT_BYTES, "legend": legend})
 
 
 def reply_bytes(
-    bodies: dict[str, NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion],
+    bodies: dict[str, wire.NoulQuestion | wire.ChoiceQuestion | wire.ScoreQuestion | wire.BoxQuestion],
     asked: Sequence[tuple[Question, ...]],
     model_name: str,
 ) -> int:
@@ -110,11 +96,11 @@ def reply_bytes(
     the k-th was asked as), counted without building it."""
     answers = [answer_bytes(body.type, own) for body, own in zip(bodies.values(), asked, strict=True)]
     return object_bytes(
-        SystemOneResponse,
+        wire.SystemOneResponse,
         {
             "model": text_bytes(model_name),
             "answers": map_bytes(sum(map(text_bytes, bodies)), sum(answers), len(answers)),
-            "usage": scalars_bytes(Usage),
+            "usage": scalars_bytes(wire.Usage),
             "x_timing": TIMING_BYTES,
         },
     )
