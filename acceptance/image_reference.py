@@ -1,6 +1,6 @@
 """Reference forwards over images, built from the model's own pieces one step at a time (expand
 the pads, run the tower per image, place the features, the model's own 3-D positions, a
-chunked prefill over embeddings, suffix rows after the images): what tests/test_vision.py and
+chunked prefill over embeddings, suffix rows after the images): what tests/engine/test_vision.py and
 the GPU run's `images` phase hold the engine's image path to. No serving code calls them.
 """
 

@@ -1,7 +1,7 @@
 """The gateway's HAProxy config (stacks/semif-k8s/files/haproxy.cfg) run on loopback in front of
 replicas at known ports: the same file as the chart's gateway, with its two DNS server-template
 lines replaced by one `server` line per replica. Used by bench/multi_replica.py and
-tests/test_gateway.py.
+tests/deploy/test_gateway.py.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
-import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,16 +14,37 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 from semif_serve.app import create_app  # noqa: E402
 from semif_serve.engine.runner import TorchEngine  # noqa: E402
-from semif_serve.service.settings import Settings  # noqa: E402
 from semif_serve.service.startup import Service, load_engine  # noqa: E402
-from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
+from semif_serve.tools.demo import write_checkpoint  # noqa: E402
+from tests.support import in_process_client, make_settings  # noqa: E402
 
-TOKEN = "test-token-0123456789"
+
+LAYERS = ("domain", "engine", "http", "doors", "service", "deploy", "docs")
+# What a module needs beyond Python, so `-m "not browser"` (or `-m proxy`) picks by it.
+NEEDS = {
+    "test_playground": ("browser",),
+    "test_playground_workbench": ("browser", "slow"),
+    "test_gateway": ("proxy", "slow"),
+    "test_nginx_proxy": ("proxy",),
+    "test_k8s_chart": ("proxy",),
+    "test_k8s_controlplane": ("proxy", "slow"),
+    "test_stacks": ("docker", "proxy", "slow"),
+    "test_no_stalls": ("slow",),
+    "test_fuzz": ("slow",),
+    "test_acceptance": ("slow",),
+    "test_conformance": ("slow",),
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    """The control-plane suite runs last, so that CI's build of it (started beside the tests) has
-    the whole run to finish."""
+    """Each test is marked with its layer (its folder) and what its module needs; the control-plane
+    suite runs last, so that CI's build of it (started beside the tests) has the whole run to finish."""
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent.name in LAYERS:
+            item.add_marker(path.parent.name)
+        for name in NEEDS.get(path.stem, ()):
+            item.add_marker(name)
     items.sort(key=lambda item: item.get_closest_marker("k8s_controlplane") is not None)
 
 
@@ -40,17 +59,6 @@ def tokenizer(checkpoint):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(checkpoint))
-
-
-def make_settings(model_path: Path, **overrides) -> Settings:
-    values = dict(
-        model_path=model_path,
-        model_revision=DEMO_REVISION,
-        device="cpu",
-        api_token=TOKEN,
-    )
-    values.update(overrides)
-    return Settings(**values)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +90,7 @@ def vision_service(vision_engine, vision_checkpoint) -> Service:
 @pytest.fixture(scope="session")
 def vision_reference(vision_checkpoint):
     """The vision checkpoint as transformers' own classes load it (the independent side)."""
-    from vision_reference import load_reference
+    from tests.support.vision_reference import load_reference
 
     return load_reference(vision_checkpoint)
 
@@ -96,7 +104,7 @@ def app(service):
 @pytest.fixture(scope="module")
 def server(app):
     """`app` behind a real uvicorn on a loopback port, with the service's own server settings."""
-    from test_hardening import HardenedServer  # it imports this module's helpers
+    from tests.http.test_hardening import HardenedServer
 
     with HardenedServer(app) as running:
         yield running
@@ -106,57 +114,3 @@ def server(app):
 def client(service):
     """An in-process client of the real app (admission included)."""
     return in_process_client(create_app(service))
-
-
-def in_process_client(app):
-    """A client of `app` through httpx's ASGI transport, with the bearer token by default."""
-    transport = httpx.ASGITransport(app=app)
-    with_auth = {"Authorization": f"Bearer {TOKEN}"}
-
-    class Client:
-        def __init__(self):
-            self.app = app
-
-        async def _request(self, method, url, **kw):
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-                return await c.request(method, url, **kw)
-
-        def request(self, method, url, auth=True, **kw):
-            headers = dict(with_auth if auth else {})
-            headers.update(kw.pop("headers", {}))
-            return asyncio.run(self._request(method, url, headers=headers, **kw))
-
-        def post(self, url, **kw):
-            return self.request("POST", url, **kw)
-
-        def get(self, url, **kw):
-            return self.request("GET", url, **kw)
-
-    return Client()
-
-
-def decision(**overrides) -> dict:
-    body = {
-        "id": "q1",
-        "state": "Health checks passed in all three zones.",
-        "question": "Did the deployment succeed?",
-        "options": [
-            {"id": "yes", "description": "It succeeded."},
-            {"id": "no", "description": "It failed."},
-        ],
-    }
-    body.update(overrides)
-    return body
-
-
-def open_post(port: int, body: bytes, send: int | None = None):
-    """A raw HTTP/1.1 POST /decide over a socket, sending only the first `send` body bytes."""
-    import socket
-
-    sock = socket.create_connection(("127.0.0.1", port))
-    head = (
-        f"POST /decide HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {TOKEN}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    sock.sendall(head + body[:send])
-    return sock

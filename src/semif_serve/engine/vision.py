@@ -14,7 +14,7 @@ image, its features placed in the embeddings; the model's own `get_rope_index` f
 positions; a chunked prefill over embeddings and positions (a chunk may split an image); the
 suffix rows at their text positions plus the offset the images leave (engine/forwards.py).
 Exact against a full forward of the vision-language model on the whole prompt
-(tests/test_vision.py, over the reference forwards of acceptance/image_reference.py).
+(tests/engine/test_vision.py, over the reference forwards of acceptance/image_reference.py).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def stepped_tower(visual: Any, pixels: Any, grid_thw: Any, rows: int) -> Generat
     before running it and returns the merged features. The pieces are the tower's own modules
     and helpers in its forward's order (transformers' `Qwen3_5VisionModel.forward`), with the
     attention's queries taken `rows` at a time against all keys, so the features equal its
-    forward's (tests/test_tower_steps.py)."""
+    forward's (tests/engine/test_tower_steps.py)."""
     import torch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen

@@ -17,7 +17,7 @@ cd "$CACHE"
 # While this file names a live pid, a build is under way: the suite waits for it (CI builds beside the tests).
 echo $$ > "$CACHE/.building"
 trap 'rm -f "$CACHE/.building"' EXIT
-# The last run's output stays beside the build; tests/test_k8s_controlplane.py's skip reason quotes it.
+# The last run's output stays beside the build; tests/deploy/test_k8s_controlplane.py's skip reason quotes it.
 exec > >(tee "$CACHE/build.log") 2>&1
 # Low priority throughout: the build shares the machine with test runs.
 renice -n 19 $$ >/dev/null 2>&1 || true

@@ -1,0 +1,327 @@
+"""A lone question at the plain forward's cost, follow-ups from the cache, on every door.
+
+Every answer is compared with an independent computation: SemIf's plain forward of the same
+prompt (`model(input_ids=prompt, use_cache=False).logits[0, -1]`), within 1e-5 in float32,
+with the same `prompt_sha256` and `input_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+
+import httpx
+import pytest
+import torch
+
+from semif_serve.app import create_app
+from semif_serve.domain.requests import DecisionRequest, Limits, RowsRequest
+from semif_serve.domain.types import PromptRow
+from semif_serve.engine.batching import Batcher, Bounds, Group, Job
+from semif_serve.engine.forwards import prefill
+from semif_serve.engine.lone import DIRECT_MAX_TOKENS, IDLE_PREFILL_TOKENS
+from semif_serve.engine.runner import DIRECT_READOUT
+from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, state_digest
+from semif_serve.service.startup import Service
+from tests.engine.test_merging import EngineGate
+from tests.support import TOKEN, make_settings
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TOL = 1e-5
+OPTIONS = [{"id": "yes", "description": "It succeeded."}, {"id": "no", "description": "It failed."}]
+
+
+def long_state(tag: str) -> str:
+    return " ".join(f"{tag}: deploy {i} finished in zone {i % 3}." for i in range(40))
+
+
+def plain_forward(engine, state, question: str, descriptions) -> tuple[list[float], str, int]:
+    """SemIf's plain forward of the rendered prompt: slot logits, prompt sha256, input tokens."""
+    prompt = engine.codec.encode_prompt(state, question, tuple(descriptions), 4096)
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([prompt.ids]), use_cache=False).logits[0, -1].float()
+    slots = logits[torch.tensor(engine.codec.slots[: len(descriptions)])].tolist()
+    return slots, hashlib.sha256(prompt.text.encode()).hexdigest(), len(prompt.ids)
+
+
+def assert_plain(result: dict, engine, state, question: str, descriptions) -> None:
+    logits, sha, tokens = plain_forward(engine, state, question, descriptions)
+    assert max(abs(a - b) for a, b in zip(result["option_logits"], logits, strict=True)) <= TOL
+    assert result["prompt_sha256"] == sha and result["input_tokens"] == tokens
+
+
+def decide_body(state, question: str) -> dict:
+    return {"id": "d", "state": state, "question": question, "options": OPTIONS}
+
+
+@pytest.fixture
+def fresh(engine, checkpoint) -> Service:
+    return Service.start(make_settings(checkpoint), engine=engine)
+
+
+async def settled(c: httpx.AsyncClient) -> dict:
+    """/health's state_cache once no prefill is left waiting for idle time."""
+    for _ in range(500):
+        cache = (await c.get("/health")).json()["state_cache"]
+        if cache["deferred_prefills"] == 0:
+            return cache
+        await asyncio.sleep(0.02)
+    raise AssertionError("the idle prefill never ran")
+
+
+def client_of(service: Service) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(service)), base_url="http://t")
+
+
+def test_a_second_decide_about_a_state_skips_its_prefill_and_both_equal_the_plain_forward(fresh, engine):
+    state = long_state("second")
+    base = fresh.engine.cache.stats().by_kind[STATE]  # the warm-up stored its own state
+
+    async def go():
+        async with client_of(fresh) as c:
+            first = await c.post("/decide", json=decide_body(state, "Did it succeed?"), headers=AUTH)
+            after_first = await settled(c)
+            second = await c.post("/decide", json=decide_body(state, "Was it rolled back?"), headers=AUTH)
+            return first, after_first, second, (await c.get("/health")).json()["state_cache"]
+
+    first, after_first, second, after_second = asyncio.run(go())
+    assert first.status_code == second.status_code == 200
+    # The first ran the plain forward (no prefill on its path); an idle prefill then stored its state.
+    one, two = after_first["by_kind"][STATE], after_second["by_kind"][STATE]
+    assert one["misses"] == base.misses and one["entries"] == base.entries + 1
+    assert two["hits"] == one["hits"] + 1 and two["misses"] == base.misses
+    descriptions = [o["description"] for o in OPTIONS]
+    assert_plain(first.json(), engine, state, "Did it succeed?", descriptions)
+    assert_plain(second.json(), engine, state, "Was it rolled back?", descriptions)
+    for reply in (first.json(), second.json()):  # /decide's reply is the same whichever way it ran
+        assert reply["readout"] == DIRECT_READOUT and "timing" not in reply
+        assert "serving_config" not in reply["model"]
+
+
+def test_eight_concurrent_decides_about_one_new_state_share_one_prefill_and_each_equals_the_plain_forward(
+    fresh, engine
+):
+    state = long_state("eight")
+    questions = [f"Did step {i} of the rollout succeed?" for i in range(8)]
+
+    async def go():
+        gate = EngineGate()
+        gate.bind(fresh)
+        held = asyncio.create_task(fresh.worker.batcher.submit(Job("gate", None, 0, (1,), payload=gate)))
+        await asyncio.to_thread(gate.started.wait, 30)
+        async with client_of(fresh) as c:
+            calls = [
+                asyncio.create_task(c.post("/decide", json=decide_body(state, q), headers=AUTH))
+                for q in questions
+            ]
+            while fresh.worker.batcher.queued < len(calls):
+                await asyncio.sleep(0.01)
+            gate.opened.set()
+            await held
+            return await asyncio.gather(*calls)
+
+    before = fresh.engine.cache.stats().by_kind[STATE]
+    replies = asyncio.run(go())
+    after = fresh.engine.cache.stats().by_kind[STATE]
+    assert after.misses - before.misses == 1 and after.entries == before.entries + 1  # one prefill, kept
+    for q, reply in zip(questions, replies, strict=True):
+        assert reply.status_code == 200
+        assert_plain(reply.json(), engine, state, q, [o["description"] for o in OPTIONS])
+
+
+def test_a_lone_question_whose_state_another_request_in_flight_wants_prefills_and_keeps_it_at_once(fresh):
+    state = long_state("wanted")
+    base = fresh.engine.cache.stats().by_kind[STATE]
+    fresh.engine.cache.demand.enter(state_digest(state))  # another request about it, still encoding
+    try:
+        asyncio.run(fresh.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS))))
+    finally:
+        fresh.engine.cache.demand.leave(state_digest(state))
+    stats = fresh.engine.cache.stats().by_kind[STATE]
+    # Looked up and prefilled on its own path (the plain path and the idle prefill never look up).
+    assert stats.misses == base.misses + 1 and stats.entries == base.entries + 1
+
+
+LIMITS = dict(max_input_tokens=4096, max_options=16, max_rows=64)
+
+
+def _question(text: str = "Did it succeed?"):
+    from semif_serve.domain.types import Option, Question
+
+    return Question("q", text, tuple(Option(o["id"], o["description"]) for o in OPTIONS))
+
+
+def test_a_lone_row_runs_the_plain_forward_and_an_idle_step_stores_a_state_equal_to_a_fresh_prefill(engine):
+    cached = engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
+    state = long_state("idle")
+    row = PromptRow("Did it succeed?", ("It succeeded.", "It failed."))
+
+    readout = cached.score(state, [row], shared=False, max_input_tokens=4096)
+
+    assert cached.cache.stats().entries == 0 and cached.deferred_prefills == 1
+    steps = 1
+    while cached.fill_idle_step():
+        steps += 1
+    ids = cached.prepare(RowsRequest.of(state, [row], shared=False, max_input_tokens=4096)).state_ids
+    assert steps == -(-len(ids) // IDLE_PREFILL_TOKENS)  # one step per IDLE_PREFILL_TOKENS
+    stored = cached.cache.get(ids)
+    assert stored is not None and cached.deferred_prefills == 0
+    reference = StateCache(1 << 30).put(ids, prefill(engine.model, ids))
+    for got, want in zip(stored.tensors(), reference.tensors(), strict=True):
+        assert (got - want).abs().max().item() <= TOL
+    hits = cached.cache.stats().by_kind[STATE].hits
+    follow_up = cached.score(state, [row], shared=False, max_input_tokens=4096)
+    assert cached.cache.stats().by_kind[STATE].hits == hits + 1
+    assert follow_up.rows[0].option_logits == pytest.approx(readout.rows[0].option_logits, abs=TOL)
+
+
+def test_system_one_asks_a_lone_question_like_decide_and_serves_its_follow_up_from_the_cache(fresh, engine):
+    state = long_state("s1")
+    noul = {"type": "noul", "instructions": "Did the rollout succeed?", "x_orderings": "none"}
+
+    async def go():
+        async with client_of(fresh) as c:
+            body = {"model": "jev-latest", "state": state, "questions": {"a": noul}}
+            first = await c.post("/v1/systemone", json=body, headers=AUTH)
+            await settled(c)
+            second = await c.post("/v1/systemone", json=body, headers=AUTH)
+            return first, second
+
+    base = fresh.engine.cache.stats().by_kind[STATE]
+    first, second = asyncio.run(go())
+    stats = fresh.engine.cache.stats().by_kind[STATE]
+    assert stats.misses == base.misses and stats.hits == base.hits + 1
+    descriptions = ["Yes, it is true.", "No, it is false."]
+    logits, sha, tokens = plain_forward(engine, state, "Did the rollout succeed?", descriptions)
+    for reply in (first.json(), second.json()):
+        semif = reply["answers"]["a"]["x_semif"]
+        assert max(abs(a - b) for a, b in zip(semif["option_logits"].values(), logits, strict=True)) <= TOL
+        assert semif["prompt_sha256"] == sha and semif["input_tokens"] == tokens
+        assert reply["usage"]["input_tokens"] == tokens
+
+
+def test_a_lone_question_over_a_state_past_the_direct_bound_is_prefilled_in_chunks_not_one_forward(
+    fresh, engine
+):
+    state = " ".join(f"line {i}: zone {i % 7} healthy." for i in range(900))  # well past 4,096 tokens
+    assert len(engine.codec.encode(state)) > DIRECT_MAX_TOKENS
+    noul = {"type": "noul", "instructions": "Did the rollout succeed?", "x_orderings": "none"}
+
+    async def go():
+        async with client_of(fresh) as c:
+            body = {"model": "jev-latest", "state": state, "questions": {"a": noul}}
+            return await c.post("/v1/systemone", json=body, headers=AUTH)
+
+    reply = asyncio.run(go()).json()
+    assert reply["x_timing"]["prefill"] == "fresh"  # over its state, prefilled in chunks and kept
+    semif = reply["answers"]["a"]["x_semif"]
+    prompt = engine.codec.encode_prompt(
+        state, "Did the rollout succeed?", ("Yes, it is true.", "No, it is false."), 32768
+    )
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([prompt.ids]), use_cache=False).logits[0, -1].float()
+    plain = logits[torch.tensor(engine.codec.slots[:2])].tolist()
+    assert max(abs(a - b) for a, b in zip(semif["option_logits"].values(), plain, strict=True)) <= TOL
+    assert semif["input_tokens"] == len(prompt.ids)
+
+
+def test_the_plain_direct_path_setting_never_touches_the_cache(engine, checkpoint):
+    service = Service.start(make_settings(checkpoint, direct_path="plain"), engine=engine)
+    state = long_state("plain")
+    base = service.engine.cache.stats()
+    for _ in range(2):
+        outcome = asyncio.run(
+            service.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS)))
+        )
+    stats = service.engine.cache.stats()
+    assert (stats.hits, stats.misses, stats.entries) == (base.hits, base.misses, base.entries)
+    assert service.engine.deferred_prefills == 0
+    logits, _, _ = plain_forward(engine, state, "Did it succeed?", [o["description"] for o in OPTIONS])
+    assert outcome.questions[0].readouts[0].option_logits == pytest.approx(logits, abs=TOL)
+
+
+def test_question_prefixes_live_in_a_lower_tier_that_never_evicts_a_state():
+    from tests.engine.test_state_cache import fake_state
+
+    cache = StateCache(budget_bytes=1000)
+    cache.put([1], fake_state(400), STATE)
+    cache.put([1, 9], fake_state(400), QUESTION)
+    cache.put([2], fake_state(400), STATE)  # evicts the question prefix, not the older state
+    assert cache.has([1]) and cache.has([2]) and not cache.has([1, 9], QUESTION)
+    cache.put([2, 9], fake_state(400), QUESTION)  # no room beside two states: never stored
+    assert cache.stats().refused == 1 and cache.has([1]) and cache.has([2])
+    assert cache.get([1, 9], QUESTION) is None and cache.get([1]) is not None
+    kinds = cache.stats().by_kind
+    assert (kinds[STATE].hits, kinds[QUESTION].misses, kinds[STATE].entries, kinds[QUESTION].entries) == (
+        1,
+        1,
+        2,
+        0,
+    )
+
+
+def test_states_asked_questions_in_turn_under_a_budget_of_those_states_all_stay_cached(engine):
+    # The issue's case: each request with orderings also covers its question, which almost
+    # nothing reuses; under a budget of the states alone, the states must survive it.
+    states = [long_state(f"turn{i}") for i in range(3)]
+    row = PromptRow("Did it succeed?", ("It succeeded.", "It failed.", "Unclear."))
+    sizes = []
+    for state in states:
+        probe = engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
+        probe.score(state, [row], shared=True, max_input_tokens=4096)  # one row: the state prefix alone
+        sizes.append(probe.cache.stats().bytes)
+    turned = engine.with_options(
+        cache=StateCache(3 * max(sizes) + max(sizes) // 2), prefill_chunk_tokens=None
+    )
+
+    def rotations(n: int) -> list[PromptRow]:
+        opts = [f"Option {k} of question {n}." for k in range(3)]
+        return [PromptRow(f"Which option fits question {n}?", tuple(opts[k:] + opts[:k])) for k in range(3)]
+
+    readouts = []
+    for n in range(3):
+        for state in states:
+            readouts.append(turned.score(state, rotations(n), shared=False, max_input_tokens=4096))
+    stats = turned.cache.stats().by_kind[STATE]
+    assert stats.hits == 6 and stats.misses == 3  # every question after a state's first found it
+    assert [r.timing.prefill for r in readouts] == ["fresh"] * 3 + ["extended"] * 6
+    last = rotations(2)[0]
+    logits, sha, tokens = plain_forward(turned, states[2], last.question, last.descriptions)
+    assert readouts[-1].rows[0].option_logits == pytest.approx(logits, abs=TOL)
+    assert (readouts[-1].rows[0].prompt_sha256, readouts[-1].rows[0].input_tokens) == (sha, tokens)
+
+
+def test_the_batcher_runs_idle_work_only_while_nothing_is_queued_and_returns_to_jobs_after_one_step():
+    events: list[str] = []
+    steps = iter(range(3))
+    released = threading.Event()
+
+    def run_group(group: Group):
+        events.append(f"run {group.job_ids[0]}")
+        return {p.job.id: [p.job.id] for p in group.parts}
+
+    def idle() -> bool:
+        step = next(steps)
+        events.append(f"idle {step}")
+        if step == 0:
+            released.wait(30)  # a job is queued while this step runs
+        return step < 2
+
+    async def go():
+        batcher = Batcher(run_group, Bounds(), idle=idle)
+        first = await batcher.submit(Job("a", None, 0, (1,), None))
+        while "idle 0" not in events:
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(batcher.submit(Job("b", None, 0, (1,), None)))
+        await asyncio.sleep(0.01)
+        released.set()
+        second = await second
+        while not batcher._task.done():
+            await asyncio.sleep(0.001)
+        await batcher.close()
+        return first, second
+
+    first, second = asyncio.run(asyncio.wait_for(go(), 60))
+    assert first == ["a"] and second == ["b"]
+    assert events == ["run a", "idle 0", "run b", "idle 1", "idle 2"]
