@@ -188,13 +188,13 @@ KEY = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"
         (
             {"r": 4},
             None,
-            "down_proj.lora_A.weight: shape (8, 128), the base's model.layers.0.mlp.down_proj with r=4",
+            "down_proj.lora_A.weight: shape (8, 128), the base's model.layers.0.mlp.down_proj",
         ),
         ({"r": 0}, None, "adapter_config.json: r must be a positive integer"),
         (
             {"target_modules": ["q_proj", "qkv_proj"]},
             None,
-            "target_modules: 'qkv_proj' is not a Linear layer",
+            "'qkv_proj' is not a Linear layer",
         ),
         ({"base_model_name_or_path": "Qwen/Qwen2.5-7B"}, None, "base_model_name_or_path 'Qwen/Qwen2.5-7B'"),
         (None, lambda w: {**w, KEY: w[KEY][:, :32].contiguous()}, f"{KEY}: shape (8, 32)"),
@@ -208,7 +208,7 @@ KEY = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"
             None,
             lambda w: {
                 **w,
-                "base_model.model.model.layers.3.self_attn.q_proj.lora_magnitude_vector": w[KEY][0].clone(),
+                KEY.replace("lora_A.weight", "lora_magnitude_vector"): w[KEY][0].clone(),
             },
             "lora_magnitude_vector: not a LoRA A/B weight",
         ),
