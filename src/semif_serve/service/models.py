@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 from semif_serve.domain.types import ConfigurationError
 
-SEMIF = "semif"  # SemIf's prompt and readout (the base, and any PEFT adapter)
-LEV = "lev"  # lev's prompt and readout (a lev release)
 Method = Literal["semif", "lev"]
+SEMIF: Method = "semif"  # SemIf's prompt and readout (the base, and any PEFT adapter)
+LEV: Method = "lev"  # lev's prompt and readout (a lev release)
 JEV_ALIASES = ("jev-latest", "jev-preview")
 RELEASE_MANIFEST = "lev_release.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
