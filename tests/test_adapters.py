@@ -235,3 +235,31 @@ def test_missing_files_and_the_named_base(loaded, adapters, tmp_path, checkpoint
     bank.close()
     with pytest.raises(AdapterError, match="is not the served base"):
         AdapterBank(loaded.model).add("lev", adapters["lev"], base_names=("test/base",))
+
+
+def test_rows_over_each_models_own_state_in_one_forward(bank, loaded, adapters, checkpoint):
+    """A state prefilled under each model, forked together into one suffix forward: every row
+    equals PEFT's plain forward of the whole prompt under its model; a state prefilled under
+    another model gives another answer (why the state cache's key holds the model)."""
+    from semif_serve.engine.adapters import stacked_fork
+    from semif_serve.engine.state_cache import StoredState, logits_over, prefill
+
+    state = prompts(1, 20, seed=3)[0].tolist()
+    suffixes = [row.tolist() for row in prompts(4, 5, seed=4)]
+    suffixes[3] = suffixes[3][:3]  # right-padded rows
+    names = ["lev", "lev", "rs", None]
+    stored = {}
+    for name in ("lev", "rs", None):
+        with bank.rows(BASE if name is None else bank.index(name)):
+            stored[name] = StoredState(state, prefill(loaded.model, state, chunk_tokens=8))
+    rows = [BASE if n is None else bank.index(n) for n in names]
+    cache = stacked_fork([(stored["lev"], 2), (stored["rs"], 1), (stored[None], 1)])
+    with bank.rows(rows):
+        logits = logits_over(loaded.model, cache, len(state), suffixes, 0)
+    for i, name in enumerate(names):
+        full = torch.tensor([state + suffixes[i]])
+        reference = peft_logits(checkpoint, adapters[name] if name else None, full)[0, -1]
+        torch.testing.assert_close(logits[i], reference, atol=ATOL, rtol=0)
+    with bank.rows(bank.index("lev")):
+        crossed = logits_over(loaded.model, stored[None].fork(1), len(state), suffixes[:1], 0)
+    assert (crossed[0] - logits[0]).abs().max() > 1e-3

@@ -34,6 +34,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 VL_TEXT_PREFIX = "model.language_model."  # an adapter saved over the vision-language class
+LINEAR_STATES = ("conv_states", "recurrent_states")  # a linear-attention cache layer's per-row states
 TENSOR_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 # Settings PEFT saves that would change the forward away from plain LoRA: each must be off.
 MUST_BE_OFF = (
@@ -216,6 +217,31 @@ class AdapterBank:
             return output
 
         return hook
+
+
+def stacked_fork(states: Sequence[tuple[Any, int]]) -> Any:
+    """One cache for a forward whose rows read several models' states: `n` rows of each
+    `(state, n)` in turn (each a `StoredState` over the same tokens, prefilled under its own
+    model), consumable like `StoredState.fork`; the states themselves are left unchanged."""
+    import torch
+
+    lengths = {len(state) for state, _ in states}
+    if len(lengths) != 1:
+        raise ValueError(f"stacked states must cover the same number of tokens, not {sorted(lengths)}")
+    forks = [state.fork(n) for state, n in states]
+    first = forks[0]
+    for i, layer in enumerate(first.layers):
+        others = [fork.layers[i] for fork in forks[1:]]
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None and tensor.numel():
+                setattr(layer, name, torch.cat([tensor, *(getattr(o, name) for o in others)]))
+        for name in LINEAR_STATES:
+            tensors = getattr(layer, name, None) or {}
+            for idx, tensor in tensors.items():
+                if tensor is not None:
+                    tensors[idx] = torch.cat([tensor, *(getattr(o, name)[idx] for o in others)])
+    return first
 
 
 def _runs(models: Sequence[int]) -> Iterator[tuple[int, int, int]]:
