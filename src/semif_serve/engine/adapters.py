@@ -193,8 +193,6 @@ class AdapterBank:
             raise IndexError(f"no adapter {model} (serving {len(self.adapters)})")
 
     def _hook(self, table: dict[int, tuple[Any, Any, float]]) -> Any:
-        import torch.nn.functional as F
-
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             selection = self._selection
             if selection is None:
@@ -206,17 +204,22 @@ class AdapterBank:
                 weights = table.get(selection.every)
                 if weights is None:
                     return None  # the base, or an adapter that leaves this layer alone
-                a, b, scale = weights
-                # PEFT's LoRA layer: result + lora_B(lora_A(x)) * scaling.
-                return output + F.linear(F.linear(x, a), b) * scale
+                _add_lora(output, x, *weights)
+                return output
             for adapter, start, stop in selection.runs:
                 weights = table.get(adapter)
                 if weights is not None:
-                    a, b, scale = weights
-                    output[start:stop] += F.linear(F.linear(x[start:stop], a), b) * scale
+                    _add_lora(output[start:stop], x[start:stop], *weights)
             return output
 
         return hook
+
+
+def _add_lora(output: Any, x: Any, a: Any, b: Any, scale: float) -> None:
+    """`output += B(A(x)) * scale` in place (PEFT's LoRA term): the scale on the rank-r
+    product, and B's product accumulated into the output by one GEMM (no pass over it)."""
+    low = (x.reshape(-1, x.shape[-1]) @ a.T).mul_(scale)
+    output.view(-1, output.shape[-1]).addmm_(low, b.T)
 
 
 def stacked_fork(states: Sequence[tuple[Any, int]]) -> Any:
