@@ -29,9 +29,10 @@ import io
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from . import image_reference
 from .common import Gate
 
 # Qwen3.5-4B's `vision_config` (config.json of Qwen/Qwen3.5-4B and of its fine-tunes with the same
@@ -175,7 +176,7 @@ class ImageBench:
         for question, options in QUESTIONS:
             text = self.codec.render_prompt(state, question, options)
             ids = self.codec.encode(text.replace(PLACEHOLDER, self.vision.VISION_BLOCK))
-            out.append(self.vision.expand_image_pads(ids, self.pad, tokens))
+            out.append(image_reference.expand_image_pads(ids, self.pad, tokens))
         return out
 
     def letters(self, n: int) -> list[int]:
@@ -198,15 +199,15 @@ class ImageBench:
 
     def state(self, prefix: Sequence[int], features: Sequence[Any], grid: Any) -> tuple[Any, int]:
         """The prefilled one-row cache of `prefix` (its images' features placed) and the offset."""
-        embeds = self.vision.prefix_embeddings(self.model, prefix, self.pad, features)
-        positions, offset = self.vision.rope_positions(self.model, prefix, self.pad, grid)
-        return self.vision.prefill_embeddings(self.model, embeds, positions), offset
+        embeds = image_reference.prefix_embeddings(self.model, prefix, self.pad, features)
+        positions, offset = image_reference.rope_positions(self.model, prefix, self.pad, grid)
+        return image_reference.prefill_embeddings(self.model, embeds, positions), offset
 
     def readout(self, cache: Any, n_prefix: int, offset: int, suffixes: Sequence[Sequence[int]]) -> Any:
         """Float32 logits of each suffix over a copy of `cache` (the kept state is unchanged)."""
         from semif_serve.engine.state_cache import fork_cache
 
-        return self.vision.suffix_logits_after_images(
+        return image_reference.suffix_logits_after_images(
             self.model, fork_cache(cache, len(suffixes)), n_prefix, offset, suffixes, 0
         )
 
@@ -252,8 +253,8 @@ class ImageBench:
         (t, h, w) = (int(v) for v in host.grid_thw[0].tolist())
         patch = self.model.config.vision_config.patch_size
 
-        tower_bytes, _ = self.peak(lambda: self.vision.image_features(self.model, pixels))
-        tower_s, features = self.timer(lambda: self.vision.image_features(self.model, pixels))
+        tower_bytes, _ = self.peak(lambda: image_reference.image_features(self.model, pixels))
+        tower_s, features = self.timer(lambda: image_reference.image_features(self.model, pixels))
 
         rows = self.rows(STATE, host.tokens)
         n = common_prefix(rows)
@@ -353,6 +354,7 @@ class EngineBench:
         return self.tower_runs - before, out
 
     def measure(self, asset: Any, block_rows: Sequence[Sequence[int]], pixels: Any) -> dict[str, Any]:
+        from semif_serve.domain.requests import RowsRequest
         from semif_serve.domain.types import TooLargeForMemory
 
         engine, blocks, timer = self.engine, self.blocks, self.blocks.timer
@@ -361,7 +363,9 @@ class EngineBench:
         estimate = engine.vision.activation_bytes(image.patches, engine.estimate)
         try:
             prompts = engine.prepare(
-                STATE, self.questions, shared=True, max_input_tokens=MAX_INPUT_TOKENS, images=[asset]
+                RowsRequest.of(
+                    STATE, self.questions, shared=True, max_input_tokens=MAX_INPUT_TOKENS, images=[asset]
+                )
             ).prompts
         except TooLargeForMemory as exc:  # the service would answer 413: recorded, gated
             return {"refused": str(exc), "patches": image.patches, "tower_estimate_bytes": estimate}
@@ -423,15 +427,14 @@ def service_engine(model: Any, tokenizer: Any, base: Any) -> Any:
 
     tower = sum(p.numel() * p.element_size() for p in model.model.visual.parameters())
     headroom = None if base.headroom_bytes is None else base.headroom_bytes - tower
-    engine = TorchEngine(
+    options = replace(base.options, headroom_bytes=headroom, cache=StateCache(base.cache.budget_bytes))
+    return TorchEngine(
         text_side(model, Qwen3_5ForCausalLM),
         base.codec,
         base.identity,
-        base.memory,
-        headroom,
-        vision=VisionTower(model, tokenizer),
+        options,
+        VisionTower(model, tokenizer),
     )
-    return engine.with_state_cache(StateCache(base.cache.budget_bytes), base.prefill_chunk_tokens)
 
 
 def measure_images(

@@ -406,7 +406,7 @@ class GpuRun:
         from semif_serve.domain.prompt import PromptCodec
         from semif_serve.engine.loader import ModelIdentity
         from semif_serve.engine.memory import CudaMemory
-        from semif_serve.engine.runner import TorchEngine
+        from semif_serve.engine.runner import EngineOptions, TorchEngine
         from semif_serve.engine.state_cache import StateCache
         from semif_serve.service.settings import load_settings
         from semif_serve.service.startup import Service
@@ -444,14 +444,12 @@ class GpuRun:
             device=settings.device,
             demo=True,
         )
-        engine = TorchEngine(
-            model,
-            PromptCodec(tokenizer),
-            identity,
+        options = EngineOptions(
             memory,
             cache=StateCache(settings.state_cache_mib * SERVICE_MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
         )
+        engine = TorchEngine(model, PromptCodec(tokenizer), identity, options)
         t1 = time.monotonic()
         service = Service.start(settings, engine=engine)
         startup_s = time.monotonic() - t1
@@ -972,12 +970,12 @@ def print_capacity(rows: list[dict[str, Any]], cap_gib: float) -> None:
 def disable_splitting(service) -> Callable[[], None]:
     """Switch off the engine's memory estimate (no headroom: no split, no refusal), so a request
     that does not fit really runs out of memory; returns the undo."""
-    core = service.core
-    saved = core.engine
-    core.engine = saved.with_memory(saved.memory, headroom_bytes=None)
+    worker = service.worker
+    saved = worker.engine
+    worker.engine = saved.with_options(headroom_bytes=None)
 
     def restore() -> None:
-        core.engine = saved
+        worker.engine = saved
 
     return restore
 

@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from semif_serve.domain.requests import DecisionRequest, Limits  # noqa: E402
 from semif_serve.domain.types import Option, Question  # noqa: E402
 from semif_serve.service.settings import Settings  # noqa: E402
 from semif_serve.service.startup import Service  # noqa: E402
@@ -48,7 +49,7 @@ async def clients(service: Service, n_clients: int, each: int) -> tuple[float, l
         for k in range(each):
             t0 = time.perf_counter()
             state = f"Client {c} request {k}: health checks passed in zone {k % 3}."
-            await service.core.decide(state, [question(k)], shared=False, **LIMITS)
+            await service.core.decide(DecisionRequest(state, [question(k)], False, Limits(**LIMITS)))
             latencies.append(time.perf_counter() - t0)
 
     started = time.perf_counter()
@@ -78,8 +79,8 @@ async def measure(service: Service, quick: bool) -> dict[str, float]:
     ratios = []
     for run in range(1 if quick else 3):
         state = long_state(2000) + f" run {run}"
-        first = await service.core.decide(state, [question(0)], shared=True, **LIMITS)
-        second = await service.core.decide(state, [question(1)], shared=True, **LIMITS)
+        first = await service.core.decide(DecisionRequest(state, [question(0)], True, Limits(**LIMITS)))
+        second = await service.core.decide(DecisionRequest(state, [question(1)], True, Limits(**LIMITS)))
         assert second.timing is not None and second.timing.prefill == "cached"
         ratios.append(first.total_seconds / second.total_seconds)
         out["state_prefix_tokens"] = first.timing.prefix_tokens if first.timing else 0
@@ -87,7 +88,10 @@ async def measure(service: Service, quick: bool) -> dict[str, float]:
     misses = service.engine.cache.stats().misses
     state = long_state(600) + " shared"
     await asyncio.gather(
-        *(service.core.decide(state, [question(i)], shared=True, **LIMITS) for i in range(8))
+        *(
+            service.core.decide(DecisionRequest(state, [question(i)], True, Limits(**LIMITS)))
+            for i in range(8)
+        )
     )
     out["prefills_for_8_clients"] = service.engine.cache.stats().misses - misses
     return out

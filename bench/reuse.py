@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from acceptance.server import LoopbackServer  # noqa: E402
+from semif_serve.domain.requests import RowsRequest  # noqa: E402
 from semif_serve.domain.types import PromptRow  # noqa: E402
 from semif_serve.engine.batching import Bounds, plan_groups  # noqa: E402
 from semif_serve.engine.state_cache import STATE, StateCache  # noqa: E402
@@ -67,9 +68,9 @@ def lone_question(engine, tokens: int, rounds: int) -> dict[str, Any]:
     """Engine seconds of one row on a new state: reuse vs plain vs the shared path's two forwards."""
     import torch
 
-    reuse = engine.with_state_cache(StateCache(1 << 34), 2048).with_direct_path("reuse")
-    plain = engine.with_state_cache(StateCache(0), 2048).with_direct_path("plain")
-    shared = engine.with_state_cache(StateCache(0), 2048)
+    reuse = engine.with_options(cache=StateCache(1 << 34), prefill_chunk_tokens=2048, direct_path="reuse")
+    plain = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=2048, direct_path="plain")
+    shared = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=2048)
     row = PromptRow("Did the deployment succeed?", ("It succeeded.", "It failed."))
     seconds: dict[str, list[float]] = {"reuse": [], "plain": [], "shared": []}
     diffs = []
@@ -223,7 +224,7 @@ def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int 
         opts = [f"Option {k} for question {q}." for k in range(3)]
         return [PromptRow(f"Which option fits question {q}?", tuple(opts[k:] + opts[:k])) for k in range(3)]
 
-    probe = engine.with_state_cache(StateCache(1 << 34), 2048)
+    probe = engine.with_options(cache=StateCache(1 << 34), prefill_chunk_tokens=2048)
     sizes = []
     for state in states:
         probe.cache.clear()
@@ -234,7 +235,7 @@ def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int 
     sequence = [s for s in range(n_states) for _ in range(n_questions)]
     random.Random(seed).shuffle(sequence)
     asked = [0] * n_states
-    cached = engine.with_state_cache(StateCache(budget), 2048)
+    cached = engine.with_options(cache=StateCache(budget), prefill_chunk_tokens=2048)
     for s in sequence:
         cached.score(states[s], rows(asked[s]), shared=False, max_input_tokens=8192)
         asked[s] += 1
@@ -274,7 +275,9 @@ def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, fl
             questions, max_rows=limits.max_rows, max_options=limits.max_options, calibration=core.calibration
         )
         marks.append(("plan", time.perf_counter()))
-        prepared = engine.prepare(parsed.state, rows, shared=False, max_input_tokens=limits.max_input_tokens)
+        prepared = engine.prepare(
+            RowsRequest.of(parsed.state, rows, shared=False, max_input_tokens=limits.max_input_tokens)
+        )
         marks.append(("encode", time.perf_counter()))
         job = prepared.job(r)
         groups = plan_groups([job], Bounds())

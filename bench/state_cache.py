@@ -59,7 +59,8 @@ def measure(engine, target_tokens: int, runs: int) -> dict:
     """Median engine seconds of a cold and a cached question, their ratio, and the state's bytes."""
     import torch
 
-    from semif_serve.engine.state_cache import StateCache, StoredState, prefill, suffix_logits
+    from semif_serve.engine.forwards import prefill, suffix_logits
+    from semif_serve.engine.state_cache import StateCache, StoredState
 
     prefix, suffix = prompt_over_state(engine, target_tokens)
     cache = StateCache(budget_bytes=1 << 34)

@@ -73,7 +73,7 @@ def main() -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     directory = write_checkpoint(Path(tempfile.mkdtemp(prefix="bench-vl-")), multimodal=True)
     settings = Settings(model_path=directory, model_revision=DEMO_REVISION, device="cpu", api_token="x" * 20)
-    engine = load_engine(settings).with_state_cache(StateCache(1 << 30), 2048)
+    engine = load_engine(settings).with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=2048)
     asset = read_image("<image:photo>", photo(args.side), claimed="png", max_pixels=10**8)
     rows = [PromptRow(q, tuple(o)) for q, o in QUESTIONS]
     text_state = {"photo": "", "caption": STATE["caption"]}

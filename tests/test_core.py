@@ -8,6 +8,7 @@ import pytest
 
 from semif_serve.domain.calibration import CalibrationTable
 from semif_serve.domain.numerics import softmax
+from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.domain.types import (
     AnswerBoundary,
     Option,
@@ -23,9 +24,10 @@ YES_NO = (Option("yes", "It succeeded."), Option("no", "It failed."))
 THREE = (Option("a", "First."), Option("b", "Second."), Option("c", "Third."))
 
 
-def decide(service, questions, **limits):
-    values = {"shared": True, "max_input_tokens": 4096, "max_options": 16, "max_rows": 64, **limits}
-    return asyncio.run(service.core.decide("All zones are healthy.", questions, **values))
+def decide(service, questions, shared=True, **limits):
+    values = {"max_input_tokens": 4096, "max_options": 16, "max_rows": 64, **limits}
+    request = DecisionRequest("All zones are healthy.", tuple(questions), shared, Limits(**values))
+    return asyncio.run(service.core.decide(request))
 
 
 def test_an_outcome_holds_every_ordering_its_combination_and_the_batch_timing(service):

@@ -23,6 +23,7 @@ from test_hardening import HardenedServer, post_head, read_response, wait_until
 from test_no_stalls import rendered
 
 from semif_serve.app import create_app
+from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.tokens import BoundedEncoder, PastLimit, Turns
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import HostMemory, ReleasePolicy
@@ -135,25 +136,25 @@ def test_a_question_past_the_limit_is_refused_naming_it_after_tokenising_about_t
 
 
 def test_a_tiny_requests_encoding_is_not_queued_behind_a_big_ones(engine):
-    own = engine.with_direct_path("reuse")  # an engine of its own to instrument
+    own = engine.with_options(direct_path="reuse")  # an engine of its own to instrument
     big_started, release = threading.Event(), threading.Event()
     real = own.prepare
 
-    def prepare(state, rows, **kw):
-        if state == "big":
+    def prepare(request):
+        if request.state == "big":
             big_started.set()
             release.wait(60)  # the big request's encoding is held until the tiny one is answered
-        return real(state, rows, **kw)
+        return real(request)
 
     own.prepare = prepare  # type: ignore[method-assign]
-    worker = EngineWorker(ReleasePolicy(HostMemory(), 1 << 30), encoders=4)
+    worker = EngineWorker(own, ReleasePolicy(HostMemory(), 1 << 30), encoders=4)
     row = [PromptRow("Did it recover?", ("Yes.", "No."))]
 
     async def main() -> list[str]:
         done: list[str] = []
 
         async def ask(state: str) -> None:
-            await worker.score(own, state, row, shared=False, max_input_tokens=4096)
+            await worker.score(RowsRequest.of(state, row, shared=False, max_input_tokens=4096))
             done.append(state)
 
         big = asyncio.create_task(ask("big"))

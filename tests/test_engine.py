@@ -155,7 +155,7 @@ def test_direct_option_logits_equal_a_plain_full_forward_of_the_prompt_rendered_
     batch = engine.score(state, [PromptRow(question, descs)], shared=False, max_input_tokens=MAX_TOKENS)
     score = batch.rows[0]
 
-    assert batch.shared is False and batch.timing is None
+    assert batch.shared is False and batch.timing.prefill == "none" and batch.timing.prefix_tokens == 0
     assert_close(score.option_logits, expected, 1e-5)
     assert_close(score.probabilities, softmax_by_hand(score.option_logits), 1e-6)
     assert_close(score.probabilities, softmax_by_hand(expected), 1e-5)
@@ -237,7 +237,7 @@ def test_sub_batches_give_the_numbers_of_one_batch_and_are_counted(
     headroom = engine.estimate.prefill_bytes(n_prefix) + per_forward * engine.estimate.row_bytes(
         n_prefix, width
     )
-    split = engine.with_memory(engine.memory, headroom).score(
+    split = engine.with_options(headroom_bytes=headroom).score(
         state, rows, shared=True, max_input_tokens=MAX_TOKENS
     )
 

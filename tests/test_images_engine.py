@@ -15,6 +15,7 @@ import pytest
 from vision_reference import expected_row, noise_png
 
 from semif_serve.domain.images import read_image
+from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.state_cache import StateCache
@@ -60,7 +61,9 @@ def test_the_loader_gives_a_vision_checkpoint_its_vision_tower(vision_engine, en
 
 def test_a_lone_question_over_an_image_equals_the_full_forward_of_its_prompt(vision_engine, vision_reference):
     data = noise_png(1)
-    readout = score(vision_engine.with_state_cache(StateCache(0), None), [RED], {PHOTO: data})
+    readout = score(
+        vision_engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None), [RED], {PHOTO: data}
+    )
     assert_row(readout.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: data}))
 
 
@@ -69,7 +72,9 @@ def test_shared_questions_over_one_image_equal_the_full_forward_of_each_prompt(
     vision_engine, vision_reference, chunk
 ):
     data = noise_png(2)
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), chunk)  # chunks of 7 split the image
+    engine = vision_engine.with_options(
+        cache=StateCache(1 << 30), prefill_chunk_tokens=chunk
+    )  # chunks of 7 split the image
     readout = score(engine, [RED, SHAPE], {PHOTO: data})
     assert readout.shared and readout.timing.prefix_tokens > 60  # the image is in the prefix
     for row, (q, o) in zip(readout.rows, [RED, SHAPE], strict=True):
@@ -91,19 +96,19 @@ def test_a_second_request_over_the_same_image_is_served_from_the_cache_and_reads
     vision_engine, vision_reference
 ):
     data = noise_png(4)
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), None)
+    engine = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
     first = score(engine, [RED], {PHOTO: data})
     second = score(engine, [SHAPE], {PHOTO: data})
-    assert first.lone_timing.prefill == "fresh" and second.lone_timing.prefill == "cached"
+    assert first.timing.prefill == "fresh" and second.timing.prefill == "cached"
     assert_row(second.rows[0], expected(vision_reference, vision_engine, STATE, *SHAPE, {PHOTO: data}))
 
 
 def test_a_cached_image_state_is_never_served_for_another_image(vision_engine, vision_reference):
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), None)
+    engine = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
     red, blue = noise_png(5), noise_png(6)
     a = score(engine, [RED], {PHOTO: red})
     b = score(engine, [RED], {PHOTO: blue})
-    assert b.lone_timing.prefill == "fresh"
+    assert b.timing.prefill == "fresh"
     assert_row(b.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: blue}))
     assert (
         max(abs(x - y) for x, y in zip(a.rows[0].option_logits, b.rows[0].option_logits, strict=True)) > 1e-4
@@ -123,27 +128,28 @@ def test_images_in_a_question_and_in_an_option_are_read_where_they_stand(vision_
     state = {"caption": "two photos"}
     pictures = {"<image:q>": noise_png(8), "<image:o>": noise_png(9, size=(24, 32))}
     question = ("Does <image:q> show the product?", ("Yes, like <image:o>.", "No."))
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), None)
+    engine = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
     readout = score(engine, [question, RED], pictures, state=state)
     assert_row(readout.rows[0], expected(vision_reference, vision_engine, state, *question, pictures))
     assert_row(readout.rows[1], expected(vision_reference, vision_engine, state, *RED, pictures))
 
 
 def test_requests_merged_in_one_forward_each_read_their_own_image(vision_engine, vision_reference):
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), None)
-    worker = EngineWorker(ReleasePolicy(engine.memory, 0))
+    engine = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
+    worker = EngineWorker(engine, ReleasePolicy(engine.memory, 0))
     calls = [(noise_png(10), RED), (noise_png(10), SHAPE), (noise_png(11), RED)]
 
     async def go():
         return await asyncio.gather(
             *(
                 worker.score(
-                    engine,
-                    STATE,
-                    [PromptRow(*row)],
-                    shared=False,
-                    max_input_tokens=MAX_TOKENS,
-                    images=[asset(data)],
+                    RowsRequest.of(
+                        STATE,
+                        [PromptRow(*row)],
+                        shared=False,
+                        max_input_tokens=MAX_TOKENS,
+                        images=[asset(data)],
+                    )
                 )
                 for data, row in calls
             )
@@ -212,7 +218,9 @@ def test_the_vision_tower_and_the_decoder_run_once_per_image_of_a_request_and_no
         return real_pixels(image)
 
     monkeypatch.setattr(vision_engine.vision, "pixels", decode)
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), 7)  # many prefill steps over the image
+    engine = vision_engine.with_options(
+        cache=StateCache(1 << 30), prefill_chunk_tokens=7
+    )  # many prefill steps over the image
     question, options = SHAPE
     rows = [RED, (question, options), (question, options[::-1])]
     score(engine, rows, {PHOTO: noise_png(13)}, shared=True)
@@ -240,15 +248,19 @@ def test_requests_merged_over_one_image_run_the_tower_once_across_prefill_steps(
     calls: list[int] = []
     real = inner.get_image_features
     monkeypatch.setattr(inner, "get_image_features", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), 7)  # the image state takes many steps
+    engine = vision_engine.with_options(
+        cache=StateCache(1 << 30), prefill_chunk_tokens=7
+    )  # the image state takes many steps
     data = noise_png(18)
     jobs = [
         engine.prepare(
-            STATE,
-            [PromptRow(*RED), PromptRow(*SHAPE)],
-            shared=True,
-            max_input_tokens=MAX_TOKENS,
-            images=[asset(data)],
+            RowsRequest.of(
+                STATE,
+                [PromptRow(*RED), PromptRow(*SHAPE)],
+                shared=True,
+                max_input_tokens=MAX_TOKENS,
+                images=[asset(data)],
+            )
         ).job(i)
         for i in range(3)
     ]
@@ -320,9 +332,9 @@ def test_two_images_whose_digests_share_their_first_60_bits_never_share_a_state(
     b = dataclasses.replace(asset(blue), sha256="0" * 15 + "b" * 49)
     assert image_token_ids(a.sha256, 8)[0] == image_token_ids(b.sha256, 8)[0]
     assert image_token_ids(a.sha256, 8) != image_token_ids(b.sha256, 8)
-    engine = vision_engine.with_state_cache(StateCache(1 << 30), None)
+    engine = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
     rows = [PromptRow(*RED)]
     engine.score(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[a])
     second = engine.score(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[b])
-    assert second.lone_timing.prefill == "fresh"
+    assert second.timing.prefill == "fresh"
     assert_row(second.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: blue}))

@@ -26,7 +26,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def service_on(engine, checkpoint, memory: SimulatedMemory, **settings) -> Service:
     """The real service and engine (shared weights) on a simulated device."""
     config = make_settings(checkpoint, **settings)
-    return Service.start(config, engine=engine.with_memory(memory))
+    return Service.start(config, engine=engine.with_options(memory=memory))
 
 
 def post(app, url, body):
@@ -86,9 +86,9 @@ def test_no_release_below_the_margin_and_a_release_above_it():
     assert memory.reserved == 100 * MIB
 
 
-def test_every_engine_failure_releases_but_a_refused_request_does_not():
+def test_every_engine_failure_releases_but_a_refused_request_does_not(engine):
     memory = SimulatedMemory()
-    worker = EngineWorker(ReleasePolicy(memory, 512 * MIB))
+    worker = EngineWorker(engine, ReleasePolicy(memory, 512 * MIB))
     worker.policy.mark_baseline()
     before = memory.releases
 
@@ -123,9 +123,9 @@ def test_every_engine_failure_releases_but_a_refused_request_does_not():
     ],
     ids=["empty-oom", "oom", "runtime-error", "cublas-alloc", "cudnn-alloc", "host"],
 )
-def test_every_kind_of_out_of_memory_maps_to_503(exc):
+def test_every_kind_of_out_of_memory_maps_to_503(exc, engine):
     memory = SimulatedMemory()
-    worker = EngineWorker(ReleasePolicy(memory, 0))
+    worker = EngineWorker(engine, ReleasePolicy(memory, 0))
 
     def job():
         raise exc
@@ -137,8 +137,8 @@ def test_every_kind_of_out_of_memory_maps_to_503(exc):
     assert worker.out_of_memory_events == 1
 
 
-def test_a_cublas_error_that_is_not_an_allocation_failure_stays_a_500():
-    worker = EngineWorker(ReleasePolicy(SimulatedMemory(), 0))
+def test_a_cublas_error_that_is_not_an_allocation_failure_stays_a_500(engine):
+    worker = EngineWorker(engine, ReleasePolicy(SimulatedMemory(), 0))
 
     def job():
         raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`")
@@ -150,9 +150,9 @@ def test_a_cublas_error_that_is_not_an_allocation_failure_stays_a_500():
     assert worker.out_of_memory_events == 0
 
 
-def test_the_failed_forwards_memory_is_unreachable_before_the_release_runs():
+def test_the_failed_forwards_memory_is_unreachable_before_the_release_runs(engine):
     memory = SimulatedMemory()
-    worker = EngineWorker(ReleasePolicy(memory, 0))
+    worker = EngineWorker(engine, ReleasePolicy(memory, 0))
     seen: list[bool] = []
 
     class Activations:
@@ -175,14 +175,14 @@ def test_the_failed_forwards_memory_is_unreachable_before_the_release_runs():
     assert seen == [True]
 
 
-def test_a_release_that_itself_fails_does_not_mask_the_original_error():
+def test_a_release_that_itself_fails_does_not_mask_the_original_error(engine):
     memory = SimulatedMemory()
 
     def explode():
         raise RuntimeError("release failed")
 
     memory.on_release = explode
-    worker = EngineWorker(ReleasePolicy(memory, 0))
+    worker = EngineWorker(engine, ReleasePolicy(memory, 0))
 
     def job():
         raise cuda_oom("")
@@ -290,8 +290,9 @@ def test_a_failure_while_building_the_response_is_a_500_envelope_and_the_service
 def test_the_estimate_counts_the_key_value_copies_sdpa_makes_when_a_mask_is_passed(engine, monkeypatch):
     from transformers.integrations import sdpa_attention
 
+    from semif_serve.engine.forwards import logits_over, prefill
     from semif_serve.engine.memory import MemoryEstimate
-    from semif_serve.engine.state_cache import StateCache, logits_over, prefill
+    from semif_serve.engine.state_cache import StateCache
 
     copies: list[int] = []
     repeat_kv = sdpa_attention.repeat_kv

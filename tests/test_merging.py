@@ -16,11 +16,13 @@ from memory_sim import SimulatedMemory, cuda_oom
 
 from semif_serve.app import create_app
 from semif_serve.domain.numerics import MIB
+from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.domain.types import Option, OutOfMemory, PromptRow, Question, TooLargeForMemory
 from semif_serve.engine.batching import Job
+from semif_serve.engine.forwards import prefill
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.runner import TorchEngine
-from semif_serve.engine.state_cache import StateCache, prefill
+from semif_serve.engine.state_cache import StateCache
 from semif_serve.service.startup import Service
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -35,7 +37,7 @@ def question(n: int, orderings=None) -> Question:
 
 def uncached(engine: TorchEngine) -> TorchEngine:
     """The same weights with no state cache: every shared request prefills from scratch."""
-    return engine.with_state_cache(StateCache(0), None)
+    return engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None)
 
 
 def alone(engine: TorchEngine, state, q: Question, shared: bool):
@@ -52,7 +54,6 @@ class EngineGate:
     """Holds the engine thread inside the batcher (as a long forward would) until opened."""
 
     def __init__(self) -> None:
-        self.engine = self
         self.started = threading.Event()
         self.opened = threading.Event()
 
@@ -61,7 +62,18 @@ class EngineGate:
         self.opened.wait(30)
         return {p.job.id: [None] for p in group.parts}
 
+    def bind(self, service: Service) -> None:
+        """Run the gate's job on the engine thread in place of the engine (every other job as before)."""
+        batcher = service.worker.batcher
+        real = batcher.run_group
+
+        def run_group(group):
+            return self.run_group(group) if group.job_ids == ("gate",) else real(group)
+
+        batcher.run_group = run_group
+
     async def hold(self, service: Service) -> asyncio.Task:
+        self.bind(service)
         held = asyncio.create_task(service.worker.batcher.submit(Job("gate", None, 0, (1,), payload=self)))
         await asyncio.to_thread(self.started.wait, 30)
         return held
@@ -95,7 +107,7 @@ def test_distinct_direct_decisions_queued_together_run_in_one_forward_and_equal_
         held_burst(
             fresh,
             [
-                lambda s=s, i=i: fresh.core.decide(s, [question(i)], shared=False, **LIMITS)
+                lambda s=s, i=i: fresh.core.decide(DecisionRequest(s, [question(i)], False, Limits(**LIMITS)))
                 for i, s in enumerate(states)
             ],
         )
@@ -116,7 +128,10 @@ def test_requests_about_one_state_share_one_prefill_and_each_equals_its_fresh_pr
     outcomes = asyncio.run(
         held_burst(
             fresh,
-            [lambda i=i: fresh.core.decide(STATE, [question(i)], shared=True, **LIMITS) for i in range(5)],
+            [
+                lambda i=i: fresh.core.decide(DecisionRequest(STATE, [question(i)], True, Limits(**LIMITS)))
+                for i in range(5)
+            ],
         )
     )
 
@@ -131,14 +146,14 @@ def test_requests_about_one_state_share_one_prefill_and_each_equals_its_fresh_pr
 
 def test_a_cached_state_serves_a_batch_of_rows_and_orderings_and_equals_a_fresh_prefill(fresh, engine):
     # Several rows share the state prefix and the question text up to its number: one key.
-    asyncio.run(fresh.core.decide(STATE, [question(7), question(8)], shared=True, **LIMITS))
+    asyncio.run(fresh.core.decide(DecisionRequest(STATE, [question(7), question(8)], True, Limits(**LIMITS))))
     questions = [question(1), question(2, "rotations"), question(3, "all")]
     hits = fresh.engine.cache.stats().hits
 
-    cached = asyncio.run(fresh.core.decide(STATE, questions, shared=True, **LIMITS))
+    cached = asyncio.run(fresh.core.decide(DecisionRequest(STATE, questions, True, Limits(**LIMITS))))
     reference = asyncio.run(
         Service.start(make_settings(fresh.settings.model_path, state_cache_mib=0), engine=engine).core.decide(
-            STATE, questions, shared=True, **LIMITS
+            DecisionRequest(STATE, questions, True, Limits(**LIMITS))
         )
     )
 
@@ -155,9 +170,13 @@ def test_a_cached_state_serves_a_batch_of_rows_and_orderings_and_equals_a_fresh_
 
 
 def test_a_second_question_with_orderings_extends_the_stored_state_prefix(fresh, engine):
-    asyncio.run(fresh.core.decide(STATE, [question(0, "rotations")], shared=False, **LIMITS))
+    asyncio.run(
+        fresh.core.decide(DecisionRequest(STATE, [question(0, "rotations")], False, Limits(**LIMITS)))
+    )
 
-    second = asyncio.run(fresh.core.decide(STATE, [question(1, "rotations")], shared=False, **LIMITS))
+    second = asyncio.run(
+        fresh.core.decide(DecisionRequest(STATE, [question(1, "rotations")], False, Limits(**LIMITS)))
+    )
 
     assert second.timing.prefill == "extended"
     for order, row in zip(range(3), second.questions[0].readouts, strict=True):
@@ -172,7 +191,9 @@ def test_a_cancelled_request_is_dropped_before_its_forward_and_the_others_are_an
         gate = EngineGate()
         held = await gate.hold(fresh)
         calls = [
-            asyncio.create_task(fresh.core.decide(f"State {i}.", [question(i)], shared=True, **LIMITS))
+            asyncio.create_task(
+                fresh.core.decide(DecisionRequest(f"State {i}.", [question(i)], True, Limits(**LIMITS)))
+            )
             for i in range(3)
         ]
         while fresh.worker.batcher.queued < 3:
@@ -196,7 +217,7 @@ def test_out_of_memory_in_a_merged_forward_fails_only_the_request_that_cannot_ru
     engine, checkpoint, monkeypatch
 ):
     memory = SimulatedMemory(floor=100 * MIB)
-    service = Service.start(make_settings(checkpoint), engine=engine.with_memory(memory))
+    service = Service.start(make_settings(checkpoint), engine=engine.with_options(memory=memory))
     service.engine.cache.put([1, 2, 3], prefill(engine.model, [1, 2, 3]))
     real = TorchEngine.run_group
 
@@ -212,7 +233,9 @@ def test_out_of_memory_in_a_merged_forward_fails_only_the_request_that_cannot_ru
         held_burst(
             service,
             [
-                lambda s=s, i=i: service.core.decide(s, [question(i)], shared=False, **LIMITS)
+                lambda s=s, i=i: service.core.decide(
+                    DecisionRequest(s, [question(i)], False, Limits(**LIMITS))
+                )
                 for i, s in enumerate(states)
             ],
         )
@@ -254,10 +277,10 @@ def test_chunked_prefill_lets_a_long_state_fit_a_headroom_that_one_shot_prefill_
     assert n_prefix > 4 * chunk
     headroom = engine.estimate.prefill_bytes(n_prefix, chunk) + engine.estimate.row_bytes(n_prefix, width)
 
-    chunked = engine.with_state_cache(StateCache(0), chunk).with_memory(engine.memory, headroom)
+    chunked = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=chunk, headroom_bytes=headroom)
     got = chunked.score(state, [row], shared=True, max_input_tokens=4096)
     with pytest.raises(TooLargeForMemory) as refused:
-        uncached(engine).with_memory(engine.memory, headroom).score(
+        uncached(engine).with_options(headroom_bytes=headroom).score(
             state, [row], shared=True, max_input_tokens=4096
         )
 

@@ -13,6 +13,7 @@ from conftest import TOKEN, decision
 from test_hardening import AUTH, HardenedServer, assert_envelope, read_response
 
 from semif_serve.app import create_app
+from semif_serve.domain.requests import RowsRequest
 
 
 def closed(sock) -> bool:
@@ -300,7 +301,8 @@ def test_a_system_one_request_over_the_row_cap_is_refused_before_it_is_validated
     ids=["noul_default", "reversal_and_score", "choice_all", "choice_shifts_and_noul"],
 )
 def test_the_early_row_count_is_the_number_of_rows_the_core_plans(service, questions):
-    from semif_serve.doors.systemone.api import SystemOneDoor, rows_asked, to_question
+    from semif_serve.doors.systemone.api import SystemOneDoor
+    from semif_serve.doors.systemone.mapping import rows_asked, to_question
     from semif_serve.doors.systemone.schemas import parse_request
     from semif_serve.service.core import plan_rows
 
@@ -622,7 +624,8 @@ def plain_last_logits(engine, ids: list[int]):
 def test_a_chunked_suffix_forward_equals_a_plain_full_forward_of_each_row(engine, chunk, with_prefix):
     import torch
 
-    from semif_serve.engine.state_cache import StoredState, logits_over, prefill
+    from semif_serve.engine.forwards import logits_over, prefill
+    from semif_serve.engine.state_cache import StoredState
 
     codec = engine.codec
     prefix = codec.encode("<|im_start|>user\nThe zones recovered after the release. " * 3)
@@ -643,7 +646,7 @@ def test_the_engine_never_runs_a_suffix_forward_wider_than_the_chunk(engine, mon
     from semif_serve.domain.types import PromptRow
     from semif_serve.engine.state_cache import StateCache
 
-    chunked = engine.with_state_cache(StateCache(0), 32)
+    chunked = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=32)
     widths: list[int] = []
     decoder = chunked.model.get_decoder()
     real = type(decoder).forward
@@ -676,8 +679,8 @@ def test_a_long_state_is_prefilled_in_steps_that_give_the_numbers_of_one_prefill
     from semif_serve.engine.state_cache import StateCache
 
     rows = [PromptRow("Did it recover?", ("Yes.", "No.")), PromptRow("Were there errors?", ("Yes.", "No."))]
-    stepping = engine.with_state_cache(StateCache(64 << 20), 16)
-    prepared = stepping.prepare(LONG_STATE, rows, shared=True, max_input_tokens=4096)
+    stepping = engine.with_options(cache=StateCache(64 << 20), prefill_chunk_tokens=16)
+    prepared = stepping.prepare(RowsRequest.of(LONG_STATE, rows, shared=True, max_input_tokens=4096))
     job = prepared.job(0)
     group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
     steps = 0
@@ -688,7 +691,7 @@ def test_a_long_state_is_prefilled_in_steps_that_give_the_numbers_of_one_prefill
     assert readout.timing.prefill == "fresh"
     kept = 2 if prepared.state_tokens < len(prepared.prefix) else 1  # the state prefix, the whole prefix
     assert stepping.cache.stats().entries == kept  # and no step's slice left behind
-    whole = engine.with_state_cache(StateCache(0), None).score(
+    whole = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None).score(
         LONG_STATE, rows, shared=True, max_input_tokens=4096
     )
     for got, want in zip(readout.rows, whole.rows, strict=True):
@@ -703,7 +706,7 @@ def test_a_tiny_request_is_answered_while_a_long_prefill_is_still_running(engine
     from semif_serve.engine.state_cache import StateCache
     from semif_serve.engine.worker import EngineWorker
 
-    stepping = engine.with_state_cache(StateCache(64 << 20), 16)
+    stepping = engine.with_options(cache=StateCache(64 << 20), prefill_chunk_tokens=16)
     finished: list[str] = []
     starts: list[str] = []
     real = stepping.run_group
@@ -713,15 +716,13 @@ def test_a_tiny_request_is_answered_while_a_long_prefill_is_still_running(engine
         return real(group)
 
     stepping.run_group = recording  # type: ignore[method-assign]
-    worker = EngineWorker(ReleasePolicy(HostMemory(), 1 << 30))
+    worker = EngineWorker(stepping, ReleasePolicy(HostMemory(), 1 << 30))
 
     async def ask(name: str, state: str) -> None:
         await worker.score(
-            stepping,
-            state,
-            [PromptRow("Did it recover?", ("Yes.", "No."))],
-            shared=True,
-            max_input_tokens=4096,
+            RowsRequest.of(
+                state, [PromptRow("Did it recover?", ("Yes.", "No."))], shared=True, max_input_tokens=4096
+            )
         )
         finished.append(name)
 

@@ -18,10 +18,13 @@ from conftest import TOKEN, make_settings
 from test_merging import EngineGate
 
 from semif_serve.app import create_app
+from semif_serve.domain.requests import DecisionRequest, Limits, RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.batching import Batcher, Bounds, Group, Job
-from semif_serve.engine.runner import DIRECT_MAX_TOKENS, DIRECT_READOUT, IDLE_PREFILL_TOKENS
-from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, prefill, state_digest
+from semif_serve.engine.forwards import prefill
+from semif_serve.engine.lone import DIRECT_MAX_TOKENS, IDLE_PREFILL_TOKENS
+from semif_serve.engine.runner import DIRECT_READOUT
+from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, state_digest
 from semif_serve.service.startup import Service
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -104,6 +107,7 @@ def test_eight_concurrent_decides_about_one_new_state_share_one_prefill_and_each
 
     async def go():
         gate = EngineGate()
+        gate.bind(fresh)
         held = asyncio.create_task(fresh.worker.batcher.submit(Job("gate", None, 0, (1,), payload=gate)))
         await asyncio.to_thread(gate.started.wait, 30)
         async with client_of(fresh) as c:
@@ -131,7 +135,7 @@ def test_a_lone_question_whose_state_another_request_in_flight_wants_prefills_an
     base = fresh.engine.cache.stats().by_kind[STATE]
     fresh.engine.cache.demand.enter(state_digest(state))  # another request about it, still encoding
     try:
-        asyncio.run(fresh.core.decide(state, [_question()], shared=False, **LIMITS))
+        asyncio.run(fresh.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS))))
     finally:
         fresh.engine.cache.demand.leave(state_digest(state))
     stats = fresh.engine.cache.stats().by_kind[STATE]
@@ -149,7 +153,7 @@ def _question(text: str = "Did it succeed?"):
 
 
 def test_a_lone_row_runs_the_plain_forward_and_an_idle_step_stores_a_state_equal_to_a_fresh_prefill(engine):
-    cached = engine.with_state_cache(StateCache(1 << 30), None)
+    cached = engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
     state = long_state("idle")
     row = PromptRow("Did it succeed?", ("It succeeded.", "It failed."))
 
@@ -159,7 +163,7 @@ def test_a_lone_row_runs_the_plain_forward_and_an_idle_step_stores_a_state_equal
     steps = 1
     while cached.fill_idle_step():
         steps += 1
-    ids = cached.prepare(state, [row], shared=False, max_input_tokens=4096).state_ids
+    ids = cached.prepare(RowsRequest.of(state, [row], shared=False, max_input_tokens=4096)).state_ids
     assert steps == -(-len(ids) // IDLE_PREFILL_TOKENS)  # one step per IDLE_PREFILL_TOKENS
     stored = cached.cache.get(ids)
     assert stored is not None and cached.deferred_prefills == 0
@@ -227,7 +231,9 @@ def test_the_plain_direct_path_setting_never_touches_the_cache(engine, checkpoin
     state = long_state("plain")
     base = service.engine.cache.stats()
     for _ in range(2):
-        outcome = asyncio.run(service.core.decide(state, [_question()], shared=False, **LIMITS))
+        outcome = asyncio.run(
+            service.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS)))
+        )
     stats = service.engine.cache.stats()
     assert (stats.hits, stats.misses, stats.entries) == (base.hits, base.misses, base.entries)
     assert service.engine.deferred_prefills == 0
@@ -262,10 +268,12 @@ def test_states_asked_questions_in_turn_under_a_budget_of_those_states_all_stay_
     row = PromptRow("Did it succeed?", ("It succeeded.", "It failed.", "Unclear."))
     sizes = []
     for state in states:
-        probe = engine.with_state_cache(StateCache(1 << 30), None)
+        probe = engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
         probe.score(state, [row], shared=True, max_input_tokens=4096)  # one row: the state prefix alone
         sizes.append(probe.cache.stats().bytes)
-    turned = engine.with_state_cache(StateCache(3 * max(sizes) + max(sizes) // 2), None)
+    turned = engine.with_options(
+        cache=StateCache(3 * max(sizes) + max(sizes) // 2), prefill_chunk_tokens=None
+    )
 
     def rotations(n: int) -> list[PromptRow]:
         opts = [f"Option {k} of question {n}." for k in range(3)]
@@ -302,10 +310,10 @@ def test_the_batcher_runs_idle_work_only_while_nothing_is_queued_and_returns_to_
 
     async def go():
         batcher = Batcher(run_group, Bounds(), idle=idle)
-        first = await batcher.submit(Job("a", None, 0, (1,)))
+        first = await batcher.submit(Job("a", None, 0, (1,), None))
         while "idle 0" not in events:
             await asyncio.sleep(0.001)
-        second = asyncio.create_task(batcher.submit(Job("b", None, 0, (1,))))
+        second = asyncio.create_task(batcher.submit(Job("b", None, 0, (1,), None)))
         await asyncio.sleep(0.01)
         released.set()
         second = await second

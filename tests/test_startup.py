@@ -82,7 +82,7 @@ def test_a_failing_warm_up_stops_startup(engine, checkpoint):
     memory.fail_next = cuda_oom("")
     settings = make_settings(checkpoint)
     with pytest.raises(DecisionError):
-        Service.start(settings, engine=engine.with_memory(memory))
+        Service.start(settings, engine=engine.with_options(memory=memory))
 
 
 def test_a_bad_calibration_file_stops_startup_naming_the_entry(engine, checkpoint, tmp_path):

@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from semif_serve.engine.forwards import prefill, suffix_logits
 from semif_serve.engine.state_cache import (
     StateCache,
     StoredState,
     fork_cache,
-    prefill,
     prefix_digest,
     state_bytes,
-    suffix_logits,
 )
 
 TOL = 1e-5

@@ -18,13 +18,9 @@ from conftest import make_settings
 from test_systemone import STATE, answer_codes_by_hand, assert_close, call, plain_forward
 
 from semif_serve.app import create_app
-from semif_serve.doors.systemone.api import (
-    SystemOneDoor,
-    answers_of,
-    core_questions,
-    evaluated_tokens,
-    timing_block,
-)
+from semif_serve.domain.requests import DecisionRequest, Limits
+from semif_serve.doors.systemone.api import SystemOneDoor
+from semif_serve.doors.systemone.mapping import answers_of, core_questions, evaluated_tokens, timing_block
 from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
 from semif_serve.service.startup import Service
 
@@ -52,13 +48,17 @@ def answered(service, door, questions: dict, state=STATE):
     limits = door.limits
     outcome = asyncio.run(
         service.core.decide(
-            state,
-            [q for own in asked for q in own],
-            shared=False,
-            max_input_tokens=limits.max_input_tokens,
-            max_options=limits.max_options,
-            max_rows=limits.max_rows,
-            max_request_tokens=limits.max_request_tokens,
+            DecisionRequest(
+                state,
+                [q for own in asked for q in own],
+                False,
+                Limits(
+                    max_input_tokens=limits.max_input_tokens,
+                    max_options=limits.max_options,
+                    max_rows=limits.max_rows,
+                    max_request_tokens=limits.max_request_tokens,
+                ),
+            )
         )
     )
     return answers_of(parsed.questions, asked, outcome.questions), asked, outcome

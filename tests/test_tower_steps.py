@@ -23,6 +23,7 @@ from vision_reference import noise_png
 
 from acceptance.server import LoopbackServer
 from semif_serve.app import create_app
+from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.batching import UNFINISHED, Group
 from semif_serve.engine.memory import ReleasePolicy
@@ -91,10 +92,12 @@ def test_the_cost_model_is_torchs_own_flop_count_of_the_tower(vision_checkpoint,
 def test_an_answer_over_an_image_stepped_through_the_tower_equals_the_full_forward(
     vision_engine, vision_reference
 ):
-    stepping = vision_engine.with_state_cache(StateCache(1 << 30), CHUNK)
+    stepping = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=CHUNK)
     data = noise_png(31, size=(128, 128))
     rows = [PromptRow(*RED), PromptRow(*SHAPE)]
-    prepared = stepping.prepare(STATE, rows, shared=True, max_input_tokens=4096, images=[asset(data)])
+    prepared = stepping.prepare(
+        RowsRequest.of(STATE, rows, shared=True, max_input_tokens=4096, images=[asset(data)])
+    )
     job = prepared.job(0)
     group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
     [image] = prepared.images.images.values()
@@ -166,10 +169,10 @@ def test_a_tower_step_that_fails_ends_its_run_and_a_retry_reads_the_image_afresh
         return (yield from pieces)
 
     monkeypatch.setattr(vision, "stepped_tower", stepped)
-    stepping = vision_engine.with_state_cache(StateCache(1 << 30), CHUNK)
+    stepping = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=CHUNK)
     data = noise_png(34, size=(128, 128))
     prepared = stepping.prepare(
-        STATE, [PromptRow(*RED)], shared=True, max_input_tokens=4096, images=[asset(data)]
+        RowsRequest.of(STATE, [PromptRow(*RED)], shared=True, max_input_tokens=4096, images=[asset(data)])
     )
     job = prepared.job(0)
     group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
@@ -184,10 +187,10 @@ def test_a_tower_step_that_fails_ends_its_run_and_a_retry_reads_the_image_afresh
 
 
 def test_a_small_image_still_runs_its_tower_in_the_forward_not_in_steps(vision_engine, events):
-    stepping = vision_engine.with_state_cache(StateCache(1 << 30), CHUNK)
+    stepping = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=CHUNK)
     data = noise_png(32)
     prepared = stepping.prepare(
-        STATE, [PromptRow(*RED)], shared=True, max_input_tokens=4096, images=[asset(data)]
+        RowsRequest.of(STATE, [PromptRow(*RED)], shared=True, max_input_tokens=4096, images=[asset(data)])
     )
     [image] = prepared.images.images.values()
     assert image.patches <= ATTENTION_ROWS
@@ -196,13 +199,13 @@ def test_a_small_image_still_runs_its_tower_in_the_forward_not_in_steps(vision_e
 
 
 def test_a_request_arriving_during_the_tower_is_served_before_the_towers_next_step(vision_engine, events):
-    stepping = vision_engine.with_state_cache(StateCache(1 << 30), CHUNK)
-    worker = EngineWorker(ReleasePolicy(stepping.memory, 1 << 30))
+    stepping = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=CHUNK)
+    worker = EngineWorker(stepping, ReleasePolicy(stepping.memory, 1 << 30))
     finished: list[str] = []
 
     async def ask(name: str, state, images) -> None:
         rows = [PromptRow(*RED)]
-        await worker.score(stepping, state, rows, shared=True, max_input_tokens=4096, images=images)
+        await worker.score(RowsRequest.of(state, rows, shared=True, max_input_tokens=4096, images=images))
         finished.append(name)
 
     async def main():
@@ -221,11 +224,14 @@ def test_a_request_arriving_during_the_tower_is_served_before_the_towers_next_st
 
 
 def test_the_step_budget_is_one_prefill_chunk_of_the_text_model(vision_engine):
-    stepping = vision_engine.with_state_cache(StateCache(1 << 30), 2048)
+    stepping = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=2048)
     decoder = vision_engine.vision.model.model.language_model
     weights = sum(p.numel() for n, p in decoder.named_parameters() if not n.startswith("embed_tokens"))
     assert stepping.tower_step_flops == 2 * 2048 * weights
-    assert vision_engine.with_state_cache(StateCache(1 << 30), None).tower_step_flops is None
+    assert (
+        vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None).tower_step_flops
+        is None
+    )
 
 
 # -- over a live uvicorn -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from acceptance import image_reference
 from semif_serve.domain.images import read_image
 from semif_serve.domain.prompt import PromptCodec
 from semif_serve.engine import vision
@@ -83,24 +84,24 @@ class Prefix:
         self.asset = read_image("<image:photo>", data, claimed="png", max_pixels=10**6)
         merge = model.config.vision_config.spatial_merge_size
         self.pixels = vision.preprocess(vision.image_processor(model.config), [self.asset], merge)
-        self.features = vision.image_features(model, self.pixels)
+        self.features = image_reference.image_features(model, self.pixels)
         self.tokenizer = tokenizer
 
     def ids(self, text: str) -> list[int]:
-        return vision.expand_image_pads(
+        return image_reference.expand_image_pads(
             self.tokenizer.encode(text, add_special_tokens=False), self.pad, self.pixels.tokens
         )
 
     def state(self, prefix: list[int], chunk: int | None = None, flat: bool = False):
-        embeds = vision.prefix_embeddings(self.model, prefix, self.pad, self.features)
-        positions, offset = vision.rope_positions(self.model, prefix, self.pad, self.pixels.grid_thw)
+        embeds = image_reference.prefix_embeddings(self.model, prefix, self.pad, self.features)
+        positions, offset = image_reference.rope_positions(self.model, prefix, self.pad, self.pixels.grid_thw)
         if flat:  # plain 1-D positions on all three axes, as a text-only path would give
             positions, offset = torch.arange(len(prefix))[None, None].expand(3, 1, -1), 0
-        return vision.prefill_embeddings(self.model, embeds, positions, chunk), offset
+        return image_reference.prefill_embeddings(self.model, embeds, positions, chunk), offset
 
     def rows(self, prefix: list[int], suffixes: list[list[int]], chunk: int | None = None, flat=False):
         cache, offset = self.state(prefix, chunk, flat)
-        return vision.suffix_logits_after_images(
+        return image_reference.suffix_logits_after_images(
             self.model, fork_cache(cache, len(suffixes)), len(prefix), offset, suffixes, 0
         )
 
@@ -175,8 +176,8 @@ def test_two_images_share_their_token_ids_but_not_their_answers_or_digests(vl):
 
 def test_pads_and_images_must_agree_in_number():
     with pytest.raises(ValueError, match="2 image pads in the prompt for 1 images"):
-        vision.expand_image_pads([1, 9, 2, 9], 9, [3])
-    assert vision.expand_image_pads([1, 9, 2, 9], 9, [2, 1]) == [1, 9, 9, 2, 9]
+        image_reference.expand_image_pads([1, 9, 2, 9], 9, [3])
+    assert image_reference.expand_image_pads([1, 9, 2, 9], 9, [2, 1]) == [1, 9, 9, 2, 9]
 
 
 def test_a_vision_checkpoint_is_told_from_a_text_one(vl, checkpoint):

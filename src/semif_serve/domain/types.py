@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Ordering = Literal["rotations", "all", "shifts", "reversal"]
+#: Where a request's state came from: prefilled fresh, extended from a cached prefix, cached whole, or none.
+Prefill = Literal["fresh", "extended", "cached", "none"]
+#: How a question asked once runs: from a cached state (else the plain forward), or always the plain forward.
+DirectPath = Literal["reuse", "plain"]
+#: The state cache's tiers: whole states, and question prefixes over a state.
+CacheKind = Literal["state", "question"]
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,9 @@ class AnswerBoundary(Refusal):
 class TooLargeForMemory(Refusal):
     """Even one row of the call needs more memory than the cap leaves."""
 
-    def __init__(self, need_bytes: int, available_bytes: int, question: int | None = None) -> None:
+    def __init__(
+        self, need_bytes: int, available_bytes: int, question: int | None = None, *, row: int | None = None
+    ) -> None:
         from semif_serve.domain.numerics import GIB
 
         super().__init__(
@@ -195,6 +203,7 @@ class TooLargeForMemory(Refusal):
         )
         self.need_bytes = need_bytes
         self.available_bytes = available_bytes
+        self.row = row
 
 
 class ImageTooLargeForMemory(TooLargeForMemory):

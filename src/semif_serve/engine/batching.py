@@ -28,19 +28,20 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-R = TypeVar("R")
+P = TypeVar("P")  # what the engine needs of a job (its payload)
+R = TypeVar("R")  # one row's result
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(Generic[P]):
     """One request to score: `row_tokens[i]` is row i's token count after the state prefix
-    (the whole prompt when `prefix_key` is None); `payload` is whatever the engine needs."""
+    (the whole prompt when `prefix_key` is None); `payload` is what the engine needs of it."""
 
     id: Hashable
     prefix_key: Hashable | None
     prefix_tokens: int
     row_tokens: tuple[int, ...]
-    payload: Any = field(default=None, compare=False, repr=False)
+    payload: P = field(compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.row_tokens or min(self.row_tokens) < 1:
@@ -50,10 +51,10 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Part:
+class Part(Generic[P]):
     """Rows `start:stop` of one job, as they run in one group."""
 
-    job: Job
+    job: Job[P]
     start: int
     stop: int
 
@@ -63,12 +64,12 @@ class Part:
 
 
 @dataclass(frozen=True)
-class Group:
+class Group(Generic[P]):
     """One forward: parts of jobs over the same state prefix (or none), right-padded together."""
 
     prefix_key: Hashable | None
     prefix_tokens: int
-    parts: tuple[Part, ...]
+    parts: tuple[Part[P], ...]
 
     @property
     def rows(self) -> int:
@@ -91,7 +92,7 @@ class Group:
     def job_ids(self) -> tuple[Hashable, ...]:
         return tuple(p.job.id for p in self.parts)
 
-    def keeping(self, job_ids: set[Hashable]) -> Group | None:
+    def keeping(self, job_ids: set[Hashable]) -> Group[P] | None:
         """This group with only the parts of `job_ids`; None when nothing is left."""
         parts = tuple(p for p in self.parts if p.job.id in job_ids)
         return Group(self.prefix_key, self.prefix_tokens, parts) if parts else None
@@ -108,18 +109,18 @@ class Bounds:
         if self.max_batch_rows < 1 or self.max_batch_tokens < 1:
             raise ValueError("batch bounds must be >= 1")
 
-    def fits(self, group: Group) -> bool:
+    def fits(self, group: Group[Any]) -> bool:
         return group.rows <= self.max_batch_rows and group.padded_tokens <= self.max_batch_tokens
 
 
-def plan_groups(jobs: Sequence[Job], bounds: Bounds) -> list[Group]:
+def plan_groups(jobs: Sequence[Job[P]], bounds: Bounds) -> list[Group[P]]:
     """The forwards to run for `jobs`, deterministic in their order.
 
     Jobs are bucketed by prefix key (first appearance first); within a bucket each job goes
     whole into the first group it fits, else opens a new one; a job that fits no group even
     alone is cut into consecutive row slices, each as large as fits (at least one row).
     """
-    buckets: dict[Hashable, list[Group]] = {}
+    buckets: dict[Hashable, list[Group[P]]] = {}
     ids: set[Hashable] = set()
     for job in jobs:
         if job.id in ids:
@@ -141,8 +142,9 @@ def plan_groups(jobs: Sequence[Job], bounds: Bounds) -> list[Group]:
     return [group for groups in buckets.values() for group in groups]
 
 
-def _slices(job: Job, bounds: Bounds) -> list[Group]:
-    groups, start = [], 0
+def _slices(job: Job[P], bounds: Bounds) -> list[Group[P]]:
+    groups: list[Group[P]] = []
+    start = 0
     while start < len(job.row_tokens):
         stop = start + 1
         while stop < len(job.row_tokens) and bounds.fits(
@@ -154,15 +156,14 @@ def _slices(job: Job, bounds: Bounds) -> list[Group]:
     return groups
 
 
-class _Unfinished:
+class Unfinished:
     """What `run_group` returns when it did one slice of a group's work: run it again later."""
 
     def __repr__(self) -> str:
         return "UNFINISHED"
 
 
-UNFINISHED = _Unfinished()
-RunGroup = Callable[[Group], "Mapping[Hashable, Sequence[R]] | _Unfinished"]
+UNFINISHED = Unfinished()
 
 
 @dataclass
@@ -178,13 +179,13 @@ class BatchStats:
     cancelled_dropped: int = 0
 
 
-class _Pending:
-    def __init__(self, job: Job, future: asyncio.Future) -> None:
+class _Pending(Generic[P]):
+    def __init__(self, job: Job[P], future: asyncio.Future) -> None:
         self.job = job
         self.future = future
         self.rows: dict[int, list[Any]] = {}
 
-    def deliver(self, part: Part, results: Sequence[Any]) -> None:
+    def deliver(self, part: Part[P], results: Sequence[Any]) -> None:
         if len(results) != part.stop - part.start:
             raise RuntimeError(f"run_group returned {len(results)} results for {part.stop - part.start} rows")
         self.rows[part.start] = list(results)
@@ -196,7 +197,7 @@ class _Pending:
             self.future.set_exception(exc)
 
 
-class Batcher(Generic[R]):
+class Batcher(Generic[P, R]):
     """Queues jobs with futures and runs them, merged, on the engine thread.
 
     `run_group(group)` runs on `executor` (one thread: the engine's) and returns, for every job
@@ -208,7 +209,7 @@ class Batcher(Generic[R]):
 
     def __init__(
         self,
-        run_group: RunGroup,
+        run_group: Callable[[Group[P]], Mapping[Hashable, Sequence[R]] | Unfinished],
         bounds: Bounds,
         executor: Executor | None = None,
         idle: Callable[[], bool] | None = None,
@@ -218,7 +219,7 @@ class Batcher(Generic[R]):
         self.bounds = bounds
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
-        self._queue: list[_Pending] = []
+        self._queue: list[_Pending[P]] = []
         self._ids: set[Hashable] = set()  # jobs queued or running: ids must be unique among them
         self._task: asyncio.Task | None = None
         self._stats = BatchStats()
@@ -234,7 +235,7 @@ class Batcher(Generic[R]):
         with self._stats_lock:
             return BatchStats(**vars(self._stats))
 
-    async def submit(self, job: Job) -> list[R]:
+    async def submit(self, job: Job[P]) -> list[R]:
         """Queue `job` and wait for its rows' results; cancelling the caller drops the job
         if its forward has not started."""
         if job.id in self._ids:
@@ -269,9 +270,9 @@ class Batcher(Generic[R]):
         """Run the queued rounds a group at a time, taking turns, until nothing is left; what
         arrives while a group runs becomes a round of its own, next in turn; with nothing queued,
         the idle work runs a step at a time until a job arrives or none is left."""
-        rounds: deque[deque[Group]] = deque()
-        live: dict[Hashable, _Pending] = {}
-        current: deque[Group] | None = None
+        rounds: deque[deque[Group[P]]] = deque()
+        live: dict[Hashable, _Pending[P]] = {}
+        current: deque[Group[P]] | None = None
         while True:
             if self._queue:
                 taken, self._queue = self._queue, []
@@ -303,12 +304,12 @@ class Batcher(Generic[R]):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.idle) or bool(self._queue)
 
-    def _plan(self, live: dict[Hashable, _Pending]) -> list[Group]:
+    def _plan(self, live: dict[Hashable, _Pending[P]]) -> list[Group[P]]:
         try:
             return plan_groups([p.job for p in live.values()], self.bounds)
         except ValueError:
             pass  # jobs that disagree with each other: plan each alone, fail only the invalid
-        groups: list[Group] = []
+        groups: list[Group[P]] = []
         for pending in live.values():
             try:
                 groups.extend(plan_groups([pending.job], self.bounds))
@@ -316,14 +317,14 @@ class Batcher(Generic[R]):
                 pending.fail(exc)
         return groups
 
-    def _dropped(self, pending: _Pending) -> bool:
+    def _dropped(self, pending: _Pending[P]) -> bool:
         if pending.future.done():
             with self._stats_lock:
                 self._stats.cancelled_dropped += pending.future.cancelled()
             return True
         return False
 
-    async def _run(self, planned: Group, live: dict[Hashable, _Pending]) -> bool:
+    async def _run(self, planned: Group[P], live: dict[Hashable, _Pending[P]]) -> bool:
         """Run one step of `planned`; False when the group has work left (UNFINISHED)."""
         group = planned.keeping({i for i in planned.job_ids if i in live and not live[i].future.done()})
         if group is None:
@@ -341,7 +342,7 @@ class Batcher(Generic[R]):
                 while not await self._run(alone, live):
                     pass
             return True
-        if isinstance(results, _Unfinished):
+        if isinstance(results, Unfinished):
             return False
         for part in group.parts:
             pending = live[part.job.id]
@@ -351,7 +352,7 @@ class Batcher(Generic[R]):
                 pending.fail(RuntimeError(f"run_group gave no usable results for job {part.job.id!r}: {exc}"))
         return True
 
-    async def _forward(self, group: Group) -> Mapping[Hashable, Sequence[R]] | _Unfinished:
+    async def _forward(self, group: Group[P]) -> Mapping[Hashable, Sequence[R]] | Unfinished:
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self.executor, self.run_group, group)
         if results is UNFINISHED:

@@ -13,7 +13,7 @@ import os
 from typing import Protocol
 
 from semif_serve.domain.numerics import GIB
-from semif_serve.domain.types import ConfigurationError
+from semif_serve.domain.types import ConfigurationError, ImageTooLargeForMemory, TooLargeForMemory
 
 log = logging.getLogger("semif_serve.memory")
 
@@ -229,3 +229,30 @@ class MemoryEstimate:
         available = headroom - self.prefill_bytes(prefix_tokens, chunk_tokens)
         per_row = self.row_bytes(prefix_tokens, width, chunk_tokens)
         return max(0, available // per_row)
+
+    # -- the headroom checks: whether a forward fits in the bytes between the warm floor and the cap
+
+    def rows_under(
+        self, headroom: int | None, prefix_tokens: int, width: int, chunk_tokens: int | None = None
+    ) -> int | None:
+        """Rows per suffix forward under `headroom` bytes (None: no cap, no limit); at least one."""
+        if headroom is None:
+            return None
+        return max(1, self.rows_per_forward(headroom, prefix_tokens, width, chunk_tokens))
+
+    def check_row(
+        self, headroom: int | None, prefix_tokens: int, width: int, chunk_tokens: int | None, row: int
+    ) -> None:
+        """Refuse a request whose widest row (at position `row`) cannot fit under `headroom`."""
+        if headroom is None or self.rows_per_forward(headroom, prefix_tokens, width, chunk_tokens) > 0:
+            return
+        need = self.prefill_bytes(prefix_tokens, chunk_tokens) + self.row_bytes(
+            prefix_tokens, width, chunk_tokens
+        )
+        raise TooLargeForMemory(need, headroom, row=row)
+
+    @staticmethod
+    def check_tower(headroom: int | None, need_bytes: int, patches: int) -> None:
+        """Refuse images whose largest needs `need_bytes` in the vision tower, more than `headroom`."""
+        if headroom is not None and need_bytes > headroom:
+            raise ImageTooLargeForMemory(need_bytes, headroom, patches)

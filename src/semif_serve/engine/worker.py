@@ -10,18 +10,19 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from semif_serve.domain.images import ImageAsset
-from semif_serve.domain.types import DecisionError, EngineFailure, OutOfMemory, PromptRow, Refusal
-from semif_serve.engine.batching import Batcher, Bounds, Group
+from semif_serve.domain.requests import RowsRequest
+from semif_serve.domain.types import DecisionError, EngineFailure, OutOfMemory, Refusal
+from semif_serve.engine.batching import Batcher, Bounds, Group, Unfinished
+from semif_serve.engine.loader import ModelIdentity
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.state_cache import state_digest
 
 if TYPE_CHECKING:
-    from semif_serve.engine.runner import Readout, ScoredRow, TorchEngine
+    from semif_serve.engine.runner import PreparedRows, Readout, ScoredRow, TorchEngine
 
 log = logging.getLogger("semif_serve.worker")
 T = TypeVar("T")
@@ -56,9 +57,17 @@ def classify_failure(exc: BaseException) -> DecisionError:
 
 
 class EngineWorker:
-    """Runs engine jobs one at a time on a dedicated thread; merges queued requests' rows."""
+    """Runs its engine's jobs one at a time on a dedicated thread; merges queued requests' rows.
+    Bound to one engine when built: every request it scores, and its idle work, are that engine's."""
 
-    def __init__(self, policy: ReleasePolicy, bounds: Bounds | None = None, encoders: int = ENCODERS) -> None:
+    def __init__(
+        self,
+        engine: TorchEngine,
+        policy: ReleasePolicy,
+        bounds: Bounds | None = None,
+        encoders: int = ENCODERS,
+    ) -> None:
+        self.engine = engine
         self.policy = policy
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-engine")
         # Requests are encoded (and refused) before they join a group, each on its own thread while
@@ -66,45 +75,46 @@ class EngineWorker:
         self._encoder = ThreadPoolExecutor(max_workers=encoders, thread_name_prefix="semif-encode")
         # Requests with images are prepared one at a time: decoded pixels' memory stays one request's.
         self._image_encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-images")
-        self.batcher: Batcher[ScoredRow] = Batcher(
+        self.batcher: Batcher[PreparedRows, ScoredRow] = Batcher(
             self._run_group, bounds or Bounds(), self._executor, idle=self._fill_idle
         )
         self._job_ids = itertools.count()
-        self._engine: TorchEngine | None = None  # the engine of the latest request (idle prefills)
         self.pending = 0
         self.out_of_memory_events = 0
 
-    async def score(
-        self,
-        engine: TorchEngine,
-        state: Any,
-        rows: Sequence[PromptRow],
-        *,
-        shared: bool,
-        max_input_tokens: int,
-        max_request_tokens: int | None = None,
-        images: Sequence[ImageAsset] = (),
-    ) -> Readout:
-        """`engine.score` for one request, merged with whatever else is queued when the engine
-        is free; the numbers are those of the request alone. A cancelled caller's rows are
-        dropped before their forward."""
+    @property
+    def model_info(self) -> dict[str, str]:
+        """The `model` block results report."""
+        return self.engine.model_info
+
+    @property
+    def identity(self) -> ModelIdentity:
+        """The loaded model's identity (source, revision, dtype, device, demo)."""
+        return self.engine.identity
+
+    @property
+    def capacity(self) -> int:
+        """How many options one question can have: the tokenizer's answer codes."""
+        return self.engine.capacity
+
+    @property
+    def reads_images(self) -> bool:
+        """Whether the loaded model reads images (it has a vision tower)."""
+        return self.engine.reads_images
+
+    async def score(self, request: RowsRequest) -> Readout:
+        """The engine's readout of one request, merged with whatever else is queued when the
+        engine is free; the numbers are those of the request alone. A cancelled caller's rows
+        are dropped before their forward."""
         loop = asyncio.get_running_loop()
+        engine = self.engine
         self.pending += 1
-        self._engine = engine
         # Counted from before encoding, so a lone row can see that others want its state too.
-        demand_key = state_digest(state, [image.sha256 for image in images])
+        demand_key = state_digest(request.state, [image.sha256 for image in request.images])
         engine.cache.demand.enter(demand_key)
         try:
             prepared = await loop.run_in_executor(
-                self._image_encoder if images else self._encoder,
-                lambda: engine.prepare(
-                    state,
-                    rows,
-                    shared=shared,
-                    max_input_tokens=max_input_tokens,
-                    max_request_tokens=max_request_tokens,
-                    images=images,
-                ),
+                self._image_encoder if request.images else self._encoder, engine.prepare, request
             )
             prepared = dataclasses.replace(prepared, demand_key=demand_key)
             scored = await self.batcher.submit(prepared.job(next(self._job_ids)))
@@ -116,8 +126,8 @@ class EngineWorker:
     def _fill_idle(self) -> bool:
         """One step of the engine's deferred prefills (engine thread, nothing queued); a failure
         drops them and releases memory, and never reaches a request."""
-        engine = self._engine
-        if engine is None or not engine.deferred_prefills:
+        engine = self.engine
+        if not engine.deferred_prefills:
             return False
         try:
             more = engine.fill_idle_step()
@@ -129,9 +139,8 @@ class EngineWorker:
         self.policy.after_success()
         return more
 
-    def _run_group(self, group: Group) -> dict[Hashable, list[ScoredRow]]:
-        engine: TorchEngine = group.parts[0].job.payload.engine
-        return self._guarded(lambda: engine.run_group(group))
+    def _run_group(self, group: Group[PreparedRows]) -> Mapping[Hashable, Sequence[ScoredRow]] | Unfinished:
+        return self._guarded(lambda: self.engine.run_group(group))
 
     async def run(self, job: Callable[[], T]) -> T:
         """Run `job` on the engine thread; a cancelled caller's job is skipped if not yet started."""

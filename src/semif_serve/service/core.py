@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from semif_serve.domain.calibration import CalibrationTable, calibrated_probabilities
-from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.orderings import combine, mean_option_logits, option_orders, order_count
+from semif_serve.domain.requests import DecisionRequest, RowsRequest
 from semif_serve.domain.types import (
     Calibrated,
     DecisionError,
@@ -28,8 +28,7 @@ from semif_serve.domain.types import (
     UnknownWorkload,
 )
 from semif_serve.engine.loader import ModelIdentity
-from semif_serve.engine.runner import Readout, TorchEngine
-from semif_serve.engine.worker import EngineWorker
+from semif_serve.engine.runner import Readout
 
 
 @dataclass(frozen=True)
@@ -121,79 +120,67 @@ def _calibrated(
     )
 
 
+class Scorer(Protocol):
+    """What the core needs of the engine side: the loaded model's facts, and one request's
+    readout (`EngineWorker` over a `TorchEngine`; door and core tests may give a small fake)."""
+
+    @property
+    def model_info(self) -> dict[str, str]: ...
+
+    @property
+    def identity(self) -> ModelIdentity: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def reads_images(self) -> bool: ...
+
+    async def score(self, request: RowsRequest) -> Readout:
+        """The readouts of the request's rows, in order (raises `DecisionError`s naming a row)."""
+        ...
+
+
 class DecisionCore:
-    """Answers questions over a state through the one engine worker."""
+    """Answers questions over a state through one scorer (the engine's worker)."""
 
-    def __init__(self, engine: TorchEngine, worker: EngineWorker, calibration: CalibrationTable) -> None:
-        self.engine = engine
-        self.worker = worker
+    def __init__(self, scorer: Scorer, calibration: CalibrationTable) -> None:
+        self.scorer = scorer
         self.calibration = calibration
+        # The loaded model's facts, read once: the `model` block, its identity, how many options
+        # a question can have (the answer codes) and whether it reads images.
+        self.model_info: dict[str, str] = scorer.model_info
+        self.identity: ModelIdentity = scorer.identity
+        self.capacity: int = scorer.capacity
+        self.reads_images: bool = scorer.reads_images
 
-    @property
-    def model_info(self) -> dict[str, str]:
-        """The `model` block results report."""
-        return self.engine.model_info
-
-    @property
-    def identity(self) -> ModelIdentity:
-        """The loaded model's identity (source, revision, dtype, device, demo)."""
-        return self.engine.identity
-
-    @property
-    def capacity(self) -> int:
-        """How many options one question can have: the tokenizer's answer codes."""
-        return self.engine.capacity
-
-    @property
-    def reads_images(self) -> bool:
-        """Whether the loaded model reads images (it has a vision tower)."""
-        return self.engine.reads_images
-
-    async def decide(
-        self,
-        state: Any,
-        questions: Sequence[Question],
-        *,
-        shared: bool,
-        max_input_tokens: int,
-        max_options: int,
-        max_rows: int,
-        max_request_tokens: int | None = None,
-        images: Sequence[ImageAsset] = (),
-        reply_bytes: int = 0,
-        max_reply_bytes: int | None = None,
-    ) -> DecisionOutcome:
-        """Ask every question (in every ordering) over `state` in one engine batch (merged with
-        other requests queued at the same time; the numbers are those of the call alone).
+    async def decide(self, request: DecisionRequest) -> DecisionOutcome:
+        """Ask every question (in every ordering) over the request's state in one engine batch
+        (merged with other requests queued at the same time; the numbers are those of the call
+        alone).
 
         `shared=True` runs the shared-prefix path even for one row; otherwise a single row runs
-        SemIf's plain forward and several rows the shared path. `max_request_tokens` (None: no
-        budget) bounds the state's tokens plus every row's tokens after it. Raises a
+        SemIf's plain forward and several rows the shared path. `limits.max_request_tokens`
+        (None: no budget) bounds the state's tokens plus every row's tokens after it. Raises a
         `DecisionError` that names the question (and option, in the caller's order) it concerns
         by position. Planning runs off the event loop (it is linear in the rows' text).
-        `images` (each with its placeholder) are shown where their placeholders stand, in the
-        state and in the questions; they need `reads_images`. `reply_bytes` is the caller's count
-        of its reply, refused over `max_reply_bytes` (None: no budget) before any engine work.
+        The request's images (each with its placeholder) are shown where their placeholders
+        stand, in the state and in the questions; they need `reads_images`. `reply_bytes` is the
+        caller's count of its reply, refused over `limits.max_reply_bytes` (None: no budget)
+        before any engine work.
         """
+        limits = request.limits
         planned, rows = await asyncio.to_thread(
             plan_rows,
-            questions,
-            max_rows=max_rows,
-            max_options=max_options,
+            request.questions,
+            max_rows=limits.max_rows,
+            max_options=limits.max_options,
             calibration=self.calibration,
-            reply_bytes=reply_bytes,
-            max_reply_bytes=max_reply_bytes,
+            reply_bytes=request.reply_bytes,
+            max_reply_bytes=limits.max_reply_bytes,
         )
         try:
-            readout = await self.worker.score(
-                self.engine,
-                state,
-                rows,
-                shared=shared,
-                max_input_tokens=max_input_tokens,
-                max_request_tokens=max_request_tokens,
-                images=images,
-            )
+            readout = await self.scorer.score(request.with_rows(rows))
         except DecisionError as exc:
             _locate(exc, planned)
             raise
@@ -202,8 +189,8 @@ class DecisionCore:
             shared=readout.shared,
             forward_seconds=readout.forward_seconds,
             total_seconds=readout.total_seconds,
-            timing=readout.timing,
-            lone_timing=readout.lone_timing,
+            timing=readout.timing if readout.shared else None,
+            lone_timing=None if readout.shared else readout.timing,
         )
 
 

@@ -7,10 +7,12 @@ Startup fails closed: any error here stops the process before the port is bound.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from semif_serve.domain.calibration import CalibrationTable, load_calibration
 from semif_serve.domain.images import ImageAsset, read_image
 from semif_serve.domain.numerics import MIB
+from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import ConfigurationError, PromptRow
 from semif_serve.engine.batching import Bounds
 from semif_serve.engine.checkpoint_files import Verification, verify_checkpoint
@@ -70,18 +72,22 @@ class Service:
         weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
         if engine is None:
             engine = load_engine(settings)
-        engine = engine.with_state_cache(
-            StateCache(settings.state_cache_mib * MIB), settings.prefill_chunk_tokens
-        ).with_direct_path(settings.direct_path)
+        engine = engine.with_options(
+            cache=StateCache(settings.state_cache_mib * MIB),
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+            direct_path=settings.direct_path,
+        )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
         bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens)
-        worker = EngineWorker(policy, bounds, encoders=settings.max_queue)  # a thread per admitted request
-        warm_up(engine, worker, settings.max_input_tokens)
+        warm_up(EngineWorker(engine, policy, bounds, encoders=1), settings.max_input_tokens)
         baseline = policy.mark_baseline()
         cap = engine.memory.cap_bytes()
         if cap is not None and settings.split_batches:
-            engine = engine.with_memory(engine.memory, headroom_bytes=cap - baseline)
-        core = DecisionCore(engine, worker, calibration)
+            engine = engine.with_options(headroom_bytes=cap - baseline)
+        worker = EngineWorker(
+            engine, policy, bounds, encoders=settings.max_queue
+        )  # a thread per admitted request
+        core = DecisionCore(worker, calibration)
         return cls(settings, engine, worker, core, token, weights, ready=True)
 
 
@@ -106,23 +112,22 @@ def load_engine(settings: Settings, memory: DeviceMemory | None = None) -> Torch
     return TorchEngine.over(load_model(checkpoint_spec(settings), memory))
 
 
-def warm_up(engine: TorchEngine, worker: EngineWorker, max_input_tokens: int) -> None:
+def warm_up(worker: EngineWorker, max_input_tokens: int) -> None:
     """Read a real decision on both paths through the worker's guard, and one over an image
     where the model reads images (the tower's kernels are warm before the first request)."""
-    worker.run_now(
-        lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS[:1], shared=False, max_input_tokens=max_input_tokens)
-    )
-    worker.run_now(
-        lambda: engine.score(WARM_UP_STATE, WARM_UP_ROWS, shared=True, max_input_tokens=max_input_tokens)
-    )
+    engine = worker.engine
+    for request in (
+        RowsRequest.of(WARM_UP_STATE, WARM_UP_ROWS[:1], shared=False, max_input_tokens=max_input_tokens),
+        RowsRequest.of(WARM_UP_STATE, WARM_UP_ROWS, shared=True, max_input_tokens=max_input_tokens),
+    ):
+        worker.run_now(partial(engine.read, request))
     if engine.reads_images:
         image = warm_up_image()
         state = {**WARM_UP_STATE, "image": image.placeholder}
-        worker.run_now(
-            lambda: engine.score(
-                state, WARM_UP_ROWS[:1], shared=True, max_input_tokens=max_input_tokens, images=[image]
-            )
+        request = RowsRequest.of(
+            state, WARM_UP_ROWS[:1], shared=True, max_input_tokens=max_input_tokens, images=[image]
         )
+        worker.run_now(lambda: engine.read(request))
 
 
 def warm_up_image() -> ImageAsset:
