@@ -242,7 +242,8 @@ def test_rows_over_each_models_own_state_in_one_forward(bank, loaded, adapters, 
     equals PEFT's plain forward of the whole prompt under its model; a state prefilled under
     another model gives another answer (why the state cache's key holds the model)."""
     from semif_serve.engine.adapters import stacked_fork
-    from semif_serve.engine.state_cache import StoredState, logits_over, prefill
+    from semif_serve.engine.forwards import logits_over, prefill
+    from semif_serve.engine.state_cache import StoredState
 
     state = prompts(1, 20, seed=3)[0].tolist()
     suffixes = [row.tolist() for row in prompts(4, 5, seed=4)]
