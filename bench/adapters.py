@@ -90,8 +90,8 @@ def main() -> None:
 
     from bench.run import bench_checkpoint
     from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
-    from semif_serve.engine.loader import CheckpointSpec, load_model
     from semif_serve.engine.forwards import logits_over, prefill
+    from semif_serve.engine.loader import CheckpointSpec, load_model
     from semif_serve.engine.state_cache import StoredState
 
     torch.set_num_threads(args.threads)
