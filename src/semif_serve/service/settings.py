@@ -38,6 +38,10 @@ class Settings(BaseSettings):
         description="SHA-256 manifest of the model directory (semif-serve manifest); startup verifies it.",
     )
     model_source: str = Field("Qwen/Qwen3.5-4B", description="Model id reported in results.")
+    models: Path | None = Field(
+        None,
+        description="TOML file of the models served over the base (lev releases, PEFT adapters) and aliases.",
+    )
     allow_any_architecture: bool = Field(
         False, description="Serve a checkpoint whose model_type is not a Qwen3.5 text model."
     )

@@ -1,0 +1,199 @@
+"""Issue 26's adapter speed, side by side in one run: rows of a LoRA adapter vs rows of the base
+at the same work, and a forward mixing 4 adapters vs a forward of one.
+
+    uv run python bench/adapters.py            # the bench checkpoint (cached after the first run)
+    uv run python bench/adapters.py --quick    # fewer repetitions
+
+The bench checkpoint (random weights, Qwen3.5's layer mix, hidden 384, 8 layers, the real
+248,320-token vocabulary) loaded through the service's loader; 4 random rank-32 adapters
+(lora_alpha 64, nonzero B) written by PEFT on the attention and MLP projections (lev's targets:
+q/k/v/o of the full-attention layers, gate/up/down of every layer), served by
+`engine.adapters.AdapterBank`. Each work runs every variant in turn per repetition
+(interleaved, so machine load falls on all alike); the median is reported.
+
+Works: (1) 8 rows of a ~24-token question over a prefilled ~1,000-token state (the suffix
+forward of "8 choices over a ~1k-token state"); (2) that state's prefill; (3) one lone
+~114-token row (a short noul's plain forward); (4) 8 lone ~114-token rows in one right-padded
+forward. Mixed: 2 rows of each of 4 adapters (over each one's own state in (1)) vs 8 rows of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LEV_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 32
+
+
+def write_adapters(checkpoint: Path, root: Path, count: int) -> list[Path]:
+    """`count` random rank-32 PEFT adapters over the checkpoint (B drawn nonzero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5ForCausalLM
+
+    made = []
+    for seed in range(count):
+        torch.manual_seed(100 + seed)
+        base = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=LEV_TARGETS))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.02)
+        directory = root / f"adapter-{seed}"
+        model.save_pretrained(str(directory))
+        made.append(directory)
+    return made
+
+
+def median_ms(samples: list[float]) -> float:
+    return 1000 * statistics.median(samples)
+
+
+def interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median milliseconds of each variant, run in turn `reps` times after one warm-up each."""
+    for run in variants.values():
+        run()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, run in variants.items():
+            t0 = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: median_ms(values) for name, values in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: immune to a shared machine's oversubscription)",
+    )
+    args = parser.parse_args()
+    import torch
+
+    from bench.run import bench_checkpoint
+    from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
+    from semif_serve.engine.forwards import logits_over, prefill
+    from semif_serve.engine.loader import CheckpointSpec, load_model
+    from semif_serve.engine.state_cache import StoredState
+
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    checkpoint = bench_checkpoint()
+    loaded = load_model(CheckpointSpec(checkpoint, "bench", "bench/base", "float32", "cpu"))
+    model, pad = loaded.model, 0
+    generator = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, 100_000, (n,), generator=generator).tolist()
+
+    state, questions = ids(1000), [ids(24) for _ in range(8)]
+    lone, lones = ids(114), [ids(114) for _ in range(8)]
+    reps = 5 if args.quick else 15
+
+    # A second copy of the base that no adapter is ever attached to: what the hooks cost on base rows.
+    detached = load_model(CheckpointSpec(checkpoint, "bench", "bench/base", "float32", "cpu")).model
+
+    def run_plain(rows: list[list[int]], over: Any = model) -> Any:
+        with torch.inference_mode():
+            return logits_over(over, None, 0, rows, pad)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        bank = AdapterBank(model)
+        for i, directory in enumerate(write_adapters(checkpoint, Path(tmp), 4)):
+            bank.add(f"a{i}", directory)
+    states = {}
+    for m in (BASE, 0, 1, 2, 3):
+        with bank.rows(m):
+            states[m] = StoredState(state, prefill(model, state))
+    detached_state = StoredState(state, prefill(detached, state))
+
+    def suffix(models: list[int]) -> Any:
+        counts: list[tuple[Any, int]] = []
+        for m in models:
+            if counts and counts[-1][0] is states[m]:
+                counts[-1] = (states[m], counts[-1][1] + 1)
+            else:
+                counts.append((states[m], 1))
+        with bank.rows(models):
+            return logits_over(model, stacked_fork(counts), len(state), questions, pad)
+
+    def fill(m: int) -> Any:
+        with bank.rows(m):
+            return prefill(model, state)
+
+    def lone_rows(models: list[int], rows: list[list[int]]) -> Any:
+        with bank.rows(models):
+            return run_plain(rows)
+
+    mixed = [0, 0, 1, 1, 2, 2, 3, 3]
+    works = {
+        "8 rows x 24 tokens over a 1,000-token state (suffix forward)": {
+            "detached": lambda: logits_over(detached, detached_state.fork(8), len(state), questions, pad),
+            "base": lambda: suffix([BASE] * 8),
+            "adapter": lambda: suffix([0] * 8),
+            "4 adapters": lambda: suffix(mixed),
+        },
+        "the 1,000-token state's prefill": {
+            "detached": lambda: prefill(detached, state),
+            "base": lambda: fill(BASE),
+            "adapter": lambda: fill(0),
+        },
+        "1 lone 114-token row (plain forward)": {
+            "detached": lambda: run_plain([lone], detached),
+            "base": lambda: lone_rows([BASE], [lone]),
+            "adapter": lambda: lone_rows([0], [lone]),
+        },
+        "8 lone 114-token rows (one right-padded forward)": {
+            "detached": lambda: run_plain(lones, detached),
+            "base": lambda: lone_rows([BASE] * 8, lones),
+            "adapter": lambda: lone_rows([0] * 8, lones),
+            "4 adapters": lambda: lone_rows(mixed, lones),
+        },
+    }
+    print(
+        f"adapters: {len(bank.adapters)} x rank {RANK} on {', '.join(LEV_TARGETS)}; "
+        f"{bank.nbytes / 2**20:.1f} MiB"
+    )
+    print(
+        "| work | base, no adapter attached (ms) | base rows (ms) | adapter rows (ms) | adapter / base "
+        "| 4 adapters mixed (ms) | mixed / one adapter |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for work, variants in works.items():
+        ms = interleaved(variants, reps)
+        mixed_cells = (
+            f"{ms['4 adapters']:.1f} | **{ms['4 adapters'] / ms['adapter']:.3f}x**"
+            if "4 adapters" in ms
+            else "- | -"
+        )
+        ratio = ms["adapter"] / ms["base"]
+        print(
+            f"| {work} | {ms['detached']:.1f} | {ms['base']:.1f} | {ms['adapter']:.1f} | **{ratio:.3f}x** "
+            f"| {mixed_cells} |"
+        )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {reps} repetitions (median); "
+        f"load average {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""SEMIF_MODELS: the TOML file of models over the base and their aliases, validated at startup
+with errors that name the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from semif_serve.domain.types import ConfigurationError
+from semif_serve.service.models import JEV_ALIASES, LEV, SEMIF, base_only, load_models
+from semif_serve.service.settings import load_settings
+
+BASE = "Qwen/Qwen3.5-4B@main"
+
+
+@pytest.fixture
+def dirs(tmp_path) -> dict[str, Path]:
+    release = tmp_path / "lev"
+    release.mkdir()
+    (release / "lev_release.json").write_text("{}")
+    adapter = tmp_path / "triage-lora"
+    adapter.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (adapter / name).write_text("")
+    return {"release": release, "adapter": adapter, "root": tmp_path}
+
+
+def write(dirs, text: str) -> Path:
+    path = dirs["root"] / "models.toml"
+    path.write_text(text.format(release=dirs["release"], adapter=dirs["adapter"]))
+    return path
+
+
+ISSUE_SHAPE = """
+[models.lev-4b]
+release = "{release}"
+noul_readout = "binary"
+prompt_style = "plain"
+score_order_average = "reversed"
+[models.triage]
+adapter = "{adapter}"
+scale = 0.5
+[aliases]
+local = "lev-4b"
+"""
+
+
+def test_the_issue_shape(dirs):
+    models = load_models(write(dirs, ISSUE_SHAPE), BASE)
+    assert list(models.models) == [BASE, "lev-4b", "triage"]
+    lev = models.resolve("local")
+    assert lev is models.models["lev-4b"] and lev.method == LEV and lev.release == dirs["release"]
+    assert dict(lev.lev_options) == {
+        "noul_readout": "binary",
+        "prompt_style": "plain",
+        "score_order_average": "reversed",
+    }
+    triage = models.resolve("triage")
+    assert triage is not None and triage.method == SEMIF and triage.adapter == dirs["adapter"]
+    assert triage.scale == 0.5 and not triage.is_base
+    for jev in JEV_ALIASES:  # still the base, unless configured
+        assert models.resolve(jev) is models.models[BASE]
+    assert models.resolve("nope") is None
+    assert [e.name for e in models.adapters] == ["lev-4b", "triage"]
+    assert models.aliases_of("lev-4b") == ["local"]
+
+
+def test_jev_aliases_may_be_repointed_and_turned_off(dirs):
+    text = ISSUE_SHAPE + 'jev-latest = "triage"\n'
+    models = load_models(write(dirs, text), BASE)
+    assert models.resolve("jev-latest").name == "triage"
+    assert models.resolve("jev-preview").name == BASE
+    # SEMIF_SYSTEMONE_ALLOW_ALIASES=false: the default Jev names go, the declared one stays.
+    assert models.resolve("jev-preview", jev_aliases=False) is None
+    assert models.resolve("jev-latest", jev_aliases=False).name == "triage"
+    assert base_only(BASE).resolve("jev-latest").name == BASE
+
+
+def test_relative_paths_are_read_from_the_file_directory(dirs):
+    path = write(dirs, '[models.t]\nadapter = "triage-lora"\n')
+    assert load_models(path, BASE).models["t"].adapter == dirs["adapter"]
+
+
+def test_settings_field(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEMIF_MODELS", str(tmp_path / "models.toml"))
+    assert load_settings().models == tmp_path / "models.toml"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[models.a\n", "not valid TOML"),
+        ("[other]\n", "other: unknown table"),
+        (
+            '[models.a]\nrelease = "{release}"\nadapter = "{adapter}"\n',
+            "models.a: sets both release and adapter",
+        ),
+        ("[models.a]\nscale = 1.0\n", "models.a: sets neither release nor adapter"),
+        ('[models.a]\nadapter = "{adapter}"\nprompt_style = "chat"\n', "models.a.prompt_style: unknown key"),
+        ('[models.a]\nrelease = "{release}"\ncolour = "red"\n', "models.a.colour: unknown key for a release"),
+        (
+            '[models.a]\nrelease = "{release}"\nprompt_style = "fancy"\n',
+            "models.a.prompt_style: 'fancy' is not",
+        ),
+        ('[models.a]\nadapter = "/nowhere/at/all"\n', "models.a.adapter: /nowhere/at/all is not a directory"),
+        ('[models.a]\nrelease = "{adapter}"\n', "models.a.release: {adapter} has no lev_release.json"),
+        ('[models.a]\nadapter = "{release}"\n', "models.a.adapter: {release} has no adapter_config.json"),
+        ('[models.a]\nadapter = "{adapter}"\nscale = 0\n', "models.a.scale: must be a positive number"),
+        ('[models.a]\nadapter = "{adapter}"\nscale = true\n', "models.a.scale: must be a positive number"),
+        ("[models.a]\nadapter = 3\n", "models.a.adapter: must be a directory path"),
+        (
+            '[models.jev-latest]\nadapter = "{adapter}"\n',
+            "models.jev-latest: 'jev-latest' is the base model's name",
+        ),
+        (
+            f'[models."{BASE}"]\nadapter = "{{adapter}}"\n',
+            f"models.{BASE}: '{BASE}' is the base model's name",
+        ),
+        ('[models."a b"]\nadapter = "{adapter}"\n', "models.a b: a model name is"),
+        ('[models.a]\nadapter = "{adapter}"\n[aliases]\nlocal = "b"\n', "aliases.local: 'b' is not a model"),
+        ('[models.a]\nadapter = "{adapter}"\n[aliases]\na = "a"\n', "aliases.a: shadows the model 'a'"),
+        ('[models.a]\nadapter = "{adapter}"\n[aliases]\nlocal = 1\n', "aliases.local: must be a model name"),
+        ("models = 3\n", "models: must be a table"),
+    ],
+)
+def test_refusals_name_the_file_and_the_key(dirs, text, message):
+    path = write(dirs, text)
+    with pytest.raises(ConfigurationError) as refused:
+        load_models(path, BASE)
+    assert f"SEMIF_MODELS: {path}: " in str(refused.value)
+    assert message.format(**dirs) in str(refused.value)
+
+
+def test_an_alias_may_name_the_base(dirs):
+    models = load_models(write(dirs, f'[aliases]\nlocal = "{BASE}"\n'), BASE)
+    assert models.resolve("local").is_base
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        load_models(tmp_path / "absent.toml", BASE)
