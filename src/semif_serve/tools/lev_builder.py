@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,9 @@ def write_lev_release(
     )
     peft_model = get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = base_name
-    peft_model.save_pretrained(str(directory))
+    with warnings.catch_warnings():  # PEFT looks the (absent) base name up for its embedding check
+        warnings.simplefilter("ignore", UserWarning)
+        peft_model.save_pretrained(str(directory))
     (directory / "README.md").unlink(missing_ok=True)  # lev replaces PEFT's card with its own
     if head:
         state = random_head_state(int(model.config.hidden_size), head_proj_dim, seed + 1)
