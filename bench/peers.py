@@ -274,17 +274,21 @@ WORKLOADS = {
 }
 
 
-def measure(client: httpx.Client, url: str, workload: Workload, n: int) -> dict[str, Any]:
-    """n requests back to back; req/s over the wall time and the mean input tokens reported."""
+def measure(
+    client: httpx.Client, url: str, workload: Workload, n: int, budget: float = float("inf")
+) -> dict[str, Any]:
+    """Up to n requests back to back (at least 3, fewer once `budget` seconds are spent); req/s
+    over the wall time and the mean input tokens the server reported."""
     tokens = []
     started = time.perf_counter()
-    for _ in range(n):
+    while len(tokens) < n and (len(tokens) < 3 or time.perf_counter() - started < budget):
         reply = client.post(url + SYSTEMONE, json=workload.next())
         if reply.status_code != 200:
             raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:300]}")
         tokens.append(int(reply.json()["usage"]["input_tokens"]))
     wall = time.perf_counter() - started
-    return {"requests": n, "seconds": wall, "rps": n / wall, "input_tokens": sum(tokens) / n}
+    done = len(tokens)
+    return {"requests": done, "seconds": wall, "rps": done / wall, "input_tokens": sum(tokens) / done}
 
 
 @contextmanager
@@ -306,6 +310,7 @@ def side_by_side(
     words: int,
     counts: Mapping[str, int],
     rounds: int,
+    budget: float,
 ) -> dict[str, Any]:
     """For each workload, `rounds` interleaved pairs of cells (semif-serve, then the peer)."""
     our_url, token, our_pid = ours
@@ -323,13 +328,13 @@ def side_by_side(
                 (peer, peer_url, peer_pid, our_pid),
             ):
                 with only_running(pid, [other]):
-                    measure(client, url, workload, 2)  # warm-up, not counted
+                    measure(client, url, workload, 1)  # warm-up, not counted
             for r in range(rounds):
                 log(f"peers:   {name} round {r + 1}/{rounds}")
                 with only_running(our_pid, [peer_pid]):
-                    cells["semif-serve"].append(measure(mine, our_url, workload, n))
+                    cells["semif-serve"].append(measure(mine, our_url, workload, n, budget))
                 with only_running(peer_pid, [our_pid]):
-                    cells["peer"].append(measure(peer, peer_url, workload, n))
+                    cells["peer"].append(measure(peer, peer_url, workload, n, budget))
                 a, b = cells["semif-serve"][-1]["rps"], cells["peer"][-1]["rps"]
                 log(f"peers:     semif-serve {a:.2f} req/s, peer {b:.2f} req/s ({a / b:.2f}x)")
             out[name] = summarize(cells)
@@ -374,6 +379,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(model),
         "rounds": args.rounds,
         "counts": counts,
+        "cell_seconds": args.cell_seconds,
         "environment": environment(),
         "load_average_before": os.getloadavg(),
         "peers": {},
@@ -405,6 +411,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             words,
                             counts,
                             args.rounds,
+                            args.cell_seconds,
                         )
                     results["peers"][peer.name] = {"dtype": dtype, "semif_orderings": orderings, **measured}
     finally:
@@ -474,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload")
     parser.add_argument("--requests-eight", type=int, default=20, help="requests per cell, workload (a)")
     parser.add_argument("--requests-noul", type=int, default=40, help="requests per cell, workload (b)")
+    parser.add_argument(
+        "--cell-seconds", type=float, default=10.0, help="stop a cell after this long (at least 3 requests)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
     args = parser.parse_args(argv)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
