@@ -1,0 +1,510 @@
+"""semif-serve beside its peers, on the same checkpoint and the same work, in one run.
+
+    PYTHONPATH=src:. python bench/peers.py                      # every peer found, ~6 min
+    PYTHONPATH=src:. python bench/peers.py --only lev --rounds 1
+
+Peers are built from their public source in scratch environments outside the repository (see
+bench/README.md "Peers" and ../shared/docs/PEERS.md); each is found by a flag or variable and
+skipped with a line saying so when absent:
+
+- upstream SemIf's System One server `semif_api` (--semif-api-dir, SEMIF_PEER_SEMIF_API_DIR),
+  float32; semif-serve with SEMIF_SYSTEMONE_ORDERINGS=none (one reading per question);
+- jev-compatible-server 0.1.1 (--jev-dir, SEMIF_PEER_JEV_DIR), float32, the causal_options
+  readout; semif-serve the same as for semif_api;
+- lev's own server, frozen base (--lev-dir, SEMIF_PEER_LEV_DIR), which always loads bfloat16 and
+  reads choice and binary noul in two orders; semif-serve in bfloat16 with
+  noul=rotations,choice=reversal,score=none (the same two orders).
+
+Workloads, one client that sends the next request as soon as the answer arrives:
+(a) eight choices (3 options each) over a NEW ~1,000-token state every request;
+(b) one short noul over a NEW short state every request.
+Cells are interleaved A, B, A, B; while one server is measured the other is stopped
+(SIGSTOP), so neither steals the two cores with idle work. Reported: req/s, semif-serve/peer,
+and, since lev reads a shorter prompt, ms per 1,000 input tokens as each server counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from acceptance.common import format_table, log, write_result  # noqa: E402
+from acceptance.server import LOOPBACK, ServiceProcess, free_port  # noqa: E402
+from acceptance.stats import median  # noqa: E402
+from acceptance.workloads import filler  # noqa: E402
+from bench.run import environment  # noqa: E402
+
+SYSTEMONE = "/v1/systemone"
+DEFAULT_MODEL_DIR = Path(os.environ.get("SEMIF_PEERS_MODEL") or "/work/peers/ckpt")
+STATE_TOKENS = 1000
+MATCH_NONE = "none"
+MATCH_LEV = "noul=rotations,choice=reversal,score=none"
+JEV_DECISION_CONFIG = {"decision": {"readout": "causal_options", "profile": "decider"}}
+
+
+def peers_shape() -> Any:
+    """The bench geometry of issue 29: hidden 256, 8 layers, the real vocabulary."""
+    from semif_serve.tools.demo import BENCH_SHAPE
+
+    return dataclasses.replace(BENCH_SHAPE, hidden_size=256, num_attention_heads=4)
+
+
+def ensure_checkpoint(directory: Path) -> Path:
+    """The checkpoint every server loads, written once by the demo writer (the bench code path)."""
+    if (directory / "config.json").exists() and (directory / "DEMO.json").exists():
+        return directory
+    from semif_serve.tools.demo import write_checkpoint
+
+    log(f"peers: writing the checkpoint to {directory} (once) ...")
+    directory.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(directory, peers_shape())
+    return directory
+
+
+# -- the servers ---------------------------------------------------------------------------------
+
+
+class PeerProcess:
+    """A peer's own server as a child process on a free loopback port, ready when `ready` says so."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        health: str,
+        ready_status: str | None,
+        work: Path,
+        startup_timeout: float = 600.0,
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.cwd = cwd
+        self.env = env
+        self.health = health
+        self.ready_status = ready_status
+        self.log_path = work / f"{name}.log"
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def __enter__(self) -> PeerProcess:
+        self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in __exit__
+        self.process = subprocess.Popen(
+            self.argv, cwd=self.cwd, env=dict(self.env), stdout=self._log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited during startup; see {self.log_path}")
+            try:
+                reply = httpx.get(self.url + self.health, timeout=2.0)
+                if reply.status_code == 200 and (
+                    self.ready_status is None or reply.json().get("status") == self.ready_status
+                ):
+                    return self
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} was not ready within {self.startup_timeout:.0f} s")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+
+
+def _peer_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SEMIF_", "DECISION_"))}
+    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def semif_api_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
+    """Upstream SemIf's `semif_api`, started as PEERS.md says (torch, CPU, float32)."""
+    port = free_port()
+    env = _peer_env(
+        {
+            "SEMIF_MODEL": str(model),
+            "SEMIF_REVISION": "bench",
+            "SEMIF_BACKEND": "torch",
+            "SEMIF_DEVICE": "cpu",
+            "SEMIF_DTYPE": "float32",
+            "SEMIF_HOST": LOOPBACK,
+            "SEMIF_PORT": str(port),
+            "PYTHONPATH": "src",
+        }
+    )
+    peer = PeerProcess(
+        "semif_api",
+        [str(directory / ".venv/bin/python"), "-m", "semif_api.app"],
+        directory,
+        env,
+        "/healthz",
+        "ready",
+        work,
+    )
+    peer.url = f"http://{LOOPBACK}:{port}"
+    return peer
+
+
+def jev_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
+    """jev-compatible-server 0.1.1, transformers backend, the causal_options readout."""
+    port = free_port()
+    config = work / "jev-decision.json"
+    config.write_text(json.dumps(JEV_DECISION_CONFIG), encoding="utf-8")
+    env = _peer_env(
+        {
+            "DECISION_BACKEND": "transformers",
+            "DECISION_MODEL_ID": str(model),
+            "DECISION_CONFIG": str(config),
+        }
+    )
+    argv = [str(directory / ".venv/bin/python"), "-m", "uvicorn", "--factory"]
+    argv += ["jev_compatible_server.app:create_app", "--host", LOOPBACK, "--port", str(port)]
+    peer = PeerProcess("jev", argv, directory, env, "/health", "ok", work)
+    peer.url = f"http://{LOOPBACK}:{port}"
+    return peer
+
+
+def lev_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
+    """lev's own server over the frozen base (`lev serve --model`), bfloat16, two orders."""
+    port = free_port()
+    argv = [str(directory / ".venv/bin/lev"), "serve", "--model", str(model)]
+    argv += ["--host", LOOPBACK, "--port", str(port)]
+    peer = PeerProcess("lev", argv, directory, _peer_env({}), "/health", "ok", work)
+    peer.url = f"http://{LOOPBACK}:{port}"
+    return peer
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    name: str
+    directory: Path | None
+    marker: str  # a file the scratch environment must hold
+    build: Any
+    dtype: str
+    orderings: str
+
+
+def peers_from(args: argparse.Namespace) -> list[Peer]:
+    return [
+        Peer("semif_api", args.semif_api_dir, ".venv/bin/python", semif_api_peer, "float32", MATCH_NONE),
+        Peer("jev", args.jev_dir, ".venv/bin/python", jev_peer, "float32", MATCH_NONE),
+        Peer("lev", args.lev_dir, ".venv/bin/lev", lev_peer, "bfloat16", MATCH_LEV),
+    ]
+
+
+# -- the work ------------------------------------------------------------------------------------
+
+
+def fit_state_words(model: Path, target: int) -> int:
+    """Words of filler whose tokens (the checkpoint's tokenizer) come to about `target`."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    words = 700
+    for _ in range(4):
+        tokens = len(tokenizer.encode(filler(words)).ids)
+        words = max(1, round(words * target / tokens))
+    return words
+
+
+class Workload:
+    """Request bodies, each over a state no earlier request saw."""
+
+    def __init__(self, name: str, words: int) -> None:
+        self.name = name
+        self.words = words
+        self.serial = 0
+
+    def next(self) -> dict[str, Any]:
+        self.serial += 1
+        n = self.serial
+        if self.name == "eight":
+            state = f"Incident {n}. " + filler(self.words, seed=n)
+            questions = {
+                f"c{i}": {
+                    "type": "choice",
+                    "instructions": f"Which team owns follow-up {i}?",
+                    "criteria": {"platform": None, "payments": None, "search": None},
+                }
+                for i in range(8)
+            }
+        else:
+            state = f"Health checks passed in zone {n % 7} after deploy {n}."
+            questions = {"ok": {"type": "noul", "instructions": "Did the deployment succeed?"}}
+        return {"model": "jev-latest", "state": state, "questions": questions}
+
+
+WORKLOADS = {
+    "eight": "(a) 8 choices, new ~1k-token state",
+    "noul": "(b) 1 short noul, new state",
+}
+
+
+def measure(
+    client: httpx.Client, url: str, workload: Workload, n: int, budget: float = float("inf")
+) -> dict[str, Any]:
+    """Up to n requests back to back (at least one, fewer once `budget` seconds are spent);
+    req/s over the wall time and the mean input tokens the server reported."""
+    tokens = []
+    started = time.perf_counter()
+    while len(tokens) < n and (not tokens or time.perf_counter() - started < budget):
+        reply = client.post(url + SYSTEMONE, json=workload.next())
+        if reply.status_code != 200:
+            raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:300]}")
+        tokens.append(int(reply.json()["usage"]["input_tokens"]))
+    wall = time.perf_counter() - started
+    done = len(tokens)
+    return {"requests": done, "seconds": wall, "rps": done / wall, "input_tokens": sum(tokens) / done}
+
+
+@contextmanager
+def only_running(pid: int, others: list[int]) -> Iterator[None]:
+    """Stop every other server while `pid` is measured, so idle work elsewhere costs it nothing."""
+    for other in others:
+        os.kill(other, signal.SIGSTOP)
+    os.kill(pid, signal.SIGCONT)
+    try:
+        yield
+    finally:
+        for other in others:
+            os.kill(other, signal.SIGCONT)
+
+
+def side_by_side(
+    ours: tuple[str, str, int],
+    theirs: tuple[str, int],
+    words: int,
+    counts: Mapping[str, int],
+    rounds: int,
+    budget: float,
+) -> dict[str, Any]:
+    """For each workload, `rounds` interleaved pairs of cells (semif-serve, then the peer)."""
+    our_url, token, our_pid = ours
+    peer_url, peer_pid = theirs
+    out: dict[str, Any] = {}
+    with (
+        httpx.Client(timeout=600.0, headers={"authorization": f"Bearer {token}"}) as mine,
+        httpx.Client(timeout=600.0) as peer,
+    ):
+        for name, n in counts.items():
+            workload = Workload(name, words)
+            cells: dict[str, list[dict[str, Any]]] = {"semif-serve": [], "peer": []}
+            for client, url, pid, other in (
+                (mine, our_url, our_pid, peer_pid),
+                (peer, peer_url, peer_pid, our_pid),
+            ):
+                with only_running(pid, [other]):
+                    measure(client, url, workload, 1)  # warm-up, not counted
+            for r in range(rounds):
+                log(f"peers:   {name} round {r + 1}/{rounds}")
+                with only_running(our_pid, [peer_pid]):
+                    cells["semif-serve"].append(measure(mine, our_url, workload, n, budget))
+                with only_running(peer_pid, [our_pid]):
+                    cells["peer"].append(measure(peer, peer_url, workload, n, budget))
+                a, b = cells["semif-serve"][-1]["rps"], cells["peer"][-1]["rps"]
+                log(f"peers:     semif-serve {a:.2f} req/s, peer {b:.2f} req/s ({a / b:.2f}x)")
+            out[name] = summarize(cells)
+    return out
+
+
+def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    ours, theirs = cells["semif-serve"], cells["peer"]
+    ratios = [a["rps"] / b["rps"] for a, b in zip(ours, theirs, strict=True)]
+
+    def per_k_tokens(side: list[dict[str, Any]]) -> float | None:
+        # jev-compatible-server reports 0 input tokens: no per-token cost for it.
+        if any(c["input_tokens"] <= 0 for c in side):
+            return None
+        return median([1000.0 * c["seconds"] / c["requests"] / (c["input_tokens"] / 1000.0) for c in side])
+
+    return {
+        "semif_rps": median([c["rps"] for c in ours]),
+        "peer_rps": median([c["rps"] for c in theirs]),
+        "ratio": median(ratios),
+        "ratios": ratios,
+        "semif_ms_per_request": median([1000.0 * c["seconds"] / c["requests"] for c in ours]),
+        "peer_ms_per_request": median([1000.0 * c["seconds"] / c["requests"] for c in theirs]),
+        "semif_input_tokens": median([c["input_tokens"] for c in ours]),
+        "peer_input_tokens": median([c["input_tokens"] for c in theirs]),
+        "semif_ms_per_1k_tokens": per_k_tokens(ours),
+        "peer_ms_per_1k_tokens": per_k_tokens(theirs),
+        "cells": cells,
+    }
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    model = ensure_checkpoint(args.model)
+    words = fit_state_words(model, STATE_TOKENS)
+    counts = {"eight": args.requests_eight, "noul": args.requests_noul}
+    results: dict[str, Any] = {
+        "model": str(model),
+        "rounds": args.rounds,
+        "counts": counts,
+        "cell_seconds": args.cell_seconds,
+        "environment": environment(),
+        "load_average_before": os.getloadavg(),
+        "peers": {},
+        "skipped": {},
+    }
+    wanted = [p for p in peers_from(args) if p.name in args.only]
+    work = Path(tempfile.mkdtemp(prefix="semif-bench-peers-"))
+    try:
+        groups: dict[tuple[str, str], list[Peer]] = {}
+        for peer in wanted:
+            if peer.directory is None or not (peer.directory / peer.marker).exists():
+                line = f"{peer.name}: no scratch environment at {peer.directory} (see bench/README.md, Peers)"
+                print(f"SKIPPED {line}")
+                results["skipped"][peer.name] = line
+                continue
+            groups.setdefault((peer.dtype, peer.orderings), []).append(peer)
+        for (dtype, orderings), group in groups.items():
+            settings = {"device": "cpu", "dtype": dtype, "systemone_orderings": orderings}
+            log(f"peers: semif-serve ({dtype}, orderings {orderings}) ...")
+            with ServiceProcess(model, DEMO_REVISION, settings, work / f"semif-{dtype}") as ours:
+                for peer in group:
+                    log(f"peers: {peer.name} ...")
+                    assert peer.directory is not None
+                    with ExitStack() as stack:
+                        theirs = stack.enter_context(peer.build(peer.directory, model, work))
+                        measured = side_by_side(
+                            (ours.url, ours.token, ours.pid),
+                            (theirs.url, theirs.pid),
+                            words,
+                            counts,
+                            args.rounds,
+                            args.cell_seconds,
+                        )
+                    results["peers"][peer.name] = {"dtype": dtype, "semif_orderings": orderings, **measured}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["load_average_after"] = os.getloadavg()
+    return results
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def table_rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, peer in results["peers"].items():
+        for workload, label in WORKLOADS.items():
+            r = peer[workload]
+            rows.append(
+                [
+                    f"{name} ({peer['dtype']})",
+                    label,
+                    f"{r['semif_rps']:.2f}",
+                    f"{r['peer_rps']:.2f}",
+                    f"{r['ratio']:.2f}x",
+                    " ".join(f"{x:.2f}" for x in r["ratios"]),
+                    f"{r['semif_ms_per_request']:.0f} / {r['peer_ms_per_request']:.0f}",
+                    f"{r['semif_input_tokens']:.0f} / {r['peer_input_tokens']:.0f}",
+                    f"{_ms(r['semif_ms_per_1k_tokens'])} / {_ms(r['peer_ms_per_1k_tokens'])}",
+                ]
+            )
+    return rows
+
+
+HEADERS = [
+    "peer",
+    "workload",
+    "semif-serve req/s",
+    "peer req/s",
+    "semif/peer",
+    "per round",
+    "ms/request (ours / theirs)",
+    "input tokens",
+    "ms per 1k tokens",
+]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    lines += [
+        f"| {name} | skipped | {line} |" + " |" * (len(HEADERS) - 3)
+        for name, line in results["skipped"].items()
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    env = os.environ.get
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint (built if absent)")
+    parser.add_argument(
+        "--semif-api-dir", type=Path, default=Path(env("SEMIF_PEER_SEMIF_API_DIR") or "/work/peers/semif")
+    )
+    parser.add_argument("--jev-dir", type=Path, default=Path(env("SEMIF_PEER_JEV_DIR") or "/work/peers/jev"))
+    parser.add_argument("--lev-dir", type=Path, default=Path(env("SEMIF_PEER_LEV_DIR") or "/work/peers/lev"))
+    parser.add_argument("--only", default="semif_api,jev,lev", help="comma-separated peers")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload")
+    parser.add_argument("--requests-eight", type=int, default=20, help="requests per cell, workload (a)")
+    parser.add_argument("--requests-noul", type=int, default=40, help="requests per cell, workload (b)")
+    parser.add_argument(
+        "--cell-seconds", type=float, default=10.0, help="stop a cell after this long (at least one request)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
+    args = parser.parse_args(argv)
+    args.only = [p.strip() for p in args.only.split(",") if p.strip()]
+    wall = time.perf_counter()
+    results = run(args)
+    results["wall_seconds"] = time.perf_counter() - wall
+    env_ = results["environment"]
+    print(
+        f"semif-serve vs peers: hidden 256, 8 layers, vocab 248,320; CPU ({env_['cpus']} CPUs, torch "
+        f"{env_['torch']}); {args.rounds} rounds; {results['wall_seconds']:.0f} s; load average "
+        f"{results['load_average_before'][0]:.2f}/{results['load_average_after'][0]:.2f}"
+    )
+    print(format_table(HEADERS, table_rows(results)))
+    for line in results["skipped"].values():
+        print(f"skipped: {line}")
+    print()
+    print(markdown(results))
+    if args.out:
+        write_result(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
