@@ -23,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import httpx  # noqa: E402
 
 SENTENCE = "The service returned errors for ten minutes after release {n}, then recovered in zone {z}. "
 OPTIONS = [{"id": "yes", "description": "It succeeded."}, {"id": "no", "description": "It failed."}]
@@ -85,10 +89,252 @@ def keep_threshold(path: Path, sizes: list[int], rounds: int) -> dict[str, Any]:
     return out
 
 
+# -- the services, side by side -----------------------------------------------------------------
+
+
+class Side:
+    """One service (a child process) and a client of it."""
+
+    def __init__(self, name: str, service: Any) -> None:
+        self.name = name
+        self.service = service
+        self.client = httpx.Client(base_url=service.url, timeout=600)
+        self.auth = {"Authorization": f"Bearer {service.token}"}
+
+    def decide(self, state: str, question: str, client: httpx.Client | None = None) -> tuple[dict, float]:
+        body = {"id": "d", "state": state, "question": question, "options": OPTIONS}
+        t0 = time.perf_counter()
+        reply = (client or self.client).post("/decide", json=body, headers=self.auth)
+        elapsed = time.perf_counter() - t0
+        if reply.status_code != 200:
+            raise RuntimeError(f"{self.name}: {reply.status_code} {reply.text[:300]}")
+        return reply.json(), elapsed
+
+    def logged(self, after: int) -> list[dict]:
+        """The request log lines after line `after`."""
+        lines = self.service.log_path.read_text(encoding="utf-8").splitlines()[after:]
+        records = [json.loads(line) for line in lines if line.startswith("{")]
+        return [r for r in records if r.get("message") == "request" and r.get("route") == "/decide"]
+
+    def lines(self) -> int:
+        return len(self.service.log_path.read_text(encoding="utf-8").splitlines())
+
+
+def start_sides(
+    path: Path, work: Path, names: list[str], before: str | None, extra: dict[str, Any]
+) -> list[Side]:
+    from acceptance.server import ServiceProcess
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    sides = []
+    for name in names:
+        settings = {"device": "cpu", "max_input_tokens": 8192, "release_margin_mib": 64, **extra}
+        env: dict[str, str] = {}
+        if name == "plain":
+            settings["direct_path"] = "plain"
+        if name == "before":
+            env["PYTHONPATH"] = f"{before}/src:{before}"
+        else:
+            env["PYTHONPATH"] = f"{ROOT}/src:{ROOT}"
+        process = ServiceProcess(path, DEMO_REVISION, settings, work / name, extra_env=env)
+        sides.append(Side(name, process.__enter__()))
+    return sides
+
+
+def stop_sides(sides: list[Side]) -> None:
+    for side in sides:
+        side.client.close()
+        side.service.__exit__(None, None, None)
+
+
+def interleave(sides: list[Side], rounds: int, run) -> dict[str, list[Any]]:
+    """`run(side, round)` for each side in turn, the order rotated every round."""
+    out: dict[str, list[Any]] = {side.name: [] for side in sides}
+    for r in range(rounds):
+        for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+            out[side.name].append(run(side, r))
+    return out
+
+
+def sequential(sides: list[Side], tokens: int, requests: int, rounds: int) -> dict[str, Any]:
+    """Requests a second, one short noul per request over a new state each, back to back; the
+    sides take turns request by request (the machine's load falls on all of them alike)."""
+    seconds = {side.name: 0.0 for side in sides}
+    for i in range(requests * rounds):
+        for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
+            t0 = time.perf_counter()
+            side.decide(state_of(tokens, f"seq {tokens} {side.name} {i}"), QUESTIONS[i % 8])
+            seconds[side.name] += time.perf_counter() - t0
+    return {name: round(requests * rounds / total, 2) for name, total in seconds.items()}
+
+
+def follow_up(sides: list[Side], tokens: int, pause: float, rounds: int) -> dict[str, Any]:
+    """A new state's first question, then a second one `pause` s after the first answer."""
+
+    def run(side: Side, r: int) -> tuple[float, float]:
+        state = state_of(tokens, f"follow {pause} {side.name} {r}")
+        _, first = side.decide(state, QUESTIONS[0])
+        time.sleep(pause)
+        _, second = side.decide(state, QUESTIONS[1])
+        return first, second
+
+    got = interleave(sides, rounds, run)
+    return {
+        name: {
+            "first_ms": med_ms([f for f, _ in v]),
+            "second_ms": med_ms([s for _, s in v]),
+            "speedup": round(statistics.median(f / s for f, s in v), 2),
+            "pair_ms": med_ms([f + s for f, s in v]),
+        }
+        for name, v in got.items()
+    }
+
+
+def eight(sides: list[Side], tokens: int, rounds: int) -> dict[str, Any]:
+    """8 concurrent /decide on one new state vs one cold call."""
+
+    def run(side: Side, r: int) -> tuple[float, float]:
+        _, one = side.decide(state_of(tokens, f"cold {side.name} {r}"), QUESTIONS[0])
+        state = state_of(tokens, f"eight {side.name} {r}")
+        clients = [httpx.Client(base_url=side.service.url, timeout=600) for _ in range(8)]
+        try:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda k: side.decide(state, QUESTIONS[k], clients[k]), range(8)))
+            return one, time.perf_counter() - t0
+        finally:
+            for c in clients:
+                c.close()
+
+    got = interleave(sides, rounds, run)
+    return {
+        name: {
+            "one_ms": med_ms([o for o, _ in v]),
+            "eight_ms": med_ms([e for _, e in v]),
+            "ratio": round(statistics.median(e / o for o, e in v), 2),
+        }
+        for name, v in got.items()
+    }
+
+
+def interleaved(sides: list[Side], tokens: int, states: int, questions: int) -> dict[str, Any]:
+    """`states` states x `questions` questions in one random order (the same for every side)."""
+    order = [s for s in range(states) for _ in range(questions)]
+    random.Random(29).shuffle(order)
+
+    def run(side: Side, r: int) -> float:
+        asked = [0] * states
+        t0 = time.perf_counter()
+        for s in order:
+            side.decide(state_of(tokens, f"inter {side.name} {s}"), QUESTIONS[asked[s]])
+            asked[s] += 1
+        return len(order) / (time.perf_counter() - t0)
+
+    got = interleave(sides, 1, run)
+    return {name: round(v[0], 2) for name, v in got.items()}
+
+
+def clients16(sides: list[Side], tokens: int, each: int) -> dict[str, Any]:
+    """16 clients, each sending `each` short /decide back to back (a new state each)."""
+
+    def run(side: Side, r: int) -> float:
+        clients = [httpx.Client(base_url=side.service.url, timeout=600) for _ in range(16)]
+
+        def one(k: int) -> None:
+            for i in range(each):
+                side.decide(state_of(tokens, f"c16 {side.name} {k} {i}"), QUESTIONS[i], clients[k])
+
+        try:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(one, range(16)))
+            return 16 * each / (time.perf_counter() - t0)
+        finally:
+            for c in clients:
+                c.close()
+
+    got = interleave(sides, 1, run)
+    return {name: round(v[0], 2) for name, v in got.items()}
+
+
+def stages(sides: list[Side], tokens: int, pause: float, requests: int) -> dict[str, Any]:
+    """Where a short request's time goes, from its reply and its log line: end to end, the
+    engine's encode and forwards, its wait for the engine (logged after #29) and the rest
+    (parse, plan, readout, reply, HTTP)."""
+
+    def run(side: Side, r: int) -> list[dict[str, float]]:
+        mark = side.lines()
+        e2e = []
+        replies = []
+        for i in range(requests):
+            reply, elapsed = side.decide(state_of(tokens, f"stage {side.name} {i}"), QUESTIONS[i % 8])
+            e2e.append(elapsed)
+            replies.append(reply)
+            time.sleep(pause)
+        logs = side.logged(mark)
+        rows = []
+        for k, (elapsed, reply) in enumerate(zip(e2e, replies, strict=True)):
+            wait = logs[k].get("wait_seconds") if k < len(logs) else None
+            total, forward = reply["total_seconds"], reply["forward_seconds"]
+            rows.append(
+                {
+                    "e2e": elapsed,
+                    "encode": total - forward,
+                    "forward": forward,
+                    "wait": wait if wait is not None else float("nan"),
+                    "rest": elapsed - total - (wait or 0),
+                }
+            )
+        return rows
+
+    got = interleave(sides, 1, run)
+    out = {}
+    for name, v in got.items():
+        rows = v[0]
+        out[name] = {k: med_ms([row[k] for row in rows]) for k in rows[0]}
+    return out
+
+
+def in_process_stages(path: Path, tokens: int, rounds: int) -> dict[str, float]:
+    """The door's own stages of a short /decide, in process (the same code before and after)."""
+    from semif_serve.domain.calibration import CalibrationTable
+    from semif_serve.doors.base import json_reply
+    from semif_serve.doors.native.api import decision_result, read_decision
+    from semif_serve.service.core import plan_rows
+
+    body = json.dumps(
+        {"id": "d", "state": state_of(tokens, "p"), "question": QUESTIONS[0], "options": OPTIONS}
+    ).encode()
+    identity = {"source": "bench", "revision": "0" * 40}
+    times: dict[str, list[float]] = {"parse": [], "plan": []}
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        _, question, _ = read_decision(body, identity)
+        t1 = time.perf_counter()
+        plan_rows([question], max_rows=64, max_options=16, calibration=CalibrationTable({}))
+        t2 = time.perf_counter()
+        times["parse"].append(t1 - t0)
+        times["plan"].append(t2 - t1)
+    del decision_result, json_reply
+    return {k: round(1000 * statistics.median(v), 3) for k, v in times.items()}
+
+
+def state_budget_mib(path: Path, tokens: int, states: int) -> int:
+    """A cache budget of about `states` states of `tokens` tokens (the engine's own estimate)."""
+    from transformers import AutoConfig
+
+    from semif_serve.engine.memory import MemoryEstimate
+
+    estimate = MemoryEstimate(AutoConfig.from_pretrained(str(path)), 4)
+    per = estimate.cache_per_token * (tokens + 80) + estimate.state_per_row
+    return max(1, int(states * per / (1 << 20)) + 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="keep,sequential,follow,pause,eight,interleaved,clients16,stages")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--before", default=None, help="a checkout whose service runs beside (its src/)")
     args = parser.parse_args()
     import torch
 
@@ -100,6 +346,59 @@ def main() -> int:
     results: dict[str, Any] = {}
     if "keep" in only:
         results["keep"] = keep_threshold(path, [64, 128, 256, 512, 1024, 2048], args.rounds)
+    names = ["default", "plain"] + (["before"] if args.before else [])
+    work = Path(tempfile.mkdtemp(prefix="traffic-"))
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    rounds = args.rounds
+    http = only - {"keep", "interleaved"}
+    if http:
+        sides = start_sides(path, work, names, args.before, {})
+        try:
+            for side in sides:  # warm: one of each shape
+                side.decide(state_of(40, f"warm {side.name}"), QUESTIONS[0])
+            if "sequential" in only:
+                results["sequential_short"] = sequential(sides, 40, 8, rounds)
+                results["sequential_1k"] = sequential(sides, 1000, 3, rounds)
+                results["sequential_2k"] = sequential(sides, 2000, 2, rounds)
+                print(
+                    "sequential",
+                    results["sequential_short"],
+                    results["sequential_1k"],
+                    results["sequential_2k"],
+                    flush=True,
+                )
+            if "follow" in only:
+                results["follow_2k"] = follow_up(sides, 2000, 0.0, rounds)
+                print("follow", results["follow_2k"], flush=True)
+            if "pause" in only:
+                results["pause_2k"] = follow_up(sides, 2000, 0.3, rounds)
+                print("pause", results["pause_2k"], flush=True)
+            if "eight" in only:
+                results["eight_2k"] = eight(sides, 2000, max(1, rounds - 1))
+                print("eight", results["eight_2k"], flush=True)
+            if "clients16" in only:
+                results["clients16"] = clients16(sides, 40, 3)
+                print("clients16", results["clients16"], flush=True)
+            if "stages" in only:
+                results["stages_short"] = stages(sides, 40, 0.3, 6)
+                results["stages_1k"] = stages(sides, 1000, 0.3, 4)
+                results["stages_in_process"] = in_process_stages(path, 40, 50)
+                print("stages", results["stages_short"], results["stages_1k"], flush=True)
+        finally:
+            stop_sides(sides)
+    if "interleaved" in only:
+        budget = state_budget_mib(path, 1600, 3)
+        sides = start_sides(path, work, names, args.before, {"state_cache_mib": budget})
+        try:
+            results["interleaved_6x4"] = {"budget_mib": budget, **interleaved(sides, 1600, 6, 4)}
+            print("interleaved", results["interleaved_6x4"], flush=True)
+        finally:
+            stop_sides(sides)
+    print(
+        f"issue 29 bench: bench checkpoint, fp32 CPU, {time.perf_counter() - started:.0f} s; "
+        f"load average before/after {load:.2f}/{os.getloadavg()[0]:.2f}"
+    )
     print(json.dumps(results, indent=1))
     return 0
 

@@ -20,7 +20,7 @@ from test_merging import EngineGate
 from semif_serve.app import create_app
 from semif_serve.domain.requests import DecisionRequest, Limits, RowsRequest
 from semif_serve.domain.types import PromptRow
-from semif_serve.engine.batching import Batcher, Bounds, Group, Job, Wait
+from semif_serve.engine.batching import UNFINISHED, Batcher, Bounds, Group, Job, Wait
 from semif_serve.engine.forwards import prefill
 from semif_serve.engine.lone import DIRECT_MAX_TOKENS
 from semif_serve.engine.runner import DIRECT_READOUT
@@ -348,3 +348,52 @@ def test_the_batcher_runs_idle_work_only_while_nothing_is_queued_and_returns_to_
     assert events == ["run a", "idle 0", "run b", "idle 1", "idle 2"]
     # b waited for the rest of idle step 0 only (queued behind no request), at least the 10 ms held.
     assert waited.behind_requests < waited.behind_idle and waited.behind_idle >= 0.01
+
+
+def test_a_lone_question_about_a_state_being_prefilled_in_steps_joins_that_prefill(engine, monkeypatch):
+    from semif_serve.engine.runner import _whole
+
+    stepping = engine.with_options(cache=StateCache(64 << 20), prefill_chunk_tokens=16, keep_state_tokens=64)
+    state = long_state("joined")
+    texts = ("Did it succeed?", "Was it rolled back?")
+    prepared = [
+        stepping.prepare(
+            RowsRequest.of(
+                state, [PromptRow(t, ("It succeeded.", "It failed."))], shared=False, max_input_tokens=4096
+            )
+        )
+        for t in texts
+    ]
+    groups = []
+    for i, p in enumerate(prepared):
+        job = p.job(i)
+        groups.append(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
+    fed: list[int] = []
+    decoder = engine.model.get_decoder()
+    real = type(decoder).forward
+
+    def counting(self, *args, **kwargs):
+        fed.append(
+            (
+                kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+            ).shape[1]
+        )
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(decoder), "forward", counting)
+    results: dict[int, list] = {}
+    first = stepping.run_group(groups[0])  # the first request's first step; the second arrives now
+    assert first is UNFINISHED
+    while len(results) < 2:  # the two take turns, as the batcher's rounds do
+        for i, group in enumerate(groups):
+            if i not in results and (out := stepping.run_group(group)) is not UNFINISHED:
+                results[i] = out[i]
+    monkeypatch.undo()
+    n_state = len(prepared[0].state_ids)
+    suffixes = sum(len(p.prompts[0].ids) - n_state for p in prepared)
+    assert sum(fed) <= n_state + suffixes  # every state token prefilled once: the second joined
+    for text, p, i in zip(texts, prepared, range(2), strict=True):
+        logits, sha, tokens = plain_forward(engine, state, text, ["It succeeded.", "It failed."])
+        row = stepping.readout(p, results[i]).rows[0]
+        assert max(abs(a - b) for a, b in zip(row.option_logits, logits, strict=True)) <= TOL
+        assert (row.prompt_sha256, row.input_tokens) == (sha, tokens)
