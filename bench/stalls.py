@@ -623,8 +623,9 @@ def reply_build(options: int, name_length: int) -> dict:
     from semif_serve.domain.calibration import CalibrationTable
     from semif_serve.domain.types import BatchTiming, DecisionOutcome
     from semif_serve.doors.base import json_reply
-    from semif_serve.doors.systemone.api import Policy, answers_of, reply_bytes, timing_block, to_question
+    from semif_serve.doors.systemone.mapping import Policy, answers_of, timing_block, to_question
     from semif_serve.doors.systemone.schemas import ChoiceQuestion, SystemOneResponse, Usage
+    from semif_serve.doors.systemone.sizes import reply_bytes
     from semif_serve.engine.runner import Readout, RowReadout
     from semif_serve.service.core import plan_rows, question_outcome
 

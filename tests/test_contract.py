@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from semif_serve.doors.native.api import NATIVE_ERRORS
-from semif_serve.doors.systemone.api import HTTP_ERROR_TYPES, NO_VISION, SYSTEMONE_ERRORS, UNKNOWN_MODEL
+from semif_serve.doors.systemone.errors import HTTP_ERROR_TYPES, NO_VISION, SYSTEMONE_ERRORS, UNKNOWN_MODEL
 from semif_serve.http.errors import HTTP_ERRORS
 from semif_serve.service.settings import Settings
 

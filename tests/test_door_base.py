@@ -17,7 +17,7 @@ from semif_serve.app import create_app
 from semif_serve.domain.types import DecisionError, TooLargeForMemory, TooManyRows
 from semif_serve.doors.base import DecisionDoor, ErrorRule, NoErrorRule, rule_for
 from semif_serve.doors.native.api import NATIVE_ERRORS, native_error
-from semif_serve.doors.systemone.api import SYSTEMONE_ERRORS
+from semif_serve.doors.systemone.errors import SYSTEMONE_ERRORS
 from semif_serve.http.errors import ServiceError
 from semif_serve.service.startup import Service
 
@@ -131,7 +131,7 @@ class TeapotDoor(DecisionDoor):
     def render(self, error: ServiceError, request: Request) -> Response:
         return JSONResponse({"teapot": error.code}, status_code=418)
 
-    def refusal(self, exc, rule, shared, ids) -> ServiceError:
+    def refusal(self, exc, shared, ids) -> ServiceError:
         raise AssertionError("never asked")
 
 

@@ -334,13 +334,13 @@ def test_health_answers_while_the_engine_thread_is_busy(client, service):
 
 
 def test_an_unexpected_failure_outside_a_decision_still_gets_the_500_envelope(service, monkeypatch):
-    import semif_serve.app as app_module
+    import semif_serve.app.ops as ops_module
+    from semif_serve.app import create_app
 
     def broken(service, snapshot):
         raise RuntimeError(TOKEN)
 
-    monkeypatch.setattr(app_module, "health_body", broken)
-    create_app = app_module.create_app
+    monkeypatch.setattr(ops_module, "health_body", broken)
 
     async def go():
         transport = httpx.ASGITransport(app=create_app(service), raise_app_exceptions=False)

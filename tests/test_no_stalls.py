@@ -301,7 +301,8 @@ def test_a_system_one_request_over_the_row_cap_is_refused_before_it_is_validated
     ids=["noul_default", "reversal_and_score", "choice_all", "choice_shifts_and_noul"],
 )
 def test_the_early_row_count_is_the_number_of_rows_the_core_plans(service, questions):
-    from semif_serve.doors.systemone.api import SystemOneDoor, rows_asked, to_question
+    from semif_serve.doors.systemone.api import SystemOneDoor
+    from semif_serve.doors.systemone.mapping import rows_asked, to_question
     from semif_serve.doors.systemone.schemas import parse_request
     from semif_serve.service.core import plan_rows
 

@@ -32,8 +32,10 @@ from semif_serve.doors.native.api import model_bytes as native_model_bytes
 from semif_serve.doors.native.api import result_bytes, shared_reply_bytes
 from semif_serve.doors.native.api import to_question as native_question
 from semif_serve.doors.native.schemas import DecisionBody, SharedDecisionsBody, parse_body
-from semif_serve.doors.systemone.api import SystemOneDoor, core_questions, reply_bytes, timing_block
+from semif_serve.doors.systemone.api import SystemOneDoor
+from semif_serve.doors.systemone.mapping import core_questions, timing_block
 from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
+from semif_serve.doors.systemone.sizes import reply_bytes
 from semif_serve.service.startup import Service
 
 PROPERTY = settings(

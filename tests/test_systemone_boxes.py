@@ -19,13 +19,8 @@ from test_systemone import STATE, answer_codes_by_hand, assert_close, call, plai
 
 from semif_serve.app import create_app
 from semif_serve.domain.requests import DecisionRequest, Limits
-from semif_serve.doors.systemone.api import (
-    SystemOneDoor,
-    answers_of,
-    core_questions,
-    evaluated_tokens,
-    timing_block,
-)
+from semif_serve.doors.systemone.api import SystemOneDoor
+from semif_serve.doors.systemone.mapping import answers_of, core_questions, evaluated_tokens, timing_block
 from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
 from semif_serve.service.startup import Service
 

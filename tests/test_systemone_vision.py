@@ -17,7 +17,7 @@ from vision_reference import expected_row, noise_png
 
 from acceptance.server import LoopbackServer
 from semif_serve.app import create_app
-from semif_serve.doors.systemone.api import Policy, core_questions, to_question
+from semif_serve.doors.systemone.mapping import Policy, core_questions, to_question
 from semif_serve.doors.systemone.schemas import SystemOneRequest
 
 TOL = 1e-5

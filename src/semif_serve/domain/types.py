@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Ordering = Literal["rotations", "all", "shifts", "reversal"]
+#: Where a request's state came from: prefilled fresh, extended from a cached prefix, cached whole, or none.
+Prefill = Literal["fresh", "extended", "cached", "none"]
+#: How a question asked once runs: from a cached state (else the plain forward), or always the plain forward.
+DirectPath = Literal["reuse", "plain"]
+#: The state cache's tiers: whole states, and question prefixes over a state.
+CacheKind = Literal["state", "question"]
 
 
 @dataclass(frozen=True)

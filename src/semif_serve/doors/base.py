@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.requests import DecisionRequest, Limits
-from semif_serve.domain.types import DecisionError, DecisionOutcome, Question
+from semif_serve.domain.types import BatchTiming, DecisionError, DecisionOutcome, Question
 from semif_serve.http.errors import ServiceError, internal
 from semif_serve.service.core import RequestRecord
 from semif_serve.service.startup import Service
@@ -63,6 +63,16 @@ class ErrorRule:
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     when: str = ""
 
+    def field_for(self, shared: bool, question: int | None) -> str | None:
+        """The field this rule names: the question's own where its position is known, else the
+        list of questions (on a many-question route) or the route's one field."""
+        template = self.shared_field if shared else self.field
+        if template is None:
+            return None
+        return (
+            template.format(question=question) if question is not None else template.split("[{question}]")[0]
+        )
+
 
 class NoErrorRule(LookupError):
     """A domain error that a door's table has no rule for: a bug, answered 500 and logged by name."""
@@ -76,15 +86,30 @@ def rule_for(table: Mapping[type[DecisionError], ErrorRule], exc: DecisionError)
     raise NoErrorRule(f"no error rule for {type(exc).__name__}")
 
 
+def refusal_of(
+    table: Mapping[type[DecisionError], ErrorRule], exc: DecisionError, shared: bool, ids: Sequence[str]
+) -> ServiceError:
+    """A domain error under its rule in `table`: the rule's status, code, headers and field
+    (`shared`: on a many-question route), the message prefixed with the question's id where `ids`
+    names it."""
+    rule = rule_for(table, exc)
+    where = ""
+    if exc.question is not None and exc.question < len(ids):
+        where = f"question {ids[exc.question]!r}: "
+    field = rule.field_for(shared, exc.question)
+    return ServiceError(rule.status, rule.code, where + exc.message, field, dict(rule.headers))
+
+
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI request body of a route that parses `model` itself (to keep its own 4xx)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def json_reply(reply: BaseModel) -> JSONResponse:
-    """A reply model as JSON, in its fields' order; fields the door left unset are left out."""
-    return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+def json_reply(reply: BaseModel, status: int = 200, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """A body model as JSON, in its fields' order; fields the door left unset are left out. The
+    one serialisation of every reply and error body a door sends."""
+    return JSONResponse(reply.model_dump(mode="json", exclude_unset=True), status, dict(headers or {}))
 
 
 def error_responses(
@@ -99,20 +124,16 @@ def error_responses(
     return published
 
 
+def fields_of(kind: type) -> dict[str, Any]:
+    """A domain dataclass's fields as annotations: a wire model that publishes the same fields
+    takes them from the one declaration, in the domain, instead of restating them."""
+    return {f.name: f.type for f in dataclasses.fields(kind)}
+
+
 class TimingBody(BaseModel):
     """How a shared-path batch ran."""
 
-    prefix_tokens: int
-    prefill_seconds: float
-    replicate_seconds: float
-    suffix_forward_seconds: float
-    batch_size: int
-    true_suffix_tokens: int
-    padded_suffix_tokens: int
-    forward_batches: int
-    merged_requests: int
-    prefill: str
-    prefill_shared: bool
+    __annotations__ = fields_of(BatchTiming)  # every field of the domain's BatchTiming, each required
 
 
 class DecisionDoor(ABC):
@@ -128,6 +149,8 @@ class DecisionDoor(ABC):
     errors: ClassVar[Mapping[type[DecisionError], ErrorRule]]
     #: Headers, beside X-Request-ID, that carry the request id on the door's paths.
     request_id_headers: ClassVar[tuple[bytes, ...]] = ()
+    #: Whether a refusal's message starts with the question's id (its position is always known).
+    names_question: ClassVar[bool] = False
 
     def __init__(self, service: Service) -> None:
         self.service = service
@@ -144,9 +167,10 @@ class DecisionDoor(ABC):
     def render(self, error: ServiceError, request: Request) -> Response:
         """An error on one of the door's paths, in the door's own body shape."""
 
-    @abstractmethod
-    def refusal(self, exc: DecisionError, rule: ErrorRule, shared: bool, ids: Sequence[str]) -> ServiceError:
-        """The door's answer to a domain error under its rule (`ids`: the questions, in order)."""
+    def refusal(self, exc: DecisionError, shared: bool, ids: Sequence[str]) -> ServiceError:
+        """The door's answer to a domain error under its table (`shared`: a many-question route;
+        `ids`: the questions, in order, named where the door `names_question`)."""
+        return refusal_of(self.errors, exc, shared, ids if self.names_question else ())
 
     async def ask(
         self,
@@ -166,8 +190,7 @@ class DecisionDoor(ABC):
             asked = DecisionRequest(state, tuple(questions), shared, limits, tuple(images), reply_bytes)
             outcome = await self.service.core.decide(asked)
         except DecisionError as exc:
-            rule = rule_for(self.errors, exc)
-            raise self.refusal(exc, rule, shared, [q.id for q in questions]) from None
+            raise self.refusal(exc, shared, [q.id for q in questions]) from None
         request.state.record = RequestRecord.of(outcome, images=len(images))
         return outcome
 

@@ -19,22 +19,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from collections.abc import Callable, Collection
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.body_encoding import SUPPORTED, BodyDecoder, CorruptBody, requested_coding
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import RequestHeaders, duplicate_header, headers_of
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: Renders an error for the request it answers, in the shape of the door that owns the path.
 ErrorRenderer = Callable[[ServiceError, Request], Response]
 #: The body limit of a POST from its path and Content-Type (a door may allow more than the default).

@@ -1,10 +1,25 @@
-"""HTTP errors: a status, a stable code, a message and a field, and the native error envelope."""
+"""HTTP errors: a status, a stable code, a message and a field, and the native error envelope
+(its body model, serialised once by `error_response`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from pydantic import BaseModel
 from starlette.responses import JSONResponse
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: a stable code, the rule, the offending field (or null), the request id."""
+
+    code: str
+    message: str
+    field: str | None
+    request_id: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    """The one body every non-2xx native response carries."""
+
+    error: ErrorDetail
 
 
 class ServiceError(Exception):
@@ -29,12 +44,12 @@ class ServiceError(Exception):
         self.field = field
         self.headers = headers or {}
 
-    def envelope(self, request_id: str | None = None) -> dict[str, Any]:
-        """The JSON body of the error response."""
-        body: dict[str, Any] = {"code": self.code, "message": self.message, "field": self.field}
+    def envelope(self, request_id: str | None = None) -> ErrorEnvelope:
+        """The body of the error response (`request_id` left out where there is none)."""
+        detail = ErrorDetail(code=self.code, message=self.message, field=self.field)
         if request_id is not None:
-            body["request_id"] = request_id
-        return {"error": body}
+            detail.request_id = request_id
+        return ErrorEnvelope(error=detail)
 
 
 def error_response(error: ServiceError, request_id: str | None = None) -> JSONResponse:
@@ -42,7 +57,8 @@ def error_response(error: ServiceError, request_id: str | None = None) -> JSONRe
     headers = dict(error.headers)
     if request_id is not None:
         headers["X-Request-ID"] = request_id
-    return JSONResponse(error.envelope(request_id), status_code=error.status, headers=headers)
+    body = error.envelope(request_id).model_dump(mode="json", exclude_unset=True)
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 # The errors a door answers on its own (not from a domain error): code -> status.

@@ -17,8 +17,9 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import Receive, Scope, Send
 
-from semif_serve.http.admission import Admission, Receive, Scope, Send
+from semif_serve.http.admission import Admission
 from semif_serve.http.headers import SINGLE_HEADERS, RequestHeaders, headers_of
 from semif_serve.service.core import RequestRecord
 from semif_serve.service.status import StatusSnapshot

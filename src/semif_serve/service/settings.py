@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from semif_serve.domain.orderings import orderings_policy, parse_type_map
-from semif_serve.domain.types import ConfigurationError
+from semif_serve.domain.types import ConfigurationError, DirectPath
 
 ENV_PREFIX = "SEMIF_"
 # Averaging every type over a few orders (see contract.md, System One, for the measured cost).
@@ -78,7 +78,7 @@ class Settings(BaseSettings):
         ge=1,
         description="Tokens per prefill forward and suffix columns per suffix forward (bounds activations).",
     )
-    direct_path: Literal["reuse", "plain"] = Field(
+    direct_path: DirectPath = Field(
         "reuse",
         description="A question asked once: reuse (from a cached state; a state of at least "
         "keep_state_tokens kept by the question's own pass, a shorter one read by the plain forward) "

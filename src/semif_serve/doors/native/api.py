@@ -45,7 +45,7 @@ from semif_serve.doors.base import (
     ErrorRule,
     Limits,
     error_responses,
-    rule_for,
+    refusal_of,
 )
 from semif_serve.doors.native.schemas import (
     MAX_OPTIONS,
@@ -56,7 +56,6 @@ from semif_serve.doors.native.schemas import (
     CombinedBody,
     DecisionBody,
     DecisionResult,
-    ErrorEnvelope,
     ModelInfo,
     NativeResult,
     QuestionBody,
@@ -78,7 +77,7 @@ from semif_serve.doors.reply_size import (
     text_bytes,
 )
 from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
-from semif_serve.http.errors import ServiceError, error_response, invalid
+from semif_serve.http.errors import ErrorEnvelope, ServiceError, error_response, invalid
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
 CALIBRATE_PATH = "/calibrate"
@@ -144,13 +143,7 @@ NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
 def native_error(exc: DecisionError, shared: bool) -> ServiceError:
     """The native door's answer to a domain error, naming the request field it concerns: the
     decision's own field where its position is known, else the list of decisions."""
-    rule = rule_for(NATIVE_ERRORS, exc)
-    template = rule.shared_field if shared else rule.field
-    path = None
-    if template is not None:
-        known = exc.question is not None
-        path = template.format(question=exc.question) if known else template.split("[{question}]")[0]
-    return ServiceError(rule.status, rule.code, exc.message, path, dict(rule.headers))
+    return refusal_of(NATIVE_ERRORS, exc, shared, ())
 
 
 def to_question(body: QuestionBody) -> Question:
@@ -222,16 +215,7 @@ def decision_result(
         if answer.calibrated is not None:
             result.calibrated = calibrated_body(answer.calibrated, None)
         return result
-    combined = answer.combined
-    block = CombinedBody(
-        method=COMBINE_METHOD,
-        mode=combined.mode,
-        orderings=combined.orderings,
-        probabilities=combined.probabilities,
-        top=combined.top,
-        agreement=combined.agreement,
-        spread=combined.spread,
-    )
+    block = CombinedBody.model_validate({"method": COMBINE_METHOD, **asdict(answer.combined)})
     if answer.calibrated is not None:
         block.calibrated = calibrated_body(answer.calibrated, [o.id for o in question.options])
     result.orderings = natives
@@ -346,10 +330,6 @@ class NativeDoor(DecisionDoor):
     def render(self, error: ServiceError, request: Request) -> JSONResponse:
         """The native envelope, with the error's headers and the request id."""
         return error_response(error, getattr(request.state, "request_id", None))
-
-    def refusal(self, exc: DecisionError, rule: ErrorRule, shared: bool, ids: Sequence[str]) -> ServiceError:
-        """The native envelope's error for a domain error (the field names the decision)."""
-        return native_error(exc, shared)
 
     @property
     def limits(self) -> Limits:

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE
-from semif_serve.doors.base import TimingBody
+from semif_serve.domain.types import Combined
+from semif_serve.doors.base import TimingBody, fields_of
 from semif_serve.http.errors import ServiceError, invalid
 from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
 
@@ -210,21 +211,6 @@ def parse_body(model: type[Body], body: bytes) -> Body:
 # -- responses (the routes build their replies as these models) ----------------------------------
 
 
-class ErrorDetail(BaseModel):
-    """What went wrong: a stable code, the rule, the offending field (or null), the request id."""
-
-    code: str
-    message: str
-    field: str | None
-    request_id: str | None = None
-
-
-class ErrorEnvelope(BaseModel):
-    """The one body every non-2xx native response carries."""
-
-    error: ErrorDetail
-
-
 class ModelInfo(BaseModel):
     """The model a result was read from."""
 
@@ -268,13 +254,8 @@ class CalibratedBody(BaseModel):
 class CombinedBody(BaseModel):
     """The answer combined over orderings; read `top` and `probabilities` for anything real."""
 
-    method: str
-    mode: str
-    orderings: int
-    probabilities: dict[str, float]
-    top: str
-    agreement: float
-    spread: float
+    # The method, then every field of the domain's Combined (declared there once), each required.
+    __annotations__ = {"method": "str", **fields_of(Combined)}
     calibrated: CalibratedBody | None = None
 
 
@@ -333,37 +314,3 @@ class CalibrationReport(BaseModel):
     bins_before: list[BinBody]
     bins_after: list[BinBody]
     entry: dict[str, float]
-
-
-class StateCacheBody(BaseModel):
-    """`/health.state_cache`: the budget, the totals, and per tier (`state`, `question`)."""
-
-    budget_bytes: int
-    bytes: int
-    entries: int
-    hits: int
-    misses: int
-    evictions: int
-    by_kind: dict[str, dict[str, int]]  # {kind: {hits, misses, entries, bytes}}
-    deferred_prefills: int  # states of lone questions waiting for an idle prefill
-
-
-class HealthBody(BaseModel):
-    """`GET /health`: pins, limits, workloads, queue, memory and readiness; no secrets."""
-
-    status: str
-    ready: bool
-    version: str
-    semif: dict[str, str]
-    model: ModelInfo
-    device: str
-    dtype: str
-    demo: bool
-    limits: dict[str, float]
-    images: dict[str, bool | int]
-    calibration: dict[str, dict[str, dict[str, float]]]
-    queue: dict[str, int]
-    memory: dict[str, int | None]
-    batching: dict[str, int]
-    state_cache: StateCacheBody
-    weights: dict[str, Any]
