@@ -53,35 +53,36 @@ def test_a_question_asked_once_has_one_reading_its_native_probabilities(app):
     assert reading["probabilities"] == answer["probabilities"]
 
 
-def test_x_timing_says_a_lone_question_ran_plain_then_its_follow_up_came_from_the_cache(service):
+def test_x_timing_says_a_short_state_ran_plain_and_a_long_ones_follow_up_came_from_the_cache(service):
     import asyncio
 
     import httpx
 
-    from tests.engine.test_reuse import settled
     from tests.support import TOKEN
 
-    state = f"Ticket {uuid.uuid4().hex}: the invoice was paid twice."
+    short = f"Ticket {uuid.uuid4().hex}: the invoice was paid twice."
+    state = short + " The customer wrote again about it." * 300  # past keep_state_tokens: kept
 
     async def both() -> tuple[dict, dict]:
         transport = httpx.ASGITransport(app=create_app(service))
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             auth = {"Authorization": f"Bearer {TOKEN}"}
 
-            async def one(question: dict) -> dict:
-                body = {"model": "jev-latest", "state": state, "questions": {"q": question}}
+            async def one(question: dict, about: str = state) -> dict:
+                body = {"model": "jev-latest", "state": about, "questions": {"q": question}}
                 reply = await c.post("/v1/systemone", json=body, headers=auth)
                 assert reply.status_code == 200, reply.text
                 return reply.json()
 
-            first = await one(native(choice(3)))
-            await settled(c)  # the plain forward left its state for an idle prefill
-            return first, await one(native(choice(4, "z")))
+            plain = await one(native(choice(3)), short)
+            first = await one(native(choice(3)))  # its own pass ends at the state and keeps it
+            return plain, first, await one(native(choice(4, "z")))
 
-    first, again = asyncio.run(both())
-    assert first["x_timing"]["prefill"] == "none"  # SemIf's plain forward: no state prefilled
+    plain, first, again = asyncio.run(both())
+    assert plain["x_timing"]["prefill"] == "none"  # SemIf's plain forward: no state prefilled
+    assert first["x_timing"]["prefill"] == "fresh"
     assert again["x_timing"]["prefill"] == "cached"
-    for reply in (first, again):
+    for reply in (plain, first, again):
         timing = reply["x_timing"]
         assert reply["usage"]["input_tokens"] == timing["prefix_tokens"] + timing["true_suffix_tokens"]
         assert 0 < timing["forward_seconds"] <= timing["total_seconds"]

@@ -18,9 +18,9 @@ import torch
 from semif_serve.app import create_app
 from semif_serve.domain.requests import DecisionRequest, Limits, RowsRequest
 from semif_serve.domain.types import PromptRow
-from semif_serve.engine.batching import Batcher, Bounds, Group, Job
+from semif_serve.engine.batching import UNFINISHED, Batcher, Bounds, Group, Job, Wait
 from semif_serve.engine.forwards import prefill
-from semif_serve.engine.lone import DIRECT_MAX_TOKENS, IDLE_PREFILL_TOKENS
+from semif_serve.engine.lone import DIRECT_MAX_TOKENS
 from semif_serve.engine.runner import DIRECT_READOUT
 from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, state_digest
 from semif_serve.service.startup import Service
@@ -57,17 +57,16 @@ def decide_body(state, question: str) -> dict:
 
 @pytest.fixture
 def fresh(engine, checkpoint) -> Service:
-    return Service.start(make_settings(checkpoint), engine=engine)
+    """A service whose lone questions keep states of 64 tokens and more (`long_state` is one)."""
+    return Service.start(make_settings(checkpoint, keep_state_tokens=64), engine=engine)
 
 
-async def settled(c: httpx.AsyncClient) -> dict:
-    """/health's state_cache once no prefill is left waiting for idle time."""
-    for _ in range(500):
-        cache = (await c.get("/health")).json()["state_cache"]
-        if cache["deferred_prefills"] == 0:
-            return cache
-        await asyncio.sleep(0.02)
-    raise AssertionError("the idle prefill never ran")
+@pytest.fixture
+def short_kept(engine, checkpoint) -> Service:
+    """A service for which `long_state` is too short to keep (the default threshold)."""
+    service = Service.start(make_settings(checkpoint), engine=engine)
+    assert len(engine.codec.encode(long_state("x"))) < service.settings.keep_state_tokens
+    return service
 
 
 def client_of(service: Service) -> httpx.AsyncClient:
@@ -81,16 +80,18 @@ def test_a_second_decide_about_a_state_skips_its_prefill_and_both_equal_the_plai
     async def go():
         async with client_of(fresh) as c:
             first = await c.post("/decide", json=decide_body(state, "Did it succeed?"), headers=AUTH)
-            after_first = await settled(c)
+            after_first = (await c.get("/health")).json()["state_cache"]
             second = await c.post("/decide", json=decide_body(state, "Was it rolled back?"), headers=AUTH)
             return first, after_first, second, (await c.get("/health")).json()["state_cache"]
 
     first, after_first, second, after_second = asyncio.run(go())
     assert first.status_code == second.status_code == 200
-    # The first ran the plain forward (no prefill on its path); an idle prefill then stored its state.
+    # The first's own pass ended at the state and stored it (one miss), then went on to its question;
+    # the second, sent as soon as the first answer arrived, found it.
     one, two = after_first["by_kind"][STATE], after_second["by_kind"][STATE]
-    assert one["misses"] == base.misses and one["entries"] == base.entries + 1
-    assert two["hits"] == one["hits"] + 1 and two["misses"] == base.misses
+    assert one["misses"] == base.misses + 1 and one["entries"] == base.entries + 1
+    assert after_first["deferred_prefills"] == 0
+    assert two["hits"] == one["hits"] + 1 and two["misses"] == base.misses + 1
     descriptions = [o["description"] for o in OPTIONS]
     assert_plain(first.json(), engine, state, "Did it succeed?", descriptions)
     assert_plain(second.json(), engine, state, "Was it rolled back?", descriptions)
@@ -130,17 +131,35 @@ def test_eight_concurrent_decides_about_one_new_state_share_one_prefill_and_each
         assert_plain(reply.json(), engine, state, q, [o["description"] for o in OPTIONS])
 
 
-def test_a_lone_question_whose_state_another_request_in_flight_wants_prefills_and_keeps_it_at_once(fresh):
+def test_a_lone_question_whose_short_state_another_request_in_flight_wants_prefills_and_keeps_it(short_kept):
     state = long_state("wanted")
-    base = fresh.engine.cache.stats().by_kind[STATE]
-    fresh.engine.cache.demand.enter(state_digest(state))  # another request about it, still encoding
+    service = short_kept
+    base = service.engine.cache.stats().by_kind[STATE]
+    service.engine.cache.demand.enter(state_digest(state))  # another request about it, still encoding
     try:
-        asyncio.run(fresh.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS))))
+        asyncio.run(service.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS))))
     finally:
-        fresh.engine.cache.demand.leave(state_digest(state))
-    stats = fresh.engine.cache.stats().by_kind[STATE]
-    # Looked up and prefilled on its own path (the plain path and the idle prefill never look up).
+        service.engine.cache.demand.leave(state_digest(state))
+    stats = service.engine.cache.stats().by_kind[STATE]
+    # Looked up and prefilled on its own path (the plain path never looks up), for the other to join.
     assert stats.misses == base.misses + 1 and stats.entries == base.entries + 1
+
+
+def test_a_lone_question_over_a_short_state_runs_the_plain_forward_and_keeps_nothing(short_kept, engine):
+    state = long_state("short")
+    base = short_kept.engine.cache.stats()
+    for text in ("Did it succeed?", "Was it rolled back?"):
+        outcome = asyncio.run(
+            short_kept.core.decide(DecisionRequest(state, [_question(text)], False, Limits(**LIMITS)))
+        )
+        assert outcome.lone_timing is not None and outcome.lone_timing.prefill == "none"
+        logits, sha, tokens = plain_forward(engine, state, text, [o["description"] for o in OPTIONS])
+        readout = outcome.questions[0].readouts[0]
+        assert max(abs(a - b) for a, b in zip(readout.option_logits, logits, strict=True)) <= TOL
+        assert (readout.prompt_sha256, readout.input_tokens) == (sha, tokens)
+    stats = short_kept.engine.cache.stats()
+    assert (stats.hits, stats.misses, stats.entries) == (base.hits, base.misses, base.entries)
+    assert short_kept.engine.deferred_prefills == 0
 
 
 LIMITS = dict(max_input_tokens=4096, max_options=16, max_rows=64)
@@ -152,28 +171,27 @@ def _question(text: str = "Did it succeed?"):
     return Question("q", text, tuple(Option(o["id"], o["description"]) for o in OPTIONS))
 
 
-def test_a_lone_row_runs_the_plain_forward_and_an_idle_step_stores_a_state_equal_to_a_fresh_prefill(engine):
-    cached = engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
-    state = long_state("idle")
+def test_a_lone_row_over_a_long_state_stores_it_by_its_own_pass_equal_to_a_fresh_prefill(engine):
+    cached = engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None, keep_state_tokens=64)
+    state = long_state("own")
     row = PromptRow("Did it succeed?", ("It succeeded.", "It failed."))
 
     readout = cached.score(state, [row], shared=False, max_input_tokens=4096)
 
-    assert cached.cache.stats().entries == 0 and cached.deferred_prefills == 1
-    steps = 1
-    while cached.fill_idle_step():
-        steps += 1
+    assert readout.timing.prefill == "fresh" and cached.deferred_prefills == 0
     ids = cached.prepare(RowsRequest.of(state, [row], shared=False, max_input_tokens=4096)).state_ids
-    assert steps == -(-len(ids) // IDLE_PREFILL_TOKENS)  # one step per IDLE_PREFILL_TOKENS
+    assert len(ids) >= 64
     stored = cached.cache.get(ids)
-    assert stored is not None and cached.deferred_prefills == 0
+    assert stored is not None and cached.cache.stats().by_kind[STATE].entries == 1
     reference = StateCache(1 << 30).put(ids, prefill(engine.model, ids))
     for got, want in zip(stored.tensors(), reference.tensors(), strict=True):
         assert (got - want).abs().max().item() <= TOL
-    hits = cached.cache.stats().by_kind[STATE].hits
-    follow_up = cached.score(state, [row], shared=False, max_input_tokens=4096)
-    assert cached.cache.stats().by_kind[STATE].hits == hits + 1
-    assert follow_up.rows[0].option_logits == pytest.approx(readout.rows[0].option_logits, abs=TOL)
+    logits, sha, tokens = plain_forward(engine, state, row.question, row.descriptions)
+    for answer in (readout, cached.score(state, [row], shared=False, max_input_tokens=4096)):
+        got = answer.rows[0]
+        assert max(abs(a - b) for a, b in zip(got.option_logits, logits, strict=True)) <= TOL
+        assert (got.prompt_sha256, got.input_tokens) == (sha, tokens)
+    assert cached.cache.stats().by_kind[STATE].hits == 2  # the lookup above and the follow-up
 
 
 def test_system_one_asks_a_lone_question_like_decide_and_serves_its_follow_up_from_the_cache(fresh, engine):
@@ -184,14 +202,13 @@ def test_system_one_asks_a_lone_question_like_decide_and_serves_its_follow_up_fr
         async with client_of(fresh) as c:
             body = {"model": "jev-latest", "state": state, "questions": {"a": noul}}
             first = await c.post("/v1/systemone", json=body, headers=AUTH)
-            await settled(c)
             second = await c.post("/v1/systemone", json=body, headers=AUTH)
             return first, second
 
     base = fresh.engine.cache.stats().by_kind[STATE]
     first, second = asyncio.run(go())
     stats = fresh.engine.cache.stats().by_kind[STATE]
-    assert stats.misses == base.misses and stats.hits == base.hits + 1
+    assert stats.misses == base.misses + 1 and stats.hits == base.hits + 1  # kept by the first, at once
     descriptions = ["Yes, it is true.", "No, it is false."]
     logits, sha, tokens = plain_forward(engine, state, "Did the rollout succeed?", descriptions)
     for reply in (first.json(), second.json()):
@@ -308,12 +325,16 @@ def test_the_batcher_runs_idle_work_only_while_nothing_is_queued_and_returns_to_
             released.wait(30)  # a job is queued while this step runs
         return step < 2
 
+    waited = Wait()
+
     async def go():
         batcher = Batcher(run_group, Bounds(), idle=idle)
         first = await batcher.submit(Job("a", None, 0, (1,), None))
         while "idle 0" not in events:
             await asyncio.sleep(0.001)
-        second = asyncio.create_task(batcher.submit(Job("b", None, 0, (1,), None)))
+        second = asyncio.create_task(batcher.submit(Job("b", None, 0, (1,), None), waited))
+        while not batcher.queued:
+            await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)
         released.set()
         second = await second
@@ -325,3 +346,54 @@ def test_the_batcher_runs_idle_work_only_while_nothing_is_queued_and_returns_to_
     first, second = asyncio.run(asyncio.wait_for(go(), 60))
     assert first == ["a"] and second == ["b"]
     assert events == ["run a", "idle 0", "run b", "idle 1", "idle 2"]
+    # b waited for the rest of idle step 0 only (queued behind no request), at least the 10 ms held.
+    assert waited.behind_requests < waited.behind_idle and waited.behind_idle >= 0.01
+
+
+def test_a_lone_question_about_a_state_being_prefilled_in_steps_joins_that_prefill(engine, monkeypatch):
+    from semif_serve.engine.runner import _whole
+
+    stepping = engine.with_options(cache=StateCache(64 << 20), prefill_chunk_tokens=16, keep_state_tokens=64)
+    state = long_state("joined")
+    texts = ("Did it succeed?", "Was it rolled back?")
+    prepared = [
+        stepping.prepare(
+            RowsRequest.of(
+                state, [PromptRow(t, ("It succeeded.", "It failed."))], shared=False, max_input_tokens=4096
+            )
+        )
+        for t in texts
+    ]
+    groups = []
+    for i, p in enumerate(prepared):
+        job = p.job(i)
+        groups.append(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
+    fed: list[int] = []
+    decoder = engine.model.get_decoder()
+    real = type(decoder).forward
+
+    def counting(self, *args, **kwargs):
+        fed.append(
+            (
+                kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+            ).shape[1]
+        )
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(decoder), "forward", counting)
+    results: dict[int, list] = {}
+    first = stepping.run_group(groups[0])  # the first request's first step; the second arrives now
+    assert first is UNFINISHED
+    while len(results) < 2:  # the two take turns, as the batcher's rounds do
+        for i, group in enumerate(groups):
+            if i not in results and (out := stepping.run_group(group)) is not UNFINISHED:
+                results[i] = out[i]
+    monkeypatch.undo()
+    n_state = len(prepared[0].state_ids)
+    suffixes = sum(len(p.prompts[0].ids) - n_state for p in prepared)
+    assert sum(fed) <= n_state + suffixes  # every state token prefilled once: the second joined
+    for text, p, i in zip(texts, prepared, range(2), strict=True):
+        logits, sha, tokens = plain_forward(engine, state, text, ["It succeeded.", "It failed."])
+        row = stepping.readout(p, results[i]).rows[0]
+        assert max(abs(a - b) for a, b in zip(row.option_logits, logits, strict=True)) <= TOL
+        assert (row.prompt_sha256, row.input_tokens) == (sha, tokens)

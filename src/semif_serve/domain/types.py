@@ -114,6 +114,15 @@ class BatchTiming:
 
 
 @dataclass(frozen=True)
+class EngineWait:
+    """How long a call waited for the engine before its first forward: behind other requests'
+    work, and behind idle (speculative) work."""
+
+    behind_requests_seconds: float = 0.0
+    behind_idle_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class DecisionOutcome:
     """Every question's outcome for one call, and how the batch ran."""
 
@@ -123,6 +132,7 @@ class DecisionOutcome:
     total_seconds: float
     timing: BatchTiming | None  # the shared path's batch
     lone_timing: BatchTiming | None = None  # how a lone row ran (plain forward, or over a state)
+    wait: EngineWait = EngineWait()  # the call's wait for the engine
 
 
 # -- errors -----------------------------------------------------------------------------------

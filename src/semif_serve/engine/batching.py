@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -179,10 +180,27 @@ class BatchStats:
     cancelled_dropped: int = 0
 
 
+@dataclass
+class Wait:
+    """How long a job waited for the engine, from its submission to the start of its first
+    forward: behind other requests' work and behind idle (speculative) work."""
+
+    behind_requests: float = 0.0
+    behind_idle: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.behind_requests + self.behind_idle
+
+
 class _Pending(Generic[P]):
-    def __init__(self, job: Job[P], future: asyncio.Future) -> None:
+    def __init__(self, job: Job[P], future: asyncio.Future, wait: Wait, idle_mark: float) -> None:
         self.job = job
         self.future = future
+        self.wait = wait
+        self.queued_at = time.perf_counter()
+        self.idle_mark = idle_mark  # the batcher's idle seconds when it was queued
+        self.started = False
         self.rows: dict[int, list[Any]] = {}
 
     def deliver(self, part: Part[P], results: Sequence[Any]) -> None:
@@ -224,6 +242,8 @@ class Batcher(Generic[P, R]):
         self._task: asyncio.Task | None = None
         self._stats = BatchStats()
         self._stats_lock = threading.Lock()
+        self._idle_seconds = 0.0  # idle steps' seconds, the running one's up to now not counted
+        self._idle_since: float | None = None  # when the running idle step began
 
     @property
     def queued(self) -> int:
@@ -235,16 +255,17 @@ class Batcher(Generic[P, R]):
         with self._stats_lock:
             return BatchStats(**vars(self._stats))
 
-    async def submit(self, job: Job[P]) -> list[R]:
+    async def submit(self, job: Job[P], wait: Wait | None = None) -> list[R]:
         """Queue `job` and wait for its rows' results; cancelling the caller drops the job
-        if its forward has not started."""
+        if its forward has not started. `wait`, when given, is filled with how long the job
+        waited for the engine before its first forward started."""
         if job.id in self._ids:
             raise ValueError(f"job id {job.id!r} is already queued or running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._ids.add(job.id)
         future.add_done_callback(lambda _: self._ids.discard(job.id))
-        self._queue.append(_Pending(job, future))
+        self._queue.append(_Pending(job, future, wait or Wait(), self._idle_now()))
         # One drain task at a time; it ends when the queue is empty, so no task outlives its loop.
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._queue = [p for p in self._queue if p.future.get_loop() is loop]
@@ -302,7 +323,29 @@ class Batcher(Generic[P, R]):
         if self.idle is None:
             return False
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.idle) or bool(self._queue)
+        self._idle_since = time.perf_counter()
+        try:
+            more = await loop.run_in_executor(self.executor, self.idle)
+        finally:
+            self._idle_seconds += time.perf_counter() - self._idle_since
+            self._idle_since = None
+        return more or bool(self._queue)
+
+    def _idle_now(self) -> float:
+        """Seconds of idle work so far, the running step's included."""
+        running = time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0
+        return self._idle_seconds + running
+
+    def _started(self, group: Group[P], live: dict[Hashable, _Pending[P]]) -> None:
+        """Record the wait of every job whose first forward starts now."""
+        now = time.perf_counter()
+        for job_id in group.job_ids:
+            pending = live[job_id]
+            if not pending.started:
+                pending.started = True
+                idle = max(0.0, self._idle_now() - pending.idle_mark)
+                pending.wait.behind_idle = idle
+                pending.wait.behind_requests = max(0.0, now - pending.queued_at - idle)
 
     def _plan(self, live: dict[Hashable, _Pending[P]]) -> list[Group[P]]:
         try:
@@ -329,6 +372,7 @@ class Batcher(Generic[P, R]):
         group = planned.keeping({i for i in planned.job_ids if i in live and not live[i].future.done()})
         if group is None:
             return True
+        self._started(group, live)
         try:
             results = await self._forward(group)
         except Exception as exc:  # noqa: BLE001 - routed to the callers, never raised here

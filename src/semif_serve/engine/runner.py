@@ -10,7 +10,7 @@ Scoring is split so that the worker can merge requests: `prepare` (encode and ch
 request, off the engine thread), `run_group` (one planned group of requests' rows, on the
 engine thread) and `readout` (one request's `Readout` from its scored rows). `score` runs
 the three for one request alone. The rooms around it: the forwards (`forwards`), the stepped
-prefill (`stepped`), the lone-row policy and its deferred prefills (`lone`), the headroom
+prefill (`stepped`), the lone-row policy (`lone`), the headroom
 checks (`memory.MemoryEstimate`), the state cache (`state_cache`).
 """
 
@@ -24,11 +24,11 @@ from typing import Any, Literal
 
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
 from semif_serve.domain.requests import RowsRequest
-from semif_serve.domain.types import BatchTiming, PromptRow
+from semif_serve.domain.types import BatchTiming, EngineWait, PromptRow
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
 from semif_serve.engine.forwards import logits_over, plain_logits, prefill, read_slots
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
-from semif_serve.engine.lone import LoneRowPolicy
+from semif_serve.engine.lone import KEEP_STATE_TOKENS, LoneRowPolicy
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
 from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, StoredState, prefix_digest
 from semif_serve.engine.stepped import SteppedPrefill
@@ -40,7 +40,7 @@ DIRECT_READOUT = "native full-vocabulary last-position logits restricted to decl
 SHARED_READOUT = "native selected suffix-position logits"
 SHARED_SERVING_CONFIG = "native-state-prefix-parallel-v1"
 # How a lone row (no orderings) is run: "reuse" serves it from a cached state when there is one
-# (and fills the cache afterwards, while the engine is idle); "plain" always runs SemIf's plain
+# (and keeps a long state by its own pass: prefill, store, suffix); "plain" always runs SemIf's plain
 # forward and never touches the cache (parity runs against upstream's predictions).
 DirectPath = Literal["reuse", "plain"]
 DIRECT_PATHS: tuple[DirectPath, ...] = ("reuse", "plain")
@@ -62,6 +62,7 @@ class EngineOptions:
     cache: StateCache = field(default_factory=lambda: StateCache(0))
     prefill_chunk_tokens: int | None = None
     direct_path: DirectPath = "reuse"
+    keep_state_tokens: int = KEEP_STATE_TOKENS  # a lone row's state this long is kept by its own pass
 
     def __post_init__(self) -> None:
         if self.direct_path not in DIRECT_PATHS:
@@ -89,6 +90,7 @@ class Readout:
     forward_seconds: float
     total_seconds: float
     timing: BatchTiming
+    wait: EngineWait = EngineWait()  # set by the worker: the request's wait for the engine
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ class TorchEngine:
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.model_info = identity.as_dict()
         self.stepped = SteppedPrefill(self.cache, self.estimate, self.memory, chunk, self._prefill)
-        self.lone = LoneRowPolicy(model, self.cache, self.memory)
+        self.lone = LoneRowPolicy(self.cache, options.keep_state_tokens)
 
     @classmethod
     def over(cls, loaded: LoadedModel) -> TorchEngine:
@@ -186,7 +188,7 @@ class TorchEngine:
 
     def with_options(self, **changes: Any) -> TorchEngine:
         """A new engine over the same weights, codec and tower, its options changed as given
-        (`dataclasses.replace`); its stepped and deferred prefills start empty."""
+        (`dataclasses.replace`); its stepped prefills start empty."""
         return TorchEngine(
             self.model, self.codec, self.identity, replace(self.options, **changes), self.vision
         )
@@ -223,16 +225,9 @@ class TorchEngine:
 
     @property
     def deferred_prefills(self) -> int:
-        """States queued for an idle prefill."""
-        return self.lone.deferred
-
-    def fill_idle_step(self) -> bool:
-        """One step of the newest deferred prefill (engine thread, nothing queued); whether more remains."""
-        return self.lone.fill_idle_step()
-
-    def drop_deferred(self) -> None:
-        """Forget every deferred prefill (after a failure: memory comes first)."""
-        self.lone.drop()
+        """States queued for an idle prefill: none, ever (a state is kept by the request that
+        brings it); kept for /health and the metrics."""
+        return 0
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -449,11 +444,11 @@ class TorchEngine:
     def _run_direct(self, group: Group[PreparedRows]) -> Results | Unfinished:
         """Lone rows (each request one row, no orderings), grouped by their state prefix.
 
-        A state the lone-row policy says to use (cached, wanted by several, long) is used
-        (prefilled once and stored): each row then costs its suffix. Every other row runs as
-        SemIf's plain forward of its whole prompt (the cheapest way to answer it now; several
-        right-padded together) and its state is queued for an idle prefill, so a follow-up
-        finds it cached. Either way a row equals the plain forward within 1e-5 (float32) and
+        A state the lone-row policy says to use (cached, wanted by several, long enough to keep)
+        is used: prefilled once by this pass and stored, each row then costs its suffix, and a
+        follow-up sent at once finds it. Every other (short) state's row runs as SemIf's plain
+        forward of its whole prompt (several right-padded together), and nothing is kept or
+        queued for later. Either way a row equals the plain forward within 1e-5 (float32) and
         keeps its `prompt_sha256` and `input_tokens`.
         """
         by_state: dict[tuple[int, ...], list[Part[PreparedRows]]] = {}
@@ -475,8 +470,6 @@ class TorchEngine:
             results.update(
                 self._expect_done(self._run_planned(Group(None, 0, tuple(_as_rows(p) for p in plain))))
             )
-        for part in plain:
-            self.lone.defer(part.job.payload.state_ids)
         return results
 
     @staticmethod

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from semif_serve.domain.requests import RowsRequest
-from semif_serve.domain.types import DecisionError, EngineFailure, OutOfMemory, Refusal
-from semif_serve.engine.batching import Batcher, Bounds, Group, Unfinished
+from semif_serve.domain.types import DecisionError, EngineFailure, EngineWait, OutOfMemory, Refusal
+from semif_serve.engine.batching import Batcher, Bounds, Group, Unfinished, Wait
 from semif_serve.engine.loader import ModelIdentity
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.state_cache import state_digest
@@ -76,8 +76,8 @@ class EngineWorker:
         # Requests with images are prepared one at a time: decoded pixels' memory stays one request's.
         self._image_encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-images")
         self.batcher: Batcher[PreparedRows, ScoredRow] = Batcher(
-            self._run_group, bounds or Bounds(), self._executor, idle=self._fill_idle
-        )
+            self._run_group, bounds or Bounds(), self._executor
+        )  # no idle work: nothing is prefilled for a request that may never come
         self._job_ids = itertools.count()
         self.pending = 0
         self.out_of_memory_events = 0
@@ -117,27 +117,13 @@ class EngineWorker:
                 self._image_encoder if request.images else self._encoder, engine.prepare, request
             )
             prepared = dataclasses.replace(prepared, demand_key=demand_key)
-            scored = await self.batcher.submit(prepared.job(next(self._job_ids)))
-            return engine.readout(prepared, scored)
+            wait = Wait()
+            scored = await self.batcher.submit(prepared.job(next(self._job_ids)), wait)
+            waited = EngineWait(wait.behind_requests, wait.behind_idle)
+            return dataclasses.replace(engine.readout(prepared, scored), wait=waited)
         finally:
             engine.cache.demand.leave(demand_key)
             self.pending -= 1
-
-    def _fill_idle(self) -> bool:
-        """One step of the engine's deferred prefills (engine thread, nothing queued); a failure
-        drops them and releases memory, and never reaches a request."""
-        engine = self.engine
-        if not engine.deferred_prefills:
-            return False
-        try:
-            more = engine.fill_idle_step()
-        except Exception as exc:  # noqa: BLE001 - background work: logged, memory released, forgotten
-            log.warning("idle prefill failed: %s", type(exc).__name__)
-            engine.drop_deferred()
-            self.policy.after_failure()
-            return False
-        self.policy.after_success()
-        return more
 
     def _run_group(self, group: Group[PreparedRows]) -> Mapping[Hashable, Sequence[ScoredRow]] | Unfinished:
         return self._guarded(lambda: self.engine.run_group(group))

@@ -30,6 +30,8 @@ REQUEST_ID_HEADER = b"x-request-id"
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
+# Waits of milliseconds count (a request should wait behind no speculative work at all).
+WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 
 class StatusCollector(Collector):
@@ -170,6 +172,15 @@ class Metrics:
         self.images = Counter(
             "semif_images_read", "images shown to the model in answered requests", registry=self.registry
         )
+        # A request's wait for the engine before its first forward, behind other requests' work
+        # and behind idle (speculative) work: each request observes both.
+        self.wait = Histogram(
+            "semif_engine_wait_seconds",
+            "seconds a request waited for the engine before its first forward, by what it waited behind",
+            ["behind"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
         self.prefix = Histogram(
             "semif_prefix_tokens",
             "shared state prefix tokens per request",
@@ -189,6 +200,8 @@ class Metrics:
             return
         self.rows.inc(record.rows)
         self.forward.observe(record.forward_seconds)
+        self.wait.labels("requests").observe(record.wait_seconds - record.wait_idle_seconds)
+        self.wait.labels("idle").observe(record.wait_idle_seconds)
         if record.prefix_tokens is not None:
             self.prefix.observe(record.prefix_tokens)
         if record.images:

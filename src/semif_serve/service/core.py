@@ -191,6 +191,7 @@ class DecisionCore:
             total_seconds=readout.total_seconds,
             timing=readout.timing if readout.shared else None,
             lone_timing=None if readout.shared else readout.timing,
+            wait=readout.wait,
         )
 
 
@@ -220,6 +221,8 @@ class RequestRecord:
     prefill: str | None = None
     workloads: tuple[str, ...] = ()
     images: int | None = None  # images the request showed the model (None: text only)
+    wait_seconds: float = 0.0  # its wait for the engine before its first forward
+    wait_idle_seconds: float = 0.0  # the part of that wait spent behind idle (speculative) work
 
     @classmethod
     def of(cls, outcome: DecisionOutcome, images: int = 0) -> RequestRecord:
@@ -237,6 +240,8 @@ class RequestRecord:
             prefill=timing.prefill if timing else None,
             workloads=tuple(sorted({q.question.workload for q in outcome.questions if q.question.workload})),
             images=images or None,
+            wait_seconds=round(outcome.wait.behind_requests_seconds + outcome.wait.behind_idle_seconds, 6),
+            wait_idle_seconds=round(outcome.wait.behind_idle_seconds, 6),
         )
 
     def log_fields(self) -> dict[str, Any]:

@@ -84,8 +84,15 @@ class Settings(BaseSettings):
     )
     direct_path: DirectPath = Field(
         "reuse",
-        description="A question asked once: reuse (from a cached state, else the plain forward and an "
-        "idle prefill) or plain (always SemIf's plain forward, for parity runs).",
+        description="A question asked once: reuse (from a cached state; a state of at least "
+        "keep_state_tokens kept by the question's own pass, a shorter one read by the plain forward) "
+        "or plain (always SemIf's plain forward, for parity runs).",
+    )
+    keep_state_tokens: int = Field(
+        1536,
+        ge=1,
+        description="The shortest state a question asked once keeps for its follow-ups (its pass ends "
+        "at the state, stores it and goes on to the question); shorter ones run the plain forward.",
     )
     max_batch_rows: int = Field(64, ge=1, description="Rows of merged requests per forward.")
     max_batch_tokens: int = Field(

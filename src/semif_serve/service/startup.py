@@ -76,6 +76,7 @@ class Service:
             cache=StateCache(settings.state_cache_mib * MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             direct_path=settings.direct_path,
+            keep_state_tokens=settings.keep_state_tokens,
         )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
         bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens)
