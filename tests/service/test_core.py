@@ -18,7 +18,7 @@ from semif_serve.domain.types import (
     TooManyTokens,
     UnknownWorkload,
 )
-from semif_serve.service.core import _locate, plan_rows
+from semif_serve.service.core import _located, plan_rows
 
 YES_NO = (Option("yes", "It succeeded."), Option("no", "It failed."))
 THREE = (Option("a", "First."), Option("b", "Second."), Option("c", "Third."))
@@ -75,7 +75,7 @@ def test_a_boundary_error_in_a_rotated_row_names_the_callers_question_and_option
     table = CalibrationTable({})
     questions = [Question("a", "q", YES_NO), Question("b", "q", THREE, orderings="rotations")]
     planned, _ = plan_rows(questions, max_rows=64, max_options=16, calibration=table)
-    error = AnswerBoundary("A", option=0)
-    error.row = 3  # question b, ordering (2, 0, 1): its slot A shows the caller's option 2
-    _locate(error, planned)
-    assert (error.question, error.option) == (1, 2)
+    error = AnswerBoundary("A", option=0).located(row=3)  # question b, ordering (2, 0, 1): slot A is option 2
+    placed = _located(error, planned)
+    assert (placed.question, placed.option) == (1, 2)
+    assert (error.question, error.option) == (None, 0)  # the engine's error is left as it was built

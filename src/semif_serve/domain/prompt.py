@@ -211,11 +211,9 @@ class PromptCodec:
                     refusal = TooManyTokens.for_request(
                         need, max_request_tokens, index + 1, len(rows), at_least=True
                     )
-                refusal.row = index
-                raise refusal from None
+                raise refusal.located(row=index) from None
             except DecisionError as exc:
-                exc.row = index
-                raise
+                raise exc.located(row=index) from exc
             if not prompts:
                 shared = prompt.head_tokens or len(self.state_prefix(state, prompt))
                 total = shared  # the state counts once; every row adds what follows it

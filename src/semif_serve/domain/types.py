@@ -7,7 +7,7 @@ each door maps them to its own status, code and field path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 Ordering = Literal["rotations", "all", "shifts", "reversal"]
 #: Where a request's state came from: prefilled fresh, extended from a cached prefix, cached whole, or none.
@@ -147,6 +147,21 @@ class DecisionError(Exception):
         self.question = question
         self.option = option
         self.row: int | None = None  # position in the engine's batch, until the core maps it to a question
+
+    def located(
+        self, *, question: int | None = None, option: int | None = None, row: int | None = None
+    ) -> Self:
+        """A copy of this error placed at `question`, `option` or `row` (the others kept); the
+        original stays as it was built."""
+        placed = type(self).__new__(type(self))
+        placed.args = self.args
+        placed.__dict__.update(self.__dict__)
+        placed.__dict__.update(
+            (name, value)
+            for name, value in (("question", question), ("option", option), ("row", row))
+            if value is not None
+        )
+        return placed
 
 
 class Refusal(DecisionError):

@@ -182,8 +182,7 @@ class DecisionCore:
         try:
             readout = await self.scorer.score(request.with_rows(rows))
         except DecisionError as exc:
-            _locate(exc, planned)
-            raise
+            raise _located(exc, planned) from exc
         return DecisionOutcome(
             questions=tuple(question_outcome(p, readout, self.calibration) for p in planned),
             shared=readout.shared,
@@ -195,16 +194,15 @@ class DecisionCore:
         )
 
 
-def _locate(exc: DecisionError, planned: Sequence[PlannedQuestion]) -> None:
-    """Turn the engine's row position into the question's, and a slot into the caller's option."""
+def _located(exc: DecisionError, planned: Sequence[PlannedQuestion]) -> DecisionError:
+    """The error at the question of the engine's row position, a slot turned into the caller's option."""
     if exc.row is None:
-        return
+        return exc
     for index, p in enumerate(planned):
         if p.first_row <= exc.row < p.first_row + len(p.orders):
-            exc.question = index
-            if exc.option is not None:
-                exc.option = p.orders[exc.row - p.first_row][exc.option]
-            return
+            option = None if exc.option is None else p.orders[exc.row - p.first_row][exc.option]
+            return exc.located(question=index, option=option)
+    return exc
 
 
 @dataclass(frozen=True)
