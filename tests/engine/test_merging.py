@@ -117,7 +117,7 @@ def test_distinct_direct_decisions_queued_together_run_in_one_forward_and_equal_
     assert after.forwards - before.forwards == 2  # the gate's, then one for the four requests
     assert after.merged_forwards - before.merged_forwards == 1
     for i, (state, outcome) in enumerate(zip(states, outcomes, strict=True)):
-        assert outcome.shared is False and outcome.timing is None
+        assert outcome.shared is False
         got = outcome.questions[0].readouts[0]
         assert_close(got.option_logits, alone(engine, state, question(i), shared=False).option_logits)
 

@@ -152,7 +152,7 @@ def test_a_lone_question_over_a_short_state_runs_the_plain_forward_and_keeps_not
         outcome = asyncio.run(
             short_kept.core.decide(DecisionRequest(state, [_question(text)], False, Limits(**LIMITS)))
         )
-        assert outcome.lone_timing is not None and outcome.lone_timing.prefill == "none"
+        assert not outcome.shared and outcome.timing.prefill == "none"
         logits, sha, tokens = plain_forward(engine, state, text, [o["description"] for o in OPTIONS])
         readout = outcome.questions[0].readouts[0]
         assert max(abs(a - b) for a, b in zip(readout.option_logits, logits, strict=True)) <= TOL

@@ -130,8 +130,7 @@ class DecisionOutcome:
     shared: bool
     forward_seconds: float
     total_seconds: float
-    timing: BatchTiming | None  # the shared path's batch
-    lone_timing: BatchTiming | None = None  # how a lone row ran (plain forward, or over a state)
+    timing: BatchTiming  # how it ran: the shared path's batch, or the lone row (plain, or over a state)
     wait: EngineWait = EngineWait()  # the call's wait for the engine
 
 

@@ -188,8 +188,7 @@ class DecisionCore:
             shared=readout.shared,
             forward_seconds=readout.forward_seconds,
             total_seconds=readout.total_seconds,
-            timing=readout.timing if readout.shared else None,
-            lone_timing=None if readout.shared else readout.timing,
+            timing=readout.timing,
             wait=readout.wait,
         )
 
@@ -226,7 +225,7 @@ class RequestRecord:
     def of(cls, outcome: DecisionOutcome, images: int = 0) -> RequestRecord:
         """The record of one answered call (that showed the model `images` images)."""
         readouts = [r for q in outcome.questions for r in q.readouts]
-        timing = outcome.timing
+        timing = outcome.timing if outcome.shared else None  # a lone row's path is not a batch
         return cls(
             rows=len(readouts),
             input_tokens=sum(r.input_tokens for r in readouts),

@@ -350,7 +350,7 @@ class NativeDoor(DecisionDoor):
             request, state, [question], shared=False, limits=self.limits, reply_bytes=need
         )
         result = await asyncio.to_thread(decision_result, outcome.questions[0], outcome, identity)
-        if outcome.timing is not None:
+        if outcome.shared:
             result.timing = timing_body(outcome.timing)
         return result
 
@@ -362,7 +362,6 @@ class NativeDoor(DecisionDoor):
         results = await asyncio.to_thread(
             lambda: [decision_result(q, outcome, identity) for q in outcome.questions]
         )
-        assert outcome.timing is not None  # the shared path always times its batch
         return SharedResponse(results=results, timing=timing_body(outcome.timing))
 
     async def calibrate(self, request: Request, body: bytes) -> CalibrationReport:

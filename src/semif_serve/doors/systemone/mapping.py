@@ -224,10 +224,8 @@ def answers_of(
 
 def timing_block(outcome: DecisionOutcome) -> BatchTimingBlock:
     """`x_timing`: how the batch ran (prefill fresh, extended or cached; merging) and the engine's seconds."""
-    timing = outcome.timing or outcome.lone_timing
-    assert timing is not None  # the runner times every request: the shared batch, or the lone row
     return BatchTimingBlock(
-        **timing.as_dict(),
+        **outcome.timing.as_dict(),
         forward_seconds=outcome.forward_seconds,
         total_seconds=outcome.total_seconds,
     )
@@ -235,6 +233,6 @@ def timing_block(outcome: DecisionOutcome) -> BatchTimingBlock:
 
 def evaluated_tokens(outcome: DecisionOutcome) -> int:
     """Tokens the engine evaluated: the shared prefix once, plus every row's own suffix."""
-    if outcome.timing is None:
+    if not outcome.shared:
         return sum(r.input_tokens for q in outcome.questions for r in q.readouts)
     return outcome.timing.prefix_tokens + outcome.timing.true_suffix_tokens
