@@ -140,3 +140,42 @@ def test_an_alias_may_name_the_base(dirs):
 def test_unreadable_file(tmp_path):
     with pytest.raises(ConfigurationError, match="cannot read"):
         load_models(tmp_path / "absent.toml", BASE)
+
+
+def test_a_service_answers_an_operators_alias_of_the_base_and_lists_it(engine, checkpoint, tmp_path):
+    from semif_serve.app import create_app
+    from semif_serve.service.startup import Service
+    from semif_serve.tools.demo import DEMO_REVISION
+    from tests.support import in_process_client, make_settings
+
+    base = f"Qwen/Qwen3.5-4B@{DEMO_REVISION}"
+    models = tmp_path / "models.toml"
+    models.write_text(f'[aliases]\nlocal = "{base}"\n')
+    client = in_process_client(
+        create_app(Service.start(make_settings(checkpoint, models=models), engine=engine))
+    )
+    listed = [(m["name"], m.get("x_alias_of")) for m in client.get("/v1/models").json()["models"]]
+    assert listed == [(base, None), ("jev-latest", base), ("jev-preview", base), ("local", base)]
+    body = {
+        "model": "local",
+        "state": "All zones are healthy.",
+        "questions": {"ok": {"type": "noul", "name": "ok"}},
+    }
+    assert client.post("/v1/systemone", json=body).status_code == 200
+    unknown = client.post("/v1/systemone", json={**body, "model": "lev-4b"})
+    assert unknown.status_code == 400 and "aliases: jev-latest, jev-preview, local" in unknown.text
+
+
+def test_a_service_refuses_to_start_on_a_model_it_would_not_read(engine, checkpoint, dirs):
+    from semif_serve.service.startup import Service
+    from tests.support import make_settings
+
+    with pytest.raises(
+        ConfigurationError, match=r"models\.triage: adapters and lev releases are checked but not"
+    ):
+        Service.start(
+            make_settings(
+                checkpoint, models=write(dirs, f'[models.triage]\nadapter = "{dirs["adapter"]}"\n')
+            ),
+            engine=engine,
+        )

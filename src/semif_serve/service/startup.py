@@ -22,6 +22,7 @@ from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.core import DecisionCore
+from semif_serve.service.models import ModelSet, load_models
 from semif_serve.service.settings import Settings
 
 WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
@@ -41,6 +42,7 @@ class Service:
     core: DecisionCore
     token: str
     weights: Verification
+    models: ModelSet  # the names a request may pick: the base and its aliases
     ready: bool = False
 
     @property
@@ -69,6 +71,7 @@ class Service:
             raise ConfigurationError(
                 f"SEMIF_SYSTEMONE_WORKLOADS: {', '.join(unknown)} not in the calibration file"
             )
+        models = served_models(settings)
         weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
         if engine is None:
             engine = load_engine(settings)
@@ -89,7 +92,20 @@ class Service:
             engine, policy, bounds, encoders=settings.max_queue
         )  # a thread per admitted request
         core = DecisionCore(worker, calibration)
-        return cls(settings, engine, worker, core, token, weights, ready=True)
+        return cls(settings, engine, worker, core, token, weights, models, ready=True)
+
+
+def served_models(settings: Settings) -> ModelSet:
+    """The SEMIF_MODELS file, read and checked before the weights load. This build answers with
+    the base and its aliases only: a model over the base (an adapter, a lev release) is refused at
+    startup, naming its key, rather than served as something the service did not read."""
+    models = load_models(settings.models, f"{settings.model_source}@{settings.model_revision}")
+    if models.adapters:
+        raise ConfigurationError(
+            f"SEMIF_MODELS: {models.source}: models.{models.adapters[0].name}: adapters and lev releases "
+            "are checked but not yet served by this build; declare [aliases] of the base model only"
+        )
+    return models
 
 
 def checkpoint_spec(settings: Settings) -> CheckpointSpec:

@@ -65,8 +65,6 @@ from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import headers_of
 from semif_serve.service.startup import Service
 
-ALIASES = ("jev-latest", "jev-preview")
-
 
 def release_date(service: Service) -> str:
     """SEMIF_MODEL_RELEASE_DATE, else the day (UTC) the checkpoint's config.json was written."""
@@ -96,7 +94,10 @@ class SystemOneDoor(DecisionDoor):
         self.max_options = min(MAX_OPTIONS, service.core.capacity)
         # Facts of the loaded model and the settings, computed once at startup.
         self.release_date = release_date(service)
-        self.aliases = ALIASES if settings.systemone_allow_aliases else ()
+        allow = settings.systemone_allow_aliases  # the Jev names, unless SEMIF_MODELS declares them
+        self.aliases = tuple(
+            name for name in service.models.aliases if service.models.resolve(name, jev_aliases=allow)
+        )
         self.limits = Limits(
             settings.systemone_max_input_tokens,
             self.max_options,
