@@ -198,6 +198,10 @@ class TorchEngine:
         options = replace(self.options, **changes)
         return TorchEngine(self.model, self.codec, self.identity, options, self.vision, self.adapters)
 
+    def with_adapters(self, adapters: AdapterBank) -> TorchEngine:
+        """A new engine over the same weights, options and tower that serves `adapters`."""
+        return TorchEngine(self.model, self.codec, self.identity, self.options, self.vision, adapters)
+
     @property
     def memory(self) -> DeviceMemory:
         return self.options.memory
