@@ -110,3 +110,15 @@ def test_lone_rows_of_different_models_each_equal_the_plain_forward(engine, chec
 def test_an_unknown_model_name_is_a_key_error_before_any_forward(engine):
     with pytest.raises(KeyError):
         engine.prepare(request("nobody"))
+
+
+def test_a_state_prefilled_in_steps_under_an_adapter_equals_its_plain_forward(
+    engine, checkpoint, adapter_dirs
+):
+    stepped = engine.with_options(cache=StateCache(256 << 20), prefill_chunk_tokens=16)
+    readout = stepped.read(request("triage"))
+    assert readout.timing.prefill == "fresh" and readout.timing.prefix_tokens > 32  # several steps
+    for prompt, row in zip(stepped.prepare(request("triage")).prompts, readout.rows, strict=True):
+        expected = reference(engine, checkpoint, adapter_dirs, "triage", prompt.ids, 3)
+        torch.testing.assert_close(torch.tensor(row.option_logits), expected, atol=ATOL, rtol=0)
+    assert stepped.read(request(None)).timing.prefill == "fresh"  # the adapter's steps are not the base's

@@ -195,7 +195,7 @@ class DecisionDoor(ABC):
             outcome = await self.service.core.decide(asked)
         except DecisionError as exc:
             raise self.refusal(exc, shared, [q.id for q in questions]) from None
-        request.state.record = RequestRecord.of(outcome, images=len(images))
+        request.state.record = RequestRecord.of(outcome, images=len(images), model=model)
         return outcome
 
     async def reply(self, request: Request, build: Build) -> JSONResponse:

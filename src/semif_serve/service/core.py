@@ -231,10 +231,12 @@ class RequestRecord:
     images: int | None = None  # images the request showed the model (None: text only)
     wait_seconds: float = 0.0  # its wait for the engine before its first forward
     wait_idle_seconds: float = 0.0  # the part of that wait spent behind idle (speculative) work
+    model: str | None = None  # the adapter that read it (None: the base)
 
     @classmethod
-    def of(cls, outcome: DecisionOutcome, images: int = 0) -> RequestRecord:
-        """The record of one answered call (that showed the model `images` images)."""
+    def of(cls, outcome: DecisionOutcome, images: int = 0, model: str | None = None) -> RequestRecord:
+        """The record of one answered call (that showed the model `images` images, read by the
+        adapter `model`; None: the base)."""
         readouts = [r for q in outcome.questions for r in q.readouts]
         timing = outcome.timing if outcome.shared else None  # a lone row's path is not a batch
         return cls(
@@ -250,6 +252,7 @@ class RequestRecord:
             images=images or None,
             wait_seconds=round(outcome.wait.behind_requests_seconds + outcome.wait.behind_idle_seconds, 6),
             wait_idle_seconds=round(outcome.wait.behind_idle_seconds, 6),
+            model=model,
         )
 
     def log_fields(self) -> dict[str, Any]:
