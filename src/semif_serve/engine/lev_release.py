@@ -451,6 +451,40 @@ def score_lev(release: LevRelease, model: Any, state: Any, questions: Mapping[st
     return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids))
 
 
+def score_lev_on(
+    release: LevRelease, engine: Any, model: int, state: Any, questions: Mapping[str, LevQuestion]
+) -> LevReply:
+    """`score_lev`'s answers through the serving engine (a `TorchEngine` whose adapter bank
+    serves the release's adapter as `model`): the same prefix and suffix ids, the prefix
+    prefilled once (kept in the state cache under the release's model where it is long enough)
+    and the rows batched over it (`TorchEngine.read_ids`); equal to lev's per-row forwards
+    within float32's rounding (the tests hold both to PEFT's own forward, 1e-5)."""
+    import torch
+
+    plan = plan_request(state, questions, release.codes, release.options, has_head=release.head is not None)
+    tokenizer = release.tokenizer
+    prefix_ids = tokenizer.encode(plan.prefix, add_special_tokens=True)
+    suffixes = [tokenizer.encode(row.suffix, add_special_tokens=False) for row in plan.rows]
+    scores: list[list[float]] = [[] for _ in plan.rows]
+    by_labels = [i for i, row in enumerate(plan.rows) if row.label_ids is not None]
+    by_head = [i for i, row in enumerate(plan.rows) if row.label_ids is None]
+    if by_labels:
+        logits = engine.read_ids(prefix_ids, [suffixes[i] for i in by_labels], model)
+        for k, i in enumerate(by_labels):
+            scores[i] = logits[k, list(plan.rows[i].label_ids or ())].float().tolist()
+    if by_head:
+        last = engine.read_ids(prefix_ids, [suffixes[i] for i in by_head], model, hidden=True)
+        decoder = engine.model.get_decoder()
+        with torch.inference_mode(), engine.adapters.rows(model):
+            candidates = _candidate_states(plan, tokenizer, decoder, engine.device)
+            head = release.head.to(engine.device)  # type: ignore[union-attr]
+            for k, i in enumerate(by_head):
+                shown = candidates[plan.rows[i].question_id].float().unsqueeze(0)
+                scores[i] = head(last[k].float().unsqueeze(0), shown)[0].float().tolist()
+    answers = read_plan(plan, scores, release.calibration)
+    return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids))
+
+
 def _candidate_states(plan: LevPlan, tokenizer: Any, decoder: Any, device: Any) -> dict[str, Any]:
     """Mode B's candidate states as lev computes them: the candidate strings as one padded batch
     (each cut at 64 tokens, no special tokens), the decoder's last state at each last real token."""

@@ -265,6 +265,37 @@ class TorchEngine:
             pass
         return self.readout(prepared, scored[0])
 
+    def read_ids(
+        self, prefix: list[int], suffixes: Sequence[Sequence[int]], model: int = BASE, *, hidden: bool = False
+    ) -> Any:
+        """Float32 full-vocabulary logits `[rows, vocab]` at the last token of each row `prefix +
+        suffix` under `model` (`hidden`: the last hidden states instead), for a method that
+        renders its own token ids (lev's). A prefix worth keeping (cached, or at least
+        `keep_state_tokens`) is prefilled once into the state cache (or found there) and the
+        rows run over it, split by the memory headroom; a short one runs every whole row in one
+        right-padded forward. Either equals each row's plain forward (float32: within 1e-5)."""
+        torch = self.torch
+        if not self.cache.has(prefix, STATE, model) and len(prefix) < self.options.keep_state_tokens:
+            with torch.inference_mode(), self.adapters.rows(model):
+                rows = [[*prefix, *suffix] for suffix in suffixes]
+                return logits_over(
+                    self.model, None, 0, rows, self.pad_id, self.prefill_chunk_tokens, hidden_out=hidden
+                )
+        stored, _, _ = self._state(prefix, len(prefix), None, model)
+        width = max(len(s) for s in suffixes)
+        chunk = self.prefill_chunk_tokens
+        step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(suffixes)
+        parts = []
+        with torch.inference_mode(), self.adapters.rows(model):
+            for start in range(0, len(suffixes), step):
+                batch = list(suffixes[start : start + step])
+                cache = stored.fork(len(batch)) if stored is not None else None
+                parts.append(
+                    logits_over(self.model, cache, len(prefix), batch, self.pad_id, chunk, hidden_out=hidden)
+                )
+                del cache
+        return torch.cat(parts)
+
     def prepare(self, request: RowsRequest) -> PreparedRows:
         """Encode (the state once) and check one request's rows and find what they share; refuses
         (TooManyTokens, for a row or past `max_request_tokens` for the request; AnswerBoundary,
