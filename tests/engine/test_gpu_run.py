@@ -117,6 +117,9 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
     check_images(phases["images"], cuda, tmp_path)
     check_images_through_the_engine(phases["images"], cuda, service)
     assert phases["batching"]["prefills_for_8_clients"] == 1
+    adapters = phases["adapters"]
+    assert adapters["adapters"] == 4 and len(adapters["works"]) == 4
+    assert all(ms["adapter"] > 0 and ms["base"] > 0 for ms in adapters["works"].values())
     gates = {(g["phase"], g["name"]): g["passed"] for g in result["gates"]}
     assert gates[("capacity", "boundary is an OOM")] is True
     assert gates[("capacity", "estimate never OOMs")] is not any(
@@ -559,10 +562,6 @@ def test_the_simulated_allocator_returns_cached_blocks_before_it_fails():
     with pytest.raises(torch.cuda.OutOfMemoryError):
         cuda.allocate(11 * MIB)
     assert cuda.out_of_memory_events == 1
-
-    adapters = phases["adapters"]
-    assert adapters["adapters"] == 4 and len(adapters["works"]) == 4
-    assert all(ms["adapter"] > 0 and ms["base"] > 0 for ms in adapters["works"].values())
 
 
 def test_the_adapter_phase_measures_every_work_and_its_gates_fail_on_their_own_defect():
