@@ -170,9 +170,7 @@ def test_a_service_refuses_to_start_on_a_model_it_would_not_read(engine, checkpo
     from semif_serve.service.startup import Service
     from tests.support import make_settings
 
-    with pytest.raises(
-        ConfigurationError, match=r"models\.triage: adapters and lev releases are checked but not"
-    ):
+    with pytest.raises(ConfigurationError, match=r"models\.triage: adapters are checked but not"):
         Service.start(
             make_settings(
                 checkpoint, models=write(dirs, f'[models.triage]\nadapter = "{dirs["adapter"]}"\n')

@@ -34,6 +34,7 @@ from semif_serve.doors.systemone.errors import (
     UNKNOWN_MODEL,
     error_reply,
 )
+from semif_serve.doors.systemone.lev import answer_lev
 from semif_serve.doors.systemone.mapping import (
     Policy,
     answers_of,
@@ -63,6 +64,7 @@ from semif_serve.doors.systemone.schemas import (
 from semif_serve.doors.systemone.sizes import reply_bytes
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import headers_of
+from semif_serve.service.models import LEV
 from semif_serve.service.startup import Service
 
 
@@ -208,6 +210,12 @@ class SystemOneDoor(DecisionDoor):
         """`POST /v1/systemone`: every question (and ordering) over the state in one batch."""
         content_type = headers_of(request.scope).media_type  # the one Content-Type admission bounded
         parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
+        # A lev model (method "lev") is answered by lev's method, on its own path (lev.py).
+        entry = self.service.models.resolve(
+            parsed.model, jev_aliases=self.service.settings.systemone_allow_aliases
+        )
+        if entry is not None and entry.method == LEV:
+            return await answer_lev(self.service, request, parsed, entry, self.limits)
         if parsed.assets:  # decoding images is CPU work: off the event loop
             images = await asyncio.to_thread(
                 resolve_images, parsed, parts, self.image_limits, self.verified_images
