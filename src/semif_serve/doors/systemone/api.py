@@ -65,6 +65,7 @@ from semif_serve.doors.systemone.sizes import reply_bytes
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import headers_of
 from semif_serve.service.models import LEV
+from semif_serve.service.models import ModelEntry as ServedModel
 from semif_serve.service.startup import Service
 
 
@@ -117,11 +118,21 @@ class SystemOneDoor(DecisionDoor):
     def refuse_past_row_cap(self, data: dict[str, Any]) -> None:
         """Refuse (413) a decoded request whose questions already ask for more rows than the cap,
         counted from the JSON before it is validated or mapped: milliseconds, whatever it holds."""
+        if self.lev_entry(data.get("model")) is not None:
+            return  # a lev model's rows are its own orders, counted from its plan (lev_core.py)
         rows = rows_asked(data, self.policy)
         limit = self.service.settings.systemone_max_rows
         if rows > limit:
             exc = domain.TooManyRows(rows, limit)
             raise self.refusal(exc, True, ())
+
+    def lev_entry(self, model: object) -> ServedModel | None:
+        """The lev model (method "lev") a request naming `model` reads, or None."""
+        if not isinstance(model, str):
+            return None
+        allow = self.service.settings.systemone_allow_aliases
+        entry = self.service.models.resolve(model, jev_aliases=allow)
+        return entry if entry is not None and entry.method == LEV else None
 
     def body_limit(self, path: str, content_type: str | None, default: int) -> int:
         """A multipart body on `/v1/systemone` may carry SEMIF_SYSTEMONE_MAX_IMAGE_BYTES of images
@@ -211,10 +222,7 @@ class SystemOneDoor(DecisionDoor):
         content_type = headers_of(request.scope).media_type  # the one Content-Type admission bounded
         parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
         # A lev model (method "lev") is answered by lev's method, on its own path (lev.py).
-        entry = self.service.models.resolve(
-            parsed.model, jev_aliases=self.service.settings.systemone_allow_aliases
-        )
-        if entry is not None and entry.method == LEV:
+        if (entry := self.lev_entry(parsed.model)) is not None:
             return await answer_lev(self.service, request, parsed, entry, self.limits)
         if parsed.assets:  # decoding images is CPU work: off the event loop
             images = await asyncio.to_thread(
