@@ -106,3 +106,19 @@ def test_a_missing_calibration_the_manifest_promises_names_the_manifest_key(
         ConfigurationError, match=r"models\.lev-tiny\.release: .*lev_release\.json: calibrated: is true"
     ):
         start(engine, checkpoint, tmp_path, f'release = "{broken}"')
+
+
+def test_the_demo_serves_a_lev_release_beside_the_base_built_once(engine, checkpoint, tmp_path):
+    from semif_serve.tools.cli import demo_banner
+    from semif_serve.tools.demo import ensure_demo_models
+
+    base = tmp_path / "demo-model"
+    shutil.copytree(checkpoint, base)
+    models = ensure_demo_models(base)
+    assert models.parent == tmp_path / "demo-model-lev" and not (base / "lev-demo").exists()
+    built = (models.parent / "lev-demo" / "lev_release.json").stat().st_mtime_ns
+    assert ensure_demo_models(base) == models
+    assert (models.parent / "lev-demo" / "lev_release.json").stat().st_mtime_ns == built  # not rebuilt
+    service = Service.start(make_settings(base, models=models), engine=engine)
+    assert list(service.lev.releases) == ["lev-demo"] and service.models.resolve("local").name == "lev-demo"
+    assert "'lev-demo' (a random lev-format release, alias 'local')" in demo_banner("h", 1, None, "lev-demo")
