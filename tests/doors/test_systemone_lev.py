@@ -17,15 +17,22 @@ from semif_serve.service.startup import Service
 from semif_serve.tools.lev_builder import DEFAULT_TEMPERATURES, write_lev_release
 from tests.engine.test_lev_release import (
     BINARY,
+    CANDIDATES,
     CHOICE_SUFFIXES,
+    MODE_B,
     NINE,
+    PLAIN_PREFIX,
     RATING,
     STATE,
     TOL,
+    candidate_state,
     expected_probs,
+    head_scores,
     labels_of,
     prefix_of,
+    reference_last,
     score_suffix,
+    softmax_t,
     tokens_of,
 )
 from tests.support import in_process_client, make_settings
@@ -42,6 +49,12 @@ score_order_average = "cyclic"
 [models.lev-full]
 release = "plain"
 scale = 1.0
+[models.lev-capped]
+release = "plain"
+max_label_options = 2
+[models.lev-headless]
+release = "headless"
+max_label_options = 2
 [aliases]
 local = "lev-tiny"
 """
@@ -67,6 +80,7 @@ def release_dirs(checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("lev-door")
     write_lev_release(root / "plain", checkpoint, prompt_style="plain", seed=3)
     write_lev_release(root / "chat", checkpoint, prompt_style="chat", seed=4)
+    write_lev_release(root / "headless", checkpoint, head=False, seed=3)
     (root / "models.toml").write_text(MODELS)
     return root
 
@@ -213,6 +227,41 @@ def test_the_entrys_scale_replaces_the_manifests_adapter_scale(client, reference
     assert gap > 100 * TOL
 
 
+def test_a_choice_of_ten_reads_the_mid_band_temperature(client, references, tokenizer):
+    names = [f"opt{i}" for i in range(10)]
+    codes = list("ABCDEFGHIJ")
+    order = list(range(10))
+    suffixes = [
+        "Question: many\nOptions:\n" + "\n".join(f"  {c}: {names[i]}" for c, i in zip(codes, o, strict=True))
+        + "\nAnswer:"
+        for o in (order, order[::-1])
+    ]  # fmt: skip
+    got = ask(client, "local", questions={"many": {"type": "choice", "criteria": dict.fromkeys(names)}})
+    want = expected_probs(
+        references["plain"], tokenizer, PLAIN_PREFIX, suffixes, [order, order[::-1]],
+        labels_of("plain", codes), DEFAULT_TEMPERATURES["choice:A:mid"],
+    )  # fmt: skip
+    close(list(got["answers"]["many"]["probabilities"].values()), want)
+    assert got["answers"]["many"]["x_lev"]["bucket"] == "choice:A:mid"
+
+
+def test_under_the_entrys_label_cap_every_question_reads_the_candidate_head(
+    client, references, tokenizer, release_dirs
+):
+    answers = ask(client, "lev-capped")["answers"]
+    state = torch.load(release_dirs / "plain" / "mode_b_head.pt", weights_only=True)
+    temperatures = {"dept": DEFAULT_TEMPERATURES["choice:B"], "frustration": 1.0, "urgent": 1.0}
+    for qid, suffix in MODE_B["plain"].items():
+        _, hidden = reference_last(references["plain"], tokenizer, PLAIN_PREFIX, suffix, 0.25)
+        candidates = torch.stack(
+            [candidate_state(references["plain"], tokenizer, t) for t in CANDIDATES[qid]]
+        )
+        want = softmax_t(head_scores(state, hidden, candidates), temperatures[qid])
+        close(list(answers[qid]["x_lev"]["distribution"].values()), want)
+        assert (answers[qid]["x_lev"]["mode"], answers[qid]["x_lev"]["orders"]) == ("B", 1)
+    assert answers["dept"]["x_lev"]["bucket"] == "choice:B"
+
+
 def test_the_base_still_answers_as_the_base_beside_a_lev_model(client):
     question = {"ok": {"type": "noul", "instructions": "Is the ticket about billing?"}}
     before = ask(client, "jev-latest", questions=question)["answers"]["ok"]
@@ -251,6 +300,12 @@ PNG = {"type": "image", "format": "png", "data_base64": "iVBORw0KGgo="}
 def test_a_request_lev_does_not_read_is_refused_naming_the_field(client, body, field):
     message = refused(post(client, **body), 400, "api_usage_error")
     assert message.startswith(f"{field}: ") and "lev-tiny" in message
+
+
+def test_a_question_for_a_head_the_release_lacks_is_refused_naming_it(client):
+    questions = {"ok": QUESTIONS["urgent"], "dept": QUESTIONS["dept"]}
+    message = refused(post(client, model="lev-headless", questions=questions), 400, "api_usage_error")
+    assert message.startswith("question 'ok' needs lev's candidate head") and "mode_b_head.pt" in message
 
 
 def test_rows_past_the_row_cap_are_refused_before_any_forward(engine, checkpoint, release_dirs):

@@ -122,3 +122,11 @@ def test_the_demo_serves_a_lev_release_beside_the_base_built_once(engine, checkp
     service = Service.start(make_settings(base, models=models), engine=engine)
     assert list(service.lev.releases) == ["lev-demo"] and service.models.resolve("local").name == "lev-demo"
     assert "'lev-demo' (a random lev-format release, alias 'local')" in demo_banner("h", 1, None, "lev-demo")
+
+
+@pytest.mark.parametrize("cap", ["0", "true", '"2"'])
+def test_a_label_cap_that_is_not_a_positive_integer_names_its_key(engine, checkpoint, tmp_path, release, cap):
+    with pytest.raises(
+        ConfigurationError, match=r"models\.lev-tiny\.max_label_options: must be an integer >= 1"
+    ):
+        start(engine, checkpoint, tmp_path, f'release = "{release}"\nmax_label_options = {cap}')

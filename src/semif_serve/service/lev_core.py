@@ -51,6 +51,7 @@ def load_lev_releases(
                 prompt_style=options.get("prompt_style"),
                 noul_readout=options.get("noul_readout"),
                 score_order_average=options.get("score_order_average", "off"),
+                max_label_options=entry.max_label_options,
                 settings_source=where,
                 base_directory=base_directory,
                 adapter_scale=entry.scale,
