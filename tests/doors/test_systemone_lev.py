@@ -262,6 +262,20 @@ def test_under_the_entrys_label_cap_every_question_reads_the_candidate_head(
     assert answers["dept"]["x_lev"]["bucket"] == "choice:B"
 
 
+def test_models_lists_each_release_with_its_method_adapter_scale_and_buckets(client):
+    listed = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
+    tiny, full = listed["lev-tiny"], listed["lev-full"]
+    assert (tiny["x_method"], tiny["x_scale"], full["x_scale"]) == ("lev", 0.25, 1.0)
+    # The builder's adapter: r = 4, alpha = 8, so PEFT's alpha / r = 2, times the serving scale.
+    assert (tiny["x_adapter"]["rank"], tiny["x_adapter"]["factor"], full["x_adapter"]["factor"]) == (
+        4,
+        0.5,
+        2.0,
+    )
+    assert tiny["x_calibration"] == sorted(DEFAULT_TEMPERATURES)
+    assert listed["local"]["x_alias_of"] == "lev-tiny"
+
+
 def test_the_base_still_answers_as_the_base_beside_a_lev_model(client):
     question = {"ok": {"type": "noul", "instructions": "Is the ticket about billing?"}}
     before = ask(client, "jev-latest", questions=question)["answers"]["ok"]

@@ -19,6 +19,8 @@ from semif_serve.doors.base import ErrorRule, refusal_of
 from semif_serve.doors.systemone.errors import SYSTEMONE_ERRORS
 from semif_serve.doors.systemone.mapping import as_text
 from semif_serve.doors.systemone.schemas import (
+    MAX_OPTIONS,
+    AdapterInfo,
     BatchTimingBlock,
     BoxQuestion,
     ChoiceQuestion,
@@ -33,6 +35,10 @@ from semif_serve.doors.systemone.schemas import (
     SystemOneResponse,
     Usage,
 )
+from semif_serve.doors.systemone.schemas import (
+    ModelEntry as ModelListing,
+)
+from semif_serve.engine.lev_release import LevRelease
 from semif_serve.http.errors import ServiceError
 from semif_serve.service.core import RequestRecord
 from semif_serve.service.lev_core import LevOutcome
@@ -181,4 +187,28 @@ async def answer_lev(
         answers=answers,
         usage=Usage(input_tokens=reply.input_tokens, output_tokens=0),
         x_timing=lev_timing(outcome),
+    )
+
+
+def lev_listing(release: LevRelease, name: str, base: str, release_date: str) -> ModelListing:
+    """`/v1/models`' entry of a lev release: method `lev`, its adapter (the factor on B(A(x)) with
+    the serving scale in it), the serving scale, and its calibration buckets."""
+    modules = release.modules
+    return ModelListing(
+        name=name,
+        description=f"{name}: the lev release {release.name!r} over {base}, read by lev's method (its "
+        f"{release.options.prompt_style} prompt, label codes, orders and calibration; docs/lev.md); "
+        f"candidate head: {'yes' if release.head is not None else 'no'}.",
+        release_date=release_date,
+        x_method="lev",
+        x_max_options=MAX_OPTIONS,
+        x_reads_images=False,
+        x_adapter=AdapterInfo(
+            name=release.directory.name,
+            rank=int(release.adapter_config["r"]),
+            modules=len(modules),
+            factor=modules[0].scaling if modules else 0.0,
+        ),
+        x_scale=release.adapter_scale,
+        x_calibration=sorted(release.calibration.temperatures),
     )

@@ -413,8 +413,20 @@ class SystemOneResponse(BaseModel):
     x_timing: BatchTimingBlock
 
 
+class AdapterInfo(BaseModel):
+    """The LoRA adapter a served model reads over the base: its directory's name, its rank, how
+    many of the base's layers it adapts, and the factor on its B(A(x)) (PEFT's alpha / r times
+    the serving `scale`)."""
+
+    name: str
+    rank: int
+    modules: int
+    factor: float
+
+
 class ModelEntry(BaseModel):
-    """One model name a request may use: the loaded model (with its `x_` limits), or an alias of it."""
+    """One model name a request may use: the base (with its `x_` limits), a model over it (its
+    method, adapter, serving scale and the calibration workloads fitted on it), or an alias."""
 
     name: str
     description: str
@@ -428,6 +440,10 @@ class ModelEntry(BaseModel):
     x_max_images: int | None = None
     x_max_image_pixels: int | None = None
     x_max_image_bytes: int | None = None
+    x_method: str | None = None
+    x_adapter: AdapterInfo | None = None
+    x_scale: float | None = None
+    x_calibration: list[str] | None = None
     x_alias_of: str | None = None
 
 
