@@ -276,6 +276,16 @@ def test_models_lists_each_release_with_its_method_adapter_scale_and_buckets(cli
     assert listed["local"]["x_alias_of"] == "lev-tiny"
 
 
+def test_a_lev_request_is_counted_under_its_model(client):
+    def counted():
+        line = [ln for ln in client.get("/metrics").text.splitlines() if 'model="lev-tiny"' in ln]
+        return float(line[0].rsplit(" ", 1)[1]) if line else 0.0
+
+    before = counted()
+    ask(client, "local", questions={"urgent": QUESTIONS["urgent"]})
+    assert counted() == before + 1
+
+
 def test_the_base_still_answers_as_the_base_beside_a_lev_model(client):
     question = {"ok": {"type": "noul", "instructions": "Is the ticket about billing?"}}
     before = ask(client, "jev-latest", questions=question)["answers"]["ok"]

@@ -177,6 +177,7 @@ async def answer_lev(
         forward_seconds=round(outcome.engine_seconds, 6),
         engine_seconds=round(outcome.engine_seconds, 6),
         wait_seconds=round(outcome.wait_seconds, 6),
+        model=entry.name,
     )
     answers: dict[str, SystemOneAnswer] = {
         qid: lev_answer(body, reply.answers[qid])  # type: ignore[arg-type]  # boxes refused above
