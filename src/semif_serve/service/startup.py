@@ -6,7 +6,7 @@ Startup fails closed: any error here stops the process before the port is bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from semif_serve.domain.calibration import CalibrationTable, load_calibration
@@ -23,6 +23,7 @@ from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.core import DecisionCore
+from semif_serve.service.lev_core import LevCore, load_lev_releases
 from semif_serve.service.models import LEV, ModelSet, load_models
 from semif_serve.service.settings import Settings
 
@@ -45,6 +46,7 @@ class Service:
     weights: Verification
     models: ModelSet  # the names a request may pick: the base and its aliases
     ready: bool = False
+    lev: LevCore = field(default_factory=LevCore)  # the lev releases of SEMIF_MODELS, by name
 
     @property
     def calibration(self) -> CalibrationTable:
@@ -78,6 +80,8 @@ class Service:
         if engine is None:
             engine = load_engine(settings)
         engine = engine.with_adapters(load_adapters(models, engine, settings))  # counted in the baseline
+        # lev releases: read over the base before warm-up, so the baseline counts their adapters.
+        releases = load_lev_releases(models, engine, settings.model_source, settings.require_model())
         engine = engine.with_options(
             cache=StateCache(settings.state_cache_mib * MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -95,21 +99,15 @@ class Service:
             engine, policy, bounds, encoders=settings.max_queue
         )  # a thread per admitted request
         core = DecisionCore(worker, calibration)
-        return cls(settings, engine, worker, core, token, weights, models, ready=True)
+        lev = LevCore(releases, worker)
+        return cls(settings, engine, worker, core, token, weights, models, ready=True, lev=lev)
 
 
 def served_models(settings: Settings) -> ModelSet:
-    """The SEMIF_MODELS file, read and checked before the weights load: the base, its aliases and
-    the PEFT adapters read with SemIf's method. A lev release is refused at startup, naming its
-    key, rather than served as something the service did not read."""
-    models = load_models(settings.models, f"{settings.model_source}@{settings.model_revision}")
-    for entry in models.adapters:
-        if entry.method == LEV:
-            raise ConfigurationError(
-                f"SEMIF_MODELS: {models.source}: models.{entry.name}.release: lev releases are checked "
-                "but not yet served by this build"
-            )
-    return models
+    """The SEMIF_MODELS file, read and checked before the weights load: the base, its aliases, the
+    PEFT adapters read with SemIf's method (`load_adapters`) and the lev releases read with lev's
+    (`service.lev_core`)."""
+    return load_models(settings.models, f"{settings.model_source}@{settings.model_revision}")
 
 
 def workload_models(

@@ -34,6 +34,7 @@ from semif_serve.doors.systemone.errors import (
     UNKNOWN_MODEL,
     error_reply,
 )
+from semif_serve.doors.systemone.lev import answer_lev, lev_listing
 from semif_serve.doors.systemone.mapping import (
     Policy,
     answers_of,
@@ -64,7 +65,7 @@ from semif_serve.doors.systemone.schemas import (
 from semif_serve.doors.systemone.sizes import reply_bytes
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import headers_of
-from semif_serve.service.models import SEMIF
+from semif_serve.service.models import LEV, SEMIF
 from semif_serve.service.models import ModelEntry as ServedModel
 from semif_serve.service.startup import Service
 
@@ -118,11 +119,18 @@ class SystemOneDoor(DecisionDoor):
     def refuse_past_row_cap(self, data: dict[str, Any]) -> None:
         """Refuse (413) a decoded request whose questions already ask for more rows than the cap,
         counted from the JSON before it is validated or mapped: milliseconds, whatever it holds."""
+        if self.lev_entry(data.get("model")) is not None:
+            return  # a lev model's rows are its own orders, counted from its plan (lev_core.py)
         rows = rows_asked(data, self.policy)
         limit = self.service.settings.systemone_max_rows
         if rows > limit:
             exc = domain.TooManyRows(rows, limit)
             raise self.refusal(exc, True, ())
+
+    def lev_entry(self, model: object) -> ServedModel | None:
+        """The lev model (method "lev") a request naming `model` reads, or None."""
+        entry = self.served(model) if isinstance(model, str) else None
+        return entry if entry is not None and entry.method == LEV else None
 
     def body_limit(self, path: str, content_type: str | None, default: int) -> int:
         """A multipart body on `/v1/systemone` may carry SEMIF_SYSTEMONE_MAX_IMAGE_BYTES of images
@@ -221,6 +229,10 @@ class SystemOneDoor(DecisionDoor):
 
     def model_over_base(self, entry: ServedModel) -> ModelEntry:
         """`/v1/models`' entry of a model over the base: its method, adapter, scale, calibration."""
+        if entry.method == LEV:  # a lev release: its own listing (lev.py)
+            return lev_listing(
+                self.service.lev.release(entry.name), entry.name, self.model_name, self.release_date
+            )
         listed = ModelEntry(
             name=entry.name,
             description=f"{entry.name}: a LoRA adapter over {self.model_name}, read by SemIf's "
@@ -246,6 +258,9 @@ class SystemOneDoor(DecisionDoor):
         """`POST /v1/systemone`: every question (and ordering) over the state in one batch."""
         content_type = headers_of(request.scope).media_type  # the one Content-Type admission bounded
         parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
+        # A lev model (method "lev") is answered by lev's method, on its own path (lev.py).
+        if (entry := self.lev_entry(parsed.model)) is not None:
+            return await answer_lev(self.service, request, parsed, entry, self.limits)
         if parsed.assets:  # decoding images is CPU work: off the event loop
             images = await asyncio.to_thread(
                 resolve_images, parsed, parts, self.image_limits, self.verified_images
