@@ -5,8 +5,8 @@ the base the engine holds, and answered on the engine thread (never beside anoth
 lev options, its `scale` over the manifest's `adapter_scale`) and places its adapter on the
 base's device, so the memory baseline counts it; an unreadable release stops startup with the
 SEMIF_MODELS file and key named, and the release's own file and key. `LevCore.decide` checks a
-request against the door's limits off the engine thread, then runs `score_lev` through the
-worker.
+request against the door's limits off the engine thread, then runs `score_lev_on` (the engine's
+batched rows, the release's adapter in its bank) through the worker.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from semif_serve.domain.lev import LevPlan, LevQuestion, LevReleaseError, plan_request
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.types import ConfigurationError, TooManyRows, TooManyTokens
-from semif_serve.engine.lev_release import LevRelease, LevReply, load_lev_release, placed_on, score_lev
+from semif_serve.engine.lev_release import LevRelease, LevReply, load_lev_release, placed_on, score_lev_on
 from semif_serve.service.models import LEV, ModelSet
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class LevOutcome:
 
     reply: LevReply
     rows: int  # forward rows: each question in each of its orders
-    engine_seconds: float  # score_lev on the engine thread
+    engine_seconds: float  # score_lev_on on the engine thread
     wait_seconds: float  # the wait for the engine thread before it started
 
     @property
@@ -132,18 +132,18 @@ class LevCore:
         limits: Limits | None = None,
     ) -> LevOutcome:
         """Answer `questions` about `state` with the release `model_name`, exactly as lev does:
-        checked off the event loop, then `score_lev` on the engine thread through the worker
-        (so it never runs beside another forward). Raises the refusals of `check`, and the
-        worker's OutOfMemory or EngineFailure."""
+        checked off the event loop, then `score_lev_on` on the engine thread through the worker
+        (so it never runs beside another forward): the prefix once, the rows batched over it.
+        Raises the refusals of `check`, and the worker's OutOfMemory or EngineFailure."""
         release = self.release(model_name)
         assert self.worker is not None  # release() refuses a core without one
         plan = await asyncio.to_thread(self.check, model_name, state, questions, limits)
-        model = self.worker.engine.model
+        engine = self.worker.engine
         submitted = time.perf_counter()
 
         def job() -> tuple[LevReply, float, float]:
             started = time.perf_counter()
-            reply = score_lev(release, model, state, questions)
+            reply = score_lev_on(release, engine, engine.adapters.index(model_name), state, questions)
             return reply, time.perf_counter() - started, started - submitted
 
         reply, seconds, waited = await self.worker.run(job)

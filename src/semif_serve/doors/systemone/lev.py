@@ -141,7 +141,8 @@ def lev_answer(
 
 
 def lev_timing(outcome: LevOutcome) -> BatchTimingBlock:
-    """`x_timing` of lev's way: every row a whole forward of its own (no shared prefill)."""
+    """`x_timing` of a lev request: its engine seconds as one figure (`score_lev_on` batches the
+    rows over the prefix; the block does not split prefill from rows, and counts one batch per row)."""
     tokens = outcome.evaluated_tokens
     timing = BatchTiming(
         prefix_tokens=0,
