@@ -32,7 +32,10 @@ rewritten after every phase, so an error or the deadline loses only the phase it
 8. batching, with what time is left: issue 12's three measurements (`bench/batching.py`, quick:
    16 clients vs 1, the second question about a ~2,000-token state vs the first, prefills for 8
    clients over one state) through the decision core;
-9. gates: every phase's pass/fail in one table.
+9. adapters (issue 26): 4 random BF16 rank-32 LoRA adapters on lev's targets over the run's
+   model (`bench/adapters.py`): a row's cost vs the base's (suffix forward over a ~1,000-token
+   state, its prefill, a lone row, 8 lone rows), a forward mixing the 4 vs one, the device bytes;
+10. gates: every phase's pass/fail in one table.
 
 `--only images` (or any comma-separated phases) runs just those, after environment and service.
 
@@ -121,7 +124,7 @@ PREFLIGHT_TIMEOUT_S = 240.0  # the first triton compile and autotune of the fla 
 KERNEL_CHECK_TOKENS = 1024
 GIB = 1024**3
 MIB = 1024**2
-OPTIONAL_PHASES = ("kernel", "parity", "memory", "latency", "capacity", "images", "batching")
+OPTIONAL_PHASES = ("kernel", "parity", "memory", "latency", "capacity", "images", "batching", "adapters")
 
 
 # -- the device -------------------------------------------------------------------------------
@@ -765,6 +768,33 @@ class GpuRun:
         ]
         return measured, gates
 
+    def adapters(self) -> tuple[dict[str, Any], list[Gate]]:
+        """Issue 26 on the card: 4 random BF16 rank-32 adapters on lev's targets over the run's
+        model (`bench.adapters`): a row's cost vs the base's at the same work, a forward mixing
+        the 4 vs one, and what the adapters hold on the device."""
+        self.needs("service")
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        from bench.adapters import measure, random_adapter, table
+
+        model = self.service.engine.model
+        cuda = self.device.cuda
+        freed = self.service.engine.cache.clear()  # the phase's states have the budget the baseline counted
+        with tempfile.TemporaryDirectory() as tmp:
+            written = [random_adapter(model, Path(tmp) / f"adapter-{i}", seed=i) for i in range(4)]
+            before = cuda.memory_allocated()
+            measured = measure(
+                model,
+                written,
+                reps=3 if self.device.simulated else 7,
+                synchronize=cuda.synchronize,
+                allocated=cuda.memory_allocated,
+            )
+        measured["allocated_before_bytes"] = before
+        measured["service_cache_freed_bytes"] = freed
+        print_table(["adapters"], [[line] for line in table(measured)], title="adapters (4 x rank 32, BF16)")
+        return measured, adapter_gates(measured, self.device.simulated)
+
     # -- the whole run
 
     def _client(self) -> Client:
@@ -789,6 +819,7 @@ class GpuRun:
                 ("capacity", 35, self.capacity),
                 ("images", 30, self.images),
                 ("batching", 25, self.batching),
+                ("adapters", 30, self.adapters),
             ]
             only = self.options.only
             for name, need_s, run in steps:
@@ -850,6 +881,29 @@ class GpuRun:
 
 
 # -- pure parts (tested on hand-made inputs) ---------------------------------------------------
+
+
+def adapter_gates(measured: dict[str, Any], simulated: bool) -> list[Gate]:
+    """Issue 26's goals on the card: an adapter's rows at most 1.15x the base's, a forward mixing
+    4 adapters at most 1.3x one; the device bytes the bank took within 10 % (+2 MiB) of its
+    tensors (not on a simulated card, whose allocator sees no adapter)."""
+    gates = []
+    for work, ms in measured["works"].items():
+        ratio = ms["adapter"] / ms["base"]
+        gates.append(Gate(f"adapter rows <= 1.15x base: {work}", ratio <= 1.15, f"{ratio:.3f}x"))
+        if "4 adapters" in ms:
+            mixed = ms["4 adapters"] / ms["adapter"]
+            gates.append(Gate(f"4 adapters mixed <= 1.3x one: {work}", mixed <= 1.3, f"{mixed:.3f}x"))
+    if not simulated:
+        held, tensors = measured["allocated_delta_bytes"], measured["adapter_bytes"]
+        gates.append(
+            Gate(
+                "adapters' device bytes are their tensors",
+                0.9 * tensors <= held <= 1.1 * tensors + 2 * MIB,
+                f"{held / MIB:.1f} MiB held for {tensors / MIB:.1f} MiB of tensors",
+            )
+        )
+    return gates
 
 
 def compare_readouts(direct: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from semif_serve.doors.native.api import NATIVE_ERRORS
+from semif_serve.doors.native.api import UNKNOWN_MODEL as UNKNOWN_NATIVE_MODEL
 from semif_serve.doors.systemone.errors import HTTP_ERROR_TYPES, NO_VISION, SYSTEMONE_ERRORS, UNKNOWN_MODEL
 from semif_serve.http.errors import HTTP_ERRORS
 from semif_serve.service.settings import Settings
@@ -36,8 +37,9 @@ def contract_errors() -> set[tuple[int, str]]:
 
 
 def service_errors() -> set[tuple[int, str]]:
-    """Every (status, code) the native door can answer: its own errors and its domain-error table."""
+    """Every (status, code) the native door can answer: the HTTP layer's, its own, its domain table."""
     own = {(status, code) for code, status in HTTP_ERRORS.items()}
+    own.add((UNKNOWN_NATIVE_MODEL.status, UNKNOWN_NATIVE_MODEL.code))
     return own | {(rule.status, rule.code) for rule in NATIVE_ERRORS.values()}
 
 

@@ -67,6 +67,8 @@ RUNS = {
     "TYPESAFE_BASE_URL=http://127.0.0.1:8032 TYPESAFE_API_KEY": (
         "test_the_sdk_image_example_prints_the_demos_answer"
     ),
+    "curl -s http://127.0.0.1:8032/v1/systemone -H": "test_the_lev_curl_example_is_answered",
+    "TYPESAFE_DEFAULT_MODEL=local": "test_the_sdk_reaches_the_demos_lev_release_by_its_alias",
     "CUDA_ONLY=": "test_the_cpu_only_sync_leaves_torch_and_the_cuda_libraries_out",
     "uv run semif-serve check-model ": "test_check_model_on_the_demo_checkpoint_says_complete",
     "uv run semif-serve manifest ": "test_the_manifest_block_pins_and_verifies_the_demo_checkpoint",
@@ -382,6 +384,38 @@ def test_the_sdk_image_example_prints_the_demos_answer(demo):
     )
     assert result.returncode == 0, result.stderr
     assert re.fullmatch(r"red: P\(true\)=0\.\d{3}\n", result.stdout), result.stdout
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_the_lev_curl_example_is_answered(demo):
+    url, _ = demo
+    script = block("curl -s http://127.0.0.1:8032/v1/systemone -H").replace("http://127.0.0.1:8032", url)
+    out = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    reply = json.loads(out)
+    assert reply["model"] == "lev-demo"
+    answers = reply["answers"]
+    assert {k: a["type"] for k, a in answers.items()} == {
+        "urgent": "noul",
+        "team": "choice",
+        "upset": "score",
+    }
+    assert set(answers["team"]["probabilities"]) == {"billing", "engineering"}
+    assert answers["team"]["x_lev"]["bucket"] == "choice:A:small" and answers["team"]["x_lev"]["orders"] == 2
+    assert len(answers["urgent"]["x_lev"]["distribution"]) == 9  # lev reads a noul as a 0..8 rating
+
+
+def test_the_sdk_reaches_the_demos_lev_release_by_its_alias(demo):
+    url, _ = demo
+    script = here(block("TYPESAFE_DEFAULT_MODEL=local")).replace("http://127.0.0.1:8032", url)
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert set(dict(line.split(": ", 1) for line in lines[:3])) == {"wants-refund", "team", "upset"}
+    assert re.fullmatch(r"model lev-demo: \d+ input tokens, 0 output", lines[3])
 
 
 # ----------------------------------------------------------------------- installing and the real model

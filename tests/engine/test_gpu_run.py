@@ -79,6 +79,7 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
         "capacity",
         "images",
         "batching",
+        "adapters",
     ]
     assert result["simulated_device"] is True and result["environment"]["gpu"] == "Simulated NVIDIA H200"
     assert set(result["environment"]["kernels_bound"].values()) == {"reference"}
@@ -116,6 +117,9 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
     check_images(phases["images"], cuda, tmp_path)
     check_images_through_the_engine(phases["images"], cuda, service)
     assert phases["batching"]["prefills_for_8_clients"] == 1
+    adapters = phases["adapters"]
+    assert adapters["adapters"] == 4 and len(adapters["works"]) == 4
+    assert all(ms["adapter"] > 0 and ms["base"] > 0 for ms in adapters["works"].values())
     gates = {(g["phase"], g["name"]): g["passed"] for g in result["gates"]}
     assert gates[("capacity", "boundary is an OOM")] is True
     assert gates[("capacity", "estimate never OOMs")] is not any(
@@ -558,6 +562,30 @@ def test_the_simulated_allocator_returns_cached_blocks_before_it_fails():
     with pytest.raises(torch.cuda.OutOfMemoryError):
         cuda.allocate(11 * MIB)
     assert cuda.out_of_memory_events == 1
+
+
+def test_the_adapter_phase_measures_every_work_and_its_gates_fail_on_their_own_defect():
+    from acceptance.gpu_run import adapter_gates
+
+    works = {
+        "suffix": {"base": 100.0, "adapter": 110.0, "4 adapters": 120.0},
+        "prefill": {"base": 100.0, "adapter": 114.0},
+    }
+    measured = {"works": works, "adapter_bytes": 64 * MIB, "allocated_delta_bytes": 65 * MIB}
+    assert all(g.passed for g in adapter_gates(measured, simulated=False))
+    slow = {**measured, "works": {**works, "prefill": {"base": 100.0, "adapter": 120.0}}}
+    assert [g.name for g in adapter_gates(slow, simulated=False) if not g.passed] == [
+        "adapter rows <= 1.15x base: prefill"
+    ]
+    mixed = {**measured, "works": {**works, "suffix": {"base": 100.0, "adapter": 100.0, "4 adapters": 140.0}}}
+    assert [g.name for g in adapter_gates(mixed, simulated=False) if not g.passed] == [
+        "4 adapters mixed <= 1.3x one: suffix"
+    ]
+    leaked = {**measured, "allocated_delta_bytes": 90 * MIB}
+    assert [g.name for g in adapter_gates(leaked, simulated=False) if not g.passed] == [
+        "adapters' device bytes are their tensors"
+    ]
+    assert len(adapter_gates(leaked, simulated=True)) == 3  # a simulated card sees no adapter bytes
 
 
 def test_only_runs_the_phases_asked_after_the_environment_and_the_service(tmp_path):

@@ -26,8 +26,11 @@ from semif_serve.domain.lev import (
     LevScore,
     ModeBUnavailable,
 )
-from semif_serve.engine.lev_release import load_lev_release, score_lev
+from semif_serve.engine.adapters import AdapterBank
+from semif_serve.engine.lev_release import load_lev_release, score_lev, score_lev_on
 from semif_serve.engine.loader import CheckpointSpec, load_model
+from semif_serve.engine.runner import TorchEngine
+from semif_serve.engine.state_cache import StateCache
 from semif_serve.tools.demo import DEMO_REVISION
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME, DEFAULT_TEMPERATURES, write_lev_release
 
@@ -89,6 +92,28 @@ def references(checkpoint, release_dirs):
         fresh = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
         models[style] = PeftModel.from_pretrained(fresh, str(path)).eval()
     return models
+
+
+@pytest.fixture(scope="module", params=["per-row", "engine, whole rows", "engine, kept prefix"])
+def score(request, base):
+    """A release's answers as lev computes them row by row (`score_lev`), or through the serving
+    engine with the release's adapter in its bank (`score_lev_on`): short prefixes as whole rows
+    in one forward, or every prefix prefilled once into the state cache and the rows over it."""
+    if request.param == "per-row":
+        yield lambda release, state, questions: score_lev(release, base.model, state, questions)
+        return
+    bank = AdapterBank(base.model)
+    keep = 10**6 if request.param == "engine, whole rows" else 0
+    engine = TorchEngine.over(base, bank).with_options(cache=StateCache(64 << 20), keep_state_tokens=keep)
+
+    def on_engine(release, state, questions):
+        name = str(release.directory)
+        if all(served.name != name for served in bank.adapters):
+            bank.add(name, release.directory, multiplier=release.adapter_scale)
+        return score_lev_on(release, engine, bank.index(name), state, questions)
+
+    yield on_engine
+    bank.close()
 
 
 def with_options(release, **changes):
@@ -167,9 +192,9 @@ def labels_of(style, codes):
 
 
 @pytest.mark.parametrize("style", ["plain", "chat"])
-def test_choice_two_orders_small_band(style, base, releases, references):
+def test_choice_two_orders_small_band(score, style, base, releases, references):
     tok = base.codec.tokenizer
-    reply = score_lev(releases[style], base.model, STATE, {"dept": DEPT})
+    reply = score(releases[style], STATE, {"dept": DEPT})
     answer = reply.answers["dept"]
     want = expected_probs(
         references[style], tok, prefix_of(style), CHOICE_SUFFIXES[style], [[0, 1, 2], [2, 1, 0]],
@@ -206,10 +231,10 @@ def score_suffix(style, order):
         ("cyclic", [[0, 1, 2], [1, 2, 0], [2, 0, 1]]),
     ],
 )
-def test_score_orders(style, setting, orders, base, releases, references):
+def test_score_orders(score, style, setting, orders, base, releases, references):
     tok = base.codec.tokenizer
     release = with_options(releases[style], score_order_average=setting)
-    answer = score_lev(release, base.model, STATE, {"frustration": FRUSTRATION}).answers["frustration"]
+    answer = score(release, STATE, {"frustration": FRUSTRATION}).answers["frustration"]
     suffixes = [score_suffix(style, order) for order in orders]
     want = expected_probs(
         references[style], tok, prefix_of(style), suffixes, orders, labels_of(style, "ABC"),
@@ -229,9 +254,9 @@ RATING = {
 
 
 @pytest.mark.parametrize("style", ["plain", "chat"])
-def test_rating_noul_read_once_from_nine_codes(style, base, releases, references):
+def test_rating_noul_read_once_from_nine_codes(score, style, base, releases, references):
     tok = base.codec.tokenizer
-    answer = score_lev(releases[style], base.model, STATE, {"urgent": URGENT}).answers["urgent"]
+    answer = score(releases[style], STATE, {"urgent": URGENT}).answers["urgent"]
     want = expected_probs(
         references[style], tok, prefix_of(style), [RATING[style]], [list(range(9))], labels_of(style, NINE),
         DEFAULT_TEMPERATURES["noul:A"],
@@ -256,10 +281,10 @@ BINARY = {
 
 
 @pytest.mark.parametrize("style", ["plain", "chat"])
-def test_binary_noul_two_orders(style, base, releases, references):
+def test_binary_noul_two_orders(score, style, base, releases, references):
     tok = base.codec.tokenizer
     release = with_options(releases[style], noul_readout="binary")
-    answer = score_lev(release, base.model, STATE, {"urgent": URGENT}).answers["urgent"]
+    answer = score(release, STATE, {"urgent": URGENT}).answers["urgent"]
     want = expected_probs(
         references[style], tok, prefix_of(style), BINARY[style], [[0, 1], [1, 0]], labels_of(style, "AB"),
         DEFAULT_TEMPERATURES["noul_binary:A"],
@@ -274,7 +299,7 @@ def test_binary_noul_two_orders(style, base, releases, references):
     "count, bucket",
     [(10, "choice:A:mid"), (30, "choice:A")],  # 30 is "large": no such bucket, so the unbanded one
 )
-def test_choice_bands_and_fallback(count, bucket, base, releases, references):
+def test_choice_bands_and_fallback(score, count, bucket, base, releases, references):
     tok = base.codec.tokenizer
     names = [f"opt{i}" for i in range(count)]
     codes = (list(string.ascii_uppercase) + ["AA", "AB", "AC", "AD"])[:count]
@@ -285,7 +310,7 @@ def test_choice_bands_and_fallback(count, bucket, base, releases, references):
         + "\nAnswer:"
         for o in (order, order[::-1])
     ]  # fmt: skip
-    answer = score_lev(releases["plain"], base.model, STATE, {"many": question}).answers["many"]
+    answer = score(releases["plain"], STATE, {"many": question}).answers["many"]
     want = expected_probs(
         references["plain"], tok, PLAIN_PREFIX, suffixes, [order, order[::-1]], labels_of("plain", codes),
         DEFAULT_TEMPERATURES[bucket],
@@ -294,13 +319,13 @@ def test_choice_bands_and_fallback(count, bucket, base, releases, references):
     assert answer.bucket == bucket
 
 
-def test_uncalibrated_bucket_reads_temperature_one(base, releases, references):
+def test_uncalibrated_bucket_reads_temperature_one(score, base, releases, references):
     tok = base.codec.tokenizer
     release = with_options(releases["plain"], score_order_average="off")
     release = dataclasses.replace(
         release, calibration=dataclasses.replace(release.calibration, temperatures={})
     )
-    answer = score_lev(release, base.model, STATE, {"frustration": FRUSTRATION}).answers["frustration"]
+    answer = score(release, STATE, {"frustration": FRUSTRATION}).answers["frustration"]
     want = expected_probs(
         references["plain"], tok, PLAIN_PREFIX, [score_suffix("plain", [0, 1, 2])], [[0, 1, 2]],
         labels_of("plain", "ABC"), 1.0,
@@ -366,11 +391,11 @@ CANDIDATES = {
 
 
 @pytest.mark.parametrize("style", ["plain", "chat"])
-def test_candidate_head_under_a_label_cap(style, base, releases, references, release_dirs):
+def test_candidate_head_under_a_label_cap(score, style, base, releases, references, release_dirs):
     tok = base.codec.tokenizer
     release = with_options(releases[style], max_label_options=2)
     questions = {"dept": DEPT, "frustration": FRUSTRATION, "urgent": URGENT}
-    reply = score_lev(release, base.model, STATE, questions)
+    reply = score(release, STATE, questions)
     state = torch.load(release_dirs[style] / "mode_b_head.pt", weights_only=True)
     temperatures = {"dept": DEFAULT_TEMPERATURES["choice:B"], "frustration": 1.0, "urgent": 1.0}
     for qid, suffix in MODE_B[style].items():
@@ -390,28 +415,28 @@ def test_candidate_head_under_a_label_cap(style, base, releases, references, rel
     assert reply.input_tokens == tokens_of(tok, prefix_of(style), list(MODE_B[style].values()))
 
 
-def test_mode_b_without_a_head_is_refused(base, releases):
+def test_mode_b_without_a_head_is_refused(score, base, releases):
     release = dataclasses.replace(with_options(releases["plain"], max_label_options=2), head=None)
     with pytest.raises(ModeBUnavailable, match="mode_b_head.pt") as caught:
-        score_lev(release, base.model, STATE, {"a": LevScore(("x", "y")), "b": DEPT})
+        score(release, STATE, {"a": LevScore(("x", "y")), "b": DEPT})
     assert caught.value.question == 1
 
 
-def test_adapter_scale_is_applied(base, releases, references):
+def test_adapter_scale_is_applied(score, base, releases, references):
     """The release's 0.25 against the adapter at full strength: the reference at 0.25 agrees, at 1.0 not."""
     tok = base.codec.tokenizer
-    got = score_lev(releases["plain"], base.model, STATE, {"dept": DEPT}).answers["dept"].probabilities
+    got = score(releases["plain"], STATE, {"dept": DEPT}).answers["dept"].probabilities
     args = (references["plain"], tok, PLAIN_PREFIX, CHOICE_SUFFIXES["plain"], [[0, 1, 2], [2, 1, 0]])
     full = expected_probs(*args, labels_of("plain", "ABC"), 0.7, scale=1.0)
     assert max(abs(a - b) for a, b in zip(got, full, strict=True)) > 100 * TOL
     assert releases["plain"].adapter_scale == 0.25
 
 
-def test_base_is_untouched_after_scoring(base, releases, checkpoint):
+def test_base_is_untouched_after_scoring(score, base, releases, checkpoint):
     """The adapter is applied for the call only: the base's own forward is the checkpoint's."""
     from transformers import Qwen3_5ForCausalLM
 
-    score_lev(releases["plain"], base.model, STATE, {"dept": DEPT})
+    score(releases["plain"], STATE, {"dept": DEPT})
     fresh = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     ids = torch.tensor([base.codec.tokenizer.encode(PLAIN_PREFIX)])
     with torch.no_grad():

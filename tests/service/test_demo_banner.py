@@ -23,7 +23,9 @@ def demo_run(monkeypatch, checkpoint, capsys):
     monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
     monkeypatch.setattr(logging.root, "level", logging.root.level)
     monkeypatch.setattr(cli, "ensure_demo_checkpoint", lambda directory: checkpoint)
-    stand_in = SimpleNamespace(demo=True, worker=SimpleNamespace(shutdown=lambda: None))
+    stand_in = SimpleNamespace(
+        demo=True, worker=SimpleNamespace(shutdown=lambda: None), lev=SimpleNamespace(releases={})
+    )
     monkeypatch.setattr(semif_serve.service.startup.Service, "start", lambda settings: stand_in)
     monkeypatch.setattr(semif_serve.app, "create_app", lambda service: None)
     monkeypatch.setattr(semif_serve.http.server, "run_server", lambda *args: None)

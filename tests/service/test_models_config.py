@@ -166,16 +166,16 @@ def test_a_service_answers_an_operators_alias_of_the_base_and_lists_it(engine, c
     assert unknown.status_code == 400 and "aliases: jev-latest, jev-preview, local" in unknown.text
 
 
-def test_a_service_refuses_to_start_on_a_model_it_would_not_read(engine, checkpoint, dirs):
+def test_a_service_refuses_to_start_on_a_release_it_cannot_read(engine, checkpoint, dirs):
     from semif_serve.service.startup import Service
     from tests.support import make_settings
 
     with pytest.raises(
-        ConfigurationError, match=r"models\.triage: adapters and lev releases are checked but not"
+        ConfigurationError, match=r"models\.lev-4b\.release: .*lev_release\.json: base_model: required"
     ):
         Service.start(
             make_settings(
-                checkpoint, models=write(dirs, f'[models.triage]\nadapter = "{dirs["adapter"]}"\n')
+                checkpoint, models=write(dirs, f'[models.lev-4b]\nrelease = "{dirs["release"]}"\n')
             ),
             engine=engine,
         )

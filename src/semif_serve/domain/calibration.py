@@ -16,6 +16,7 @@ from semif_serve.domain.numerics import softmax
 from semif_serve.domain.orderings import MODES
 
 T_MIN, T_MAX = 0.05, 20.0
+MODEL_KEY = "model"  # a workload's served model, in the object form
 
 
 class CalibrationFileError(Exception):
@@ -33,14 +34,26 @@ class Temperature:
 
 @dataclass(frozen=True)
 class CalibrationTable:
-    """Validated workload temperatures, read-only once loaded."""
+    """Validated workload temperatures, read-only once loaded. `models` holds the workloads
+    whose entry names the served model their decisions are read by (its name; startup turns
+    an alias into the model's name and the base into None)."""
 
     entries: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    models: Mapping[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Freeze the nested mappings too, so no caller can edit a loaded table.
         frozen = {name: MappingProxyType(dict(t)) for name, t in self.entries.items()}
         object.__setattr__(self, "entries", MappingProxyType(frozen))
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+
+    def with_models(self, models: Mapping[str, str | None]) -> CalibrationTable:
+        """The same temperatures with the workloads' models given as served (resolved) names."""
+        return CalibrationTable(self.entries, models)
+
+    def workloads_of(self, model: str | None) -> list[str]:
+        """The workloads whose entry names `model` (None: the base), sorted."""
+        return sorted(w for w, m in self.models.items() if m == model)
 
     def __contains__(self, workload: object) -> bool:
         return workload in self.entries
@@ -85,7 +98,8 @@ def load_calibration(path: Path | None) -> CalibrationTable:
 
     The file is a JSON object mapping workload name -> T (the single-read temperature) or
     -> {"single": T1, "rotations": T2, "all": T3} with `single` required; every T is a
-    finite number in [0.05, 20].
+    finite number in [0.05, 20]. The object form may name the served model its decisions are
+    read by, `"model": "<name or alias>"` (checked against SEMIF_MODELS at startup).
     """
     if path is None:
         return CalibrationTable({})
@@ -111,16 +125,22 @@ def load_calibration(path: Path | None) -> CalibrationTable:
     if not isinstance(data, dict):
         raise CalibrationFileError(f"{path}: must be a JSON object of workload temperatures")
     entries: dict[str, dict[str, float]] = {}
+    models: dict[str, str | None] = {}
     for name, spec in data.items():
         where = f'{path}: workload "{name}"'
         if not name.strip():
             raise CalibrationFileError(f"{path}: a workload name is empty")
         if isinstance(spec, dict):
-            unknown = sorted(set(spec) - set(MODES))
+            unknown = sorted(set(spec) - {*MODES, MODEL_KEY})
             if unknown:
                 raise CalibrationFileError(
-                    f'{where}: unknown key "{unknown[0]}" (allowed: {", ".join(MODES)})'
+                    f'{where}: unknown key "{unknown[0]}" (allowed: {", ".join((*MODES, MODEL_KEY))})'
                 )
+            if MODEL_KEY in spec:
+                model = spec[MODEL_KEY]
+                if not isinstance(model, str) or not model.strip():
+                    raise CalibrationFileError(f'{where}: "model" must be a served model\'s name')
+                models[name] = model
             if "single" not in spec:
                 raise CalibrationFileError(f'{where}: the object form requires "single"')
             entries[name] = {
@@ -130,7 +150,7 @@ def load_calibration(path: Path | None) -> CalibrationTable:
             }
         else:
             entries[name] = {"single": _check_temperature(f"{where}: temperature", spec)}
-    return CalibrationTable(entries)
+    return CalibrationTable(entries, models)
 
 
 def calibrated_probabilities(logits: Sequence[float], temperature: float) -> list[float]:

@@ -31,13 +31,15 @@ class RowsRequest:
     """What the engine reads for one call: its rows over one state, under the call's limits.
 
     `shared=False` with one row runs SemIf's plain forward; otherwise the shared path.
-    `images` (each with its placeholder) are shown where their placeholders stand."""
+    `images` (each with its placeholder) are shown where their placeholders stand. `model` is
+    the served adapter its rows read (its name; None: the base)."""
 
     state: Any
     rows: tuple[PromptRow, ...]
     shared: bool
     limits: Limits
     images: tuple[ImageAsset, ...] = ()
+    model: str | None = None
 
     @classmethod
     def of(
@@ -49,16 +51,18 @@ class RowsRequest:
         max_input_tokens: int,
         max_request_tokens: int | None = None,
         images: Sequence[ImageAsset] = (),
+        model: str | None = None,
     ) -> RowsRequest:
         """A request of rows alone (no questions, no door): warm-up, tests and benches."""
         limits = Limits(max_input_tokens, 0, len(rows), max_request_tokens)
-        return cls(state, tuple(rows), shared, limits, tuple(images))
+        return cls(state, tuple(rows), shared, limits, tuple(images), model)
 
 
 @dataclass(frozen=True)
 class DecisionRequest:
-    """One call of a door: its questions over a state, its limits, its images, and the door's
-    count of the reply it would send (`reply_bytes`, held to `limits.max_reply_bytes`)."""
+    """One call of a door: its questions over a state, its limits, its images, the door's
+    count of the reply it would send (`reply_bytes`, held to `limits.max_reply_bytes`) and the
+    served adapter that reads it (`model`, its name; None: the base)."""
 
     state: Any
     questions: tuple[Question, ...]
@@ -66,7 +70,8 @@ class DecisionRequest:
     limits: Limits
     images: tuple[ImageAsset, ...] = ()
     reply_bytes: int = 0
+    model: str | None = None
 
     def with_rows(self, rows: Sequence[PromptRow]) -> RowsRequest:
         """The engine's request for this call, once its questions are planned into `rows`."""
-        return RowsRequest(self.state, tuple(rows), self.shared, self.limits, self.images)
+        return RowsRequest(self.state, tuple(rows), self.shared, self.limits, self.images, self.model)

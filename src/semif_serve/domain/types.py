@@ -257,6 +257,20 @@ class UnknownWorkload(Refusal):
         self.known = known
 
 
+class WorkloadOfAnotherModel(Refusal):
+    """A question names a workload calibrated on another served model than the one reading it."""
+
+    def __init__(self, workload: str, calibrated: str, reading: str, question: int) -> None:
+        super().__init__(
+            f"workload {workload!r} is calibrated on model {calibrated!r}, and this request is read "
+            f"by {reading!r}; ask that model (or name another workload)",
+            question,
+        )
+        self.workload = workload
+        self.calibrated = calibrated
+        self.reading = reading
+
+
 class TooManyRows(Refusal):
     """The call needs more rows (questions x orderings) than the limit."""
 

@@ -182,16 +182,20 @@ class DecisionDoor(ABC):
         limits: Limits,
         reply_bytes: int,
         images: Sequence[ImageAsset] = (),
+        model: str | None = None,
     ) -> DecisionOutcome:
         """Ask the core (`reply_bytes`: the door's count of the reply it would send, held to
-        `limits.max_reply_bytes`), record the call for the log line and the metrics, and turn a
-        domain error into the door's refusal through its table."""
+        `limits.max_reply_bytes`; `model`: the adapter that reads it, None for the base), record
+        the call for the log line and the metrics, and turn a domain error into the door's
+        refusal through its table."""
         try:
-            asked = DecisionRequest(state, tuple(questions), shared, limits, tuple(images), reply_bytes)
+            asked = DecisionRequest(
+                state, tuple(questions), shared, limits, tuple(images), reply_bytes, model
+            )
             outcome = await self.service.core.decide(asked)
         except DecisionError as exc:
             raise self.refusal(exc, shared, [q.id for q in questions]) from None
-        request.state.record = RequestRecord.of(outcome, images=len(images))
+        request.state.record = RequestRecord.of(outcome, images=len(images), model=model)
         return outcome
 
     async def reply(self, request: Request, build: Build) -> JSONResponse:

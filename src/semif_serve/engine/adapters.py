@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from semif_serve.engine.loader import CheckpointError
+from semif_serve.engine.state_cache import BASE_MODEL
 
-BASE = -1  # a row of the base model (no adapter)
+BASE = BASE_MODEL  # a row of the base model (no adapter)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."

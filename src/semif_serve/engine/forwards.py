@@ -119,6 +119,7 @@ def logits_over(
     chunk_tokens: int | None = None,
     images: RowImages | None = None,
     prefix: Sequence[int] = (),
+    hidden_out: bool = False,
 ):
     """`suffix_logits` over an already forked cache of `n_prefix` tokens (None: no prefix), which
     the forward consumes: attention mask over prefix + suffix, explicit positions, only the read
@@ -129,7 +130,8 @@ def logits_over(
     bounded like a long state's; each row is read in the chunk that holds its last position.
 
     Where the `prefix` (its ids) or a suffix holds image tokens, `images` gives the rows'
-    embeddings and 3-D positions (`image_rows`).
+    embeddings and 3-D positions (`image_rows`). `hidden_out`: the last hidden states themselves
+    (`[rows, hidden]`, the decoder's dtype), not their logits.
     """
     import torch
 
@@ -173,6 +175,8 @@ def logits_over(
                 if start <= at < stop:
                     reads[i] = hidden[i, at - start]
             del hidden
+        if hidden_out:
+            return torch.stack(reads)
         return model.get_output_embeddings()(torch.stack(reads)).float()
 
 

@@ -14,7 +14,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ class LevRelease:
     options: LevOptions
     adapter_config: Mapping[str, Any]  # PEFT's adapter_config.json, as saved
     adapter_weights: Mapping[str, Any]  # adapter_model.safetensors, as saved (PEFT's key names)
-    adapter_scale: float  # the manifest's serving-time multiplier (1.0 when absent)
+    adapter_scale: float  # the serving-time multiplier: the operator's, else the manifest's, else 1.0
     modules: tuple[LoraModule, ...]
     head: Any | None  # LevHead in float32, or None (Mode A only)
     calibration: LevCalibration
@@ -313,13 +313,16 @@ def load_lev_release(
     max_label_options: int | None = None,
     settings_source: str = "settings",
     base_directory: Path | None = None,
+    adapter_scale: float | None = None,
 ) -> LevRelease:
     """Read a lev release for the base `model` (its causal LM); refuse what cannot be read exactly.
 
     `base_name` is the service's base model name (compared with the manifest's `base_model`);
     the keyword settings are lev's server flags (`settings_source` names where they came from in
     errors). `base_directory` (the base checkpoint) lets a release whose tokenizer files are the
-    base's own reuse `base_tokenizer` instead of loading them again. Tensors stay on the CPU.
+    base's own reuse `base_tokenizer` instead of loading them again. `adapter_scale` is the
+    operator's serving multiplier; it replaces the manifest's `adapter_scale` (None: the
+    manifest's, 1.0 where it has none). Tensors stay on the CPU.
     """
     from safetensors.torch import load_file
 
@@ -358,7 +361,9 @@ def load_lev_release(
         raise LevReleaseError(
             str(weights_path), None, f"is not a readable safetensors file ({exc})"
         ) from None
-    scale = 1.0 if manifest.adapter_scale is None else manifest.adapter_scale
+    if adapter_scale is not None and not (math.isfinite(adapter_scale) and adapter_scale > 0):
+        raise LevReleaseError(settings_source, "scale", f"must be a finite number > 0, not {adapter_scale!r}")
+    scale = adapter_scale if adapter_scale is not None else (manifest.adapter_scale or 1.0)
     modules = _lora_modules(weights, config, scale, model, str(weights_path))
     _, hidden_size = _base_geometry(model)
     head_path = directory / HEAD_FILE
@@ -384,6 +389,23 @@ def load_lev_release(
         tokenizer=tokenizer,
         codes=label_codes_for(tokenizer, options.label_prefix),
     )
+
+
+def placed_on(release: LevRelease, model: Any) -> LevRelease:
+    """The release with its LoRA matrices in the dtype and on the device of the base modules they
+    adapt, and its head on the base's device (float32): moved once, at startup, so a request
+    copies nothing and the memory baseline counts them."""
+    modules = dict(model.named_modules())
+    moved = []
+    for lora in release.modules:
+        weight = modules[lora.name].weight
+        a = lora.a.to(device=weight.device, dtype=weight.dtype)
+        b = lora.b.to(device=weight.device, dtype=weight.dtype)
+        moved.append(LoraModule(lora.name, a, b, lora.scaling))
+    head = release.head
+    if head is not None:
+        head = head.to(device=next(model.parameters()).device)
+    return replace(release, modules=tuple(moved), head=head)
 
 
 @contextmanager
@@ -447,6 +469,40 @@ def score_lev(release: LevRelease, model: Any, state: Any, questions: Mapping[st
                 head = release.head.to(device)  # type: ignore[union-attr]
                 read = head(last.float().unsqueeze(0), candidates[row.question_id].float().unsqueeze(0))
                 scores.append(read[0].float().tolist())
+    answers = read_plan(plan, scores, release.calibration)
+    return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids))
+
+
+def score_lev_on(
+    release: LevRelease, engine: Any, model: int, state: Any, questions: Mapping[str, LevQuestion]
+) -> LevReply:
+    """`score_lev`'s answers through the serving engine (a `TorchEngine` whose adapter bank
+    serves the release's adapter as `model`): the same prefix and suffix ids, the prefix
+    prefilled once (kept in the state cache under the release's model where it is long enough)
+    and the rows batched over it (`TorchEngine.read_ids`); equal to lev's per-row forwards
+    within float32's rounding (the tests hold both to PEFT's own forward, 1e-5)."""
+    import torch
+
+    plan = plan_request(state, questions, release.codes, release.options, has_head=release.head is not None)
+    tokenizer = release.tokenizer
+    prefix_ids = tokenizer.encode(plan.prefix, add_special_tokens=True)
+    suffixes = [tokenizer.encode(row.suffix, add_special_tokens=False) for row in plan.rows]
+    scores: list[list[float]] = [[] for _ in plan.rows]
+    by_labels = [i for i, row in enumerate(plan.rows) if row.label_ids is not None]
+    by_head = [i for i, row in enumerate(plan.rows) if row.label_ids is None]
+    if by_labels:
+        logits = engine.read_ids(prefix_ids, [suffixes[i] for i in by_labels], model)
+        for k, i in enumerate(by_labels):
+            scores[i] = logits[k, list(plan.rows[i].label_ids or ())].float().tolist()
+    if by_head:
+        last = engine.read_ids(prefix_ids, [suffixes[i] for i in by_head], model, hidden=True)
+        decoder = engine.model.get_decoder()
+        with torch.inference_mode(), engine.adapters.rows(model):
+            candidates = _candidate_states(plan, tokenizer, decoder, engine.device)
+            head = release.head.to(engine.device)  # type: ignore[union-attr]
+            for k, i in enumerate(by_head):
+                shown = candidates[plan.rows[i].question_id].float().unsqueeze(0)
+                scores[i] = head(last[k].float().unsqueeze(0), shown)[0].float().tolist()
     answers = read_plan(plan, scores, release.calibration)
     return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from semif_serve.engine.state_cache import STATE, StateCache
+from semif_serve.engine.state_cache import BASE_MODEL, STATE, StateCache
 from semif_serve.engine.vision import has_image_tokens
 
 # The longest state a lone row's plain forward covers: SemIf's own per-row limit (/decide's 4096);
@@ -26,12 +26,14 @@ class LoneRowPolicy:
         self.cache = cache
         self.keep_tokens = keep_tokens
 
-    def reuses(self, ids: tuple[int, ...], demand_keys: Sequence[str | None]) -> bool:
-        """Whether lone rows over state `ids` (one per request of `demand_keys`) run over the
-        state: it is cached, several rows or requests in flight want it (one prefill, joined by
+    def reuses(
+        self, ids: tuple[int, ...], demand_keys: Sequence[str | None], model: int = BASE_MODEL
+    ) -> bool:
+        """Whether lone rows over state `ids` under `model` (one per request of `demand_keys`)
+        run over the state: it is cached, several rows or requests in flight want it (one prefill, joined by
         all), it is long enough to keep (`keep_tokens`) or longer than DIRECT_MAX_TOKENS
         (prefilled in chunks like any state, never one unbounded plain forward)."""
-        if self.cache.has(ids, STATE):
+        if self.cache.has(ids, STATE, model):
             return True
         if len(ids) > DIRECT_MAX_TOKENS:
             return True

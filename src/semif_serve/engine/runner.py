@@ -25,6 +25,7 @@ from typing import Any, Literal
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
 from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import BatchTiming, EngineWait, PromptRow
+from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
 from semif_serve.engine.forwards import logits_over, plain_logits, prefill, read_slots
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
@@ -110,6 +111,7 @@ class PreparedRows:
     state_ids: tuple[int, ...] = ()  # the question-independent state prefix (a lone row's state)
     demand_key: str | None = None  # the raw state's digest (`state_digest`), set by the worker
     images: ImageSet | None = None  # the images its rows show (None: text only)
+    model: int = BASE  # the adapter its rows read (`AdapterBank` index; BASE: the base)
 
     def job(self, job_id: Hashable) -> Job[PreparedRows]:
         """The batching job for these rows (rows sized after the prefix)."""
@@ -159,6 +161,7 @@ class TorchEngine:
         identity: ModelIdentity,
         options: EngineOptions,
         vision: VisionTower | None = None,
+        adapters: AdapterBank | None = None,
     ) -> None:
         import torch
 
@@ -168,6 +171,7 @@ class TorchEngine:
         self.identity = identity
         self.options = options
         self.vision = vision
+        self.adapters = adapters if adapters is not None else AdapterBank(model)
         chunk = options.prefill_chunk_tokens
         # One engine step of the vision tower costs at most what one prefill chunk costs.
         self.tower_step_flops = text_chunk_flops(model, chunk) if vision is not None and chunk else None
@@ -182,16 +186,21 @@ class TorchEngine:
         self.lone = LoneRowPolicy(self.cache, options.keep_state_tokens)
 
     @classmethod
-    def over(cls, loaded: LoadedModel) -> TorchEngine:
-        """An engine over a loaded checkpoint (no state cache until startup gives it one)."""
-        return cls(loaded.model, loaded.codec, loaded.identity, EngineOptions(loaded.memory), loaded.vision)
+    def over(cls, loaded: LoadedModel, adapters: AdapterBank | None = None) -> TorchEngine:
+        """An engine over a loaded checkpoint and the adapters served over it (none: the base
+        alone; no state cache until startup gives it one)."""
+        options = EngineOptions(loaded.memory)
+        return cls(loaded.model, loaded.codec, loaded.identity, options, loaded.vision, adapters)
 
     def with_options(self, **changes: Any) -> TorchEngine:
         """A new engine over the same weights, codec and tower, its options changed as given
         (`dataclasses.replace`); its stepped prefills start empty."""
-        return TorchEngine(
-            self.model, self.codec, self.identity, replace(self.options, **changes), self.vision
-        )
+        options = replace(self.options, **changes)
+        return TorchEngine(self.model, self.codec, self.identity, options, self.vision, self.adapters)
+
+    def with_adapters(self, adapters: AdapterBank) -> TorchEngine:
+        """A new engine over the same weights, options and tower that serves `adapters`."""
+        return TorchEngine(self.model, self.codec, self.identity, self.options, self.vision, adapters)
 
     @property
     def memory(self) -> DeviceMemory:
@@ -223,6 +232,10 @@ class TorchEngine:
         """Whether the loaded model has a vision tower (requests may show it images)."""
         return self.vision is not None
 
+    def model_index(self, name: str | None) -> int:
+        """The adapter bank's index of the model `name` (None: the base)."""
+        return BASE if name is None else self.adapters.index(name)
+
     @property
     def deferred_prefills(self) -> int:
         """States queued for an idle prefill: none, ever (a state is kept by the request that
@@ -252,6 +265,37 @@ class TorchEngine:
             pass
         return self.readout(prepared, scored[0])
 
+    def read_ids(
+        self, prefix: list[int], suffixes: Sequence[Sequence[int]], model: int = BASE, *, hidden: bool = False
+    ) -> Any:
+        """Float32 full-vocabulary logits `[rows, vocab]` at the last token of each row `prefix +
+        suffix` under `model` (`hidden`: the last hidden states instead), for a method that
+        renders its own token ids (lev's). A prefix worth keeping (cached, or at least
+        `keep_state_tokens`) is prefilled once into the state cache (or found there) and the
+        rows run over it, split by the memory headroom; a short one runs every whole row in one
+        right-padded forward. Either equals each row's plain forward (float32: within 1e-5)."""
+        torch = self.torch
+        if not self.cache.has(prefix, STATE, model) and len(prefix) < self.options.keep_state_tokens:
+            with torch.inference_mode(), self.adapters.rows(model):
+                rows = [[*prefix, *suffix] for suffix in suffixes]
+                return logits_over(
+                    self.model, None, 0, rows, self.pad_id, self.prefill_chunk_tokens, hidden_out=hidden
+                )
+        stored, _, _ = self._state(prefix, len(prefix), None, model)
+        width = max(len(s) for s in suffixes)
+        chunk = self.prefill_chunk_tokens
+        step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(suffixes)
+        parts = []
+        with torch.inference_mode(), self.adapters.rows(model):
+            for start in range(0, len(suffixes), step):
+                batch = list(suffixes[start : start + step])
+                cache = stored.fork(len(batch)) if stored is not None else None
+                parts.append(
+                    logits_over(self.model, cache, len(prefix), batch, self.pad_id, chunk, hidden_out=hidden)
+                )
+                del cache
+        return torch.cat(parts)
+
     def prepare(self, request: RowsRequest) -> PreparedRows:
         """Encode (the state once) and check one request's rows and find what they share; refuses
         (TooManyTokens, for a row or past `max_request_tokens` for the request; AnswerBoundary,
@@ -263,6 +307,7 @@ class TorchEngine:
         the door checks first; an image too large for the tower's memory is refused here."""
         started = time.perf_counter()
         state, rows, limits = request.state, request.rows, request.limits
+        model = self.model_index(request.model)
         image_set = None
         codec = self.codec
         if request.images:
@@ -288,7 +333,7 @@ class TorchEngine:
                 self.headroom_bytes, len(prefix), width, self.prefill_chunk_tokens, widest
             )
         if image_set is not None:
-            image_set.preprocess(self._uncached_images(image_set, prefix or list(state_ids), prompts))
+            image_set.preprocess(self._uncached_images(image_set, prefix or list(state_ids), prompts, model))
         return PreparedRows(
             prompts=prompts,
             n_options=[len(row.descriptions) for row in rows],
@@ -298,6 +343,7 @@ class TorchEngine:
             encode_seconds=time.perf_counter() - started,
             state_ids=state_ids,
             images=image_set,
+            model=model,
         )
 
     def run_group(self, group: Group[PreparedRows]) -> Results | Unfinished:
@@ -331,7 +377,7 @@ class TorchEngine:
         cached prefix, and every row after the state."""
         for prepared in payloads:
             state = prepared.prefix or list(prepared.state_ids)
-            cached = self.cache.longest_prefix(state) if state else None
+            cached = self.cache.longest_prefix(state, prepared.model) if state else None
             yield state[len(cached) if cached is not None else 0 :]
             yield from (p.ids[len(state) :] for p in prepared.prompts)
 
@@ -344,21 +390,26 @@ class TorchEngine:
         A state longer than one prefill step is prefilled a step at a time (`SteppedPrefill`):
         this call prefills one step, keeps it in the state cache and returns UNFINISHED, so the
         batcher can run other requests' groups before the next step (the cache must be on)."""
-        parts = group.parts
+        # Rows of one model side by side: each adapter reads a contiguous run of the batch.
+        parts = sorted(group.parts, key=lambda p: p.job.payload.model)
         images = ImageSet.union([p.job.payload.images for p in parts])
         if len(parts) == 1 and parts[0].job.payload.direct:
             return {parts[0].job.id: [self._plain(parts[0].job.payload, images)]}
         first = parts[0].job.payload
         prefix = first.prefix if group.prefix_key is not None else []
-        if self.stepped.step(prefix, first.state_tokens, images):
+        models = sorted({p.job.payload.model for p in parts})
+        if any(self.stepped.step(prefix, first.state_tokens, images, m) for m in models):
             return UNFINISHED
-        stored, how, prefill_seconds = self._state(prefix, first.state_tokens, images)
+        states = {m: self._state(prefix, first.state_tokens, images, m) for m in models}
+        hows = {how for _, how, _ in states.values()}
+        how = next((k for k in PREFILL_KINDS if k in hows), "none")
+        prefill_seconds = sum(seconds for _, _, seconds in states.values())
         rows = [
-            (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i])
+            (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i], p.job.payload.model)
             for p in parts
             for i in range(p.start, p.stop)
         ]
-        width = max(len(suffix) for suffix, _ in rows)
+        width = max(len(suffix) for suffix, _, _ in rows)
         chunk = self.prefill_chunk_tokens
         step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(rows)
         readouts: list[tuple[list[float], list[float]]] = []
@@ -367,16 +418,18 @@ class TorchEngine:
         with self.torch.inference_mode():
             for start in range(0, len(rows), step):
                 batch = rows[start : start + step]
+                row_models = [m for _, _, m in batch]
                 t0 = time.perf_counter()
-                cache = stored.fork(len(batch)) if stored is not None else None
+                cache = _fork({m: stored for m, (stored, _, _) in states.items()}, row_models)
                 self.memory.synchronize()
                 t1 = time.perf_counter()
-                suffixes = [s for s, _ in batch]
-                logits = logits_over(
-                    self.model, cache, len(prefix), suffixes, self.pad_id, chunk, images, prefix
-                )
+                suffixes = [s for s, _, _ in batch]
+                with self.adapters.rows(row_models):
+                    logits = logits_over(
+                        self.model, cache, len(prefix), suffixes, self.pad_id, chunk, images, prefix
+                    )
                 del cache
-                readouts.extend(read_slots(logits[i], self.slot_ids, n) for i, (_, n) in enumerate(batch))
+                readouts.extend(read_slots(logits[i], self.slot_ids, n) for i, (_, n, _) in enumerate(batch))
                 del logits
                 self.memory.synchronize()
                 replicate_seconds += t1 - t0
@@ -405,7 +458,8 @@ class TorchEngine:
         """SemIf's plain forward of a lone row's whole prompt."""
         ids = prepared.prompts[0].ids
         t0 = time.perf_counter()
-        last = plain_logits(self.model, ids, self.pad_id, self.device, self.prefill_chunk_tokens, images)
+        with self.adapters.rows(prepared.model):
+            last = plain_logits(self.model, ids, self.pad_id, self.device, self.prefill_chunk_tokens, images)
         with self.torch.inference_mode():
             logits, probs = read_slots(last, self.slot_ids, prepared.n_options[0])
         self.memory.synchronize()
@@ -451,13 +505,13 @@ class TorchEngine:
         queued for later. Either way a row equals the plain forward within 1e-5 (float32) and
         keeps its `prompt_sha256` and `input_tokens`.
         """
-        by_state: dict[tuple[int, ...], list[Part[PreparedRows]]] = {}
+        by_state: dict[tuple[tuple[int, ...], int], list[Part[PreparedRows]]] = {}
         for part in group.parts:
-            by_state.setdefault(part.job.payload.state_ids, []).append(part)
+            by_state.setdefault((part.job.payload.state_ids, part.job.payload.model), []).append(part)
         results: Results = {}
         plain: list[Part[PreparedRows]] = []
-        for ids, parts in by_state.items():
-            if ids and self.lone.reuses(ids, [p.job.payload.demand_key for p in parts]):
+        for (ids, model), parts in by_state.items():
+            if ids and self.lone.reuses(ids, [p.job.payload.demand_key for p in parts], model):
                 over = self._run_planned(_over_state(ids, parts))
                 if isinstance(over, Unfinished):
                     return UNFINISHED  # a long state's prefill step: the group runs again next turn
@@ -480,55 +534,63 @@ class TorchEngine:
         return results
 
     def _state(
-        self, prefix: list[int], state_tokens: int, images: ImageSet | None = None
+        self, prefix: list[int], state_tokens: int, images: ImageSet | None = None, model: int = BASE
     ) -> tuple[StoredState | None, str, float]:
-        """The state over exactly `prefix`: from the cache, extended from a cached shorter one,
-        or prefilled (in chunks). A prefix longer than the state prefix (it covers a question)
-        starts from the state prefix, looked up (and stored when fresh) on its own, so that
-        the next question about the same state extends it; the longer prefix itself goes in
-        the cache's lower `question` tier, which never evicts a state."""
+        """The state over exactly `prefix` under `model`: from the cache, extended from a cached
+        shorter one of the same model, or prefilled (in chunks). A prefix longer than the state
+        prefix (it covers a question) starts from the state prefix, looked up (and stored when
+        fresh) on its own, so that the next question about the same state extends it; the
+        longer prefix itself goes in the cache's lower `question` tier, which never evicts a
+        state."""
         if not prefix:
             return None, "none", 0.0
         kind = QUESTION if len(prefix) > state_tokens else STATE
-        stored = self.cache.get(prefix, kind)
+        stored = self.cache.get(prefix, kind, model)
         if stored is not None:
             return stored, "cached", 0.0
         t0 = time.perf_counter()
-        stepped = self.stepped.take(prefix)  # prefilled in steps: still fresh
+        stepped = self.stepped.take(prefix, model)  # prefilled in steps: still fresh
         superseded: StoredState | None = None
         if kind == QUESTION and state_tokens > 0:
-            start = self.cache.get(prefix[:state_tokens], STATE)
+            start = self.cache.get(prefix[:state_tokens], STATE, model)
             how = "extended" if start is not None and stepped is None else "fresh"
             if start is None:
                 state = prefix[:state_tokens]
-                superseded = self.cache.longest_prefix(state)
-                start = self._prefill(state, superseded, STATE, images)
+                superseded = self.cache.longest_prefix(state, model)
+                start = self._prefill(state, superseded, STATE, images, model)
         else:
-            start = self.cache.longest_prefix(prefix)
+            start = self.cache.longest_prefix(prefix, model)
             how = "extended" if start is not None and stepped is None else "fresh"
         if stepped is not None:  # continue from the last step's slice where it is the longer start
-            longer = self.cache.longest_prefix(prefix)
+            longer = self.cache.longest_prefix(prefix, model)
             if longer is not None and (start is None or len(longer) > len(start)):
                 superseded, start = start, longer
-        stored = self._prefill(prefix, start, kind, images)
+        stored = self._prefill(prefix, start, kind, images, model)
         self.memory.synchronize()
         for slice_ in (superseded, start if stepped is not None else None):
             self.stepped.drop_slice(slice_, state_tokens)
         return stored, how, time.perf_counter() - t0 + (stepped or 0.0)
 
     def _prefill(
-        self, ids: list[int], start: StoredState | None, kind: str = STATE, images: ImageSet | None = None
+        self,
+        ids: list[int],
+        start: StoredState | None,
+        kind: str = STATE,
+        images: ImageSet | None = None,
+        model: int = BASE,
     ) -> StoredState:
-        cache = prefill(self.model, ids, start=start, chunk_tokens=self.prefill_chunk_tokens, images=images)
-        return self.cache.put(ids, cache, kind)
+        with self.adapters.rows(model):
+            chunk = self.prefill_chunk_tokens
+            cache = prefill(self.model, ids, start=start, chunk_tokens=chunk, images=images)
+        return self.cache.put(ids, cache, kind, model)
 
     def _uncached_images(
-        self, images: ImageSet, prefix: Sequence[int], prompts: Sequence[EncodedPrompt]
+        self, images: ImageSet, prefix: Sequence[int], prompts: Sequence[EncodedPrompt], model: int
     ) -> set[tuple[int, ...]]:
         """The images a forward may need features for: every one, unless a state over `prefix`
-        is cached (then only those after it). The cache may still drop the state before the
-        rows run; the images are then preprocessed on the engine thread."""
-        after = len(prefix) if prefix and self.cache.has(prefix) else 0
+        is cached under `model` (then only those after it). The cache may still drop the state
+        before the rows run; the images are then preprocessed on the engine thread."""
+        after = len(prefix) if prefix and self.cache.has(prefix, model=model) else 0
         return images.shown_in(p.ids[after:] for p in prompts)
 
     def _tower_fits(self, images: ImageSet) -> None:
@@ -539,6 +601,22 @@ class TorchEngine:
         self.estimate.check_tower(
             self.headroom_bytes, self.vision.activation_bytes(patches, self.estimate), patches
         )
+
+
+def _fork(states: dict[int, StoredState | None], row_models: Sequence[int]) -> Any:
+    """A consumable cache for a forward's rows (sorted by model): each row over its model's state
+    (None: no state); rows of several models stack their states (`stacked_fork`)."""
+    runs: list[tuple[int, int]] = []
+    for model in row_models:
+        if runs and runs[-1][0] == model:
+            runs[-1] = (model, runs[-1][1] + 1)
+        else:
+            runs.append((model, 1))
+    if states[runs[0][0]] is None:
+        return None
+    if len(runs) == 1:
+        return states[runs[0][0]].fork(runs[0][1])  # type: ignore[union-attr]
+    return stacked_fork([(states[m], n) for m, n in runs])
 
 
 def _whole(job: Job[PreparedRows]) -> Part[PreparedRows]:

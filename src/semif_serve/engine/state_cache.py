@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+BASE_MODEL = -1  # the base's model index; an adapter's is its index in `engine.adapters.AdapterBank`
 # Per-layer tensor dicts of a linear-attention cache layer, written in place by the forward.
 _LINEAR_STATE_DICTS = ("conv_states", "recurrent_states")
 
@@ -40,15 +41,24 @@ def prefix_digest(ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def state_digest(state: Any, images: Sequence[str] = ()) -> str:
-    """A digest of a request's raw state as the prompt renders it (JSON, keys in their order)
-    and of its images' SHA-256s: equal digests render the same state prefix, so requests in
-    flight can be matched before they are encoded. Only ever steers which path runs, never
-    what a row computes."""
+def state_key(ids: Sequence[int], model: int = BASE_MODEL) -> str:
+    """The cache's key of a state: the digest of its ids, and the model it was prefilled under
+    (the base keeps the bare digest), so one adapter's state is never served for another's."""
+    digest = prefix_digest(ids)
+    return digest if model == BASE_MODEL else f"{model}:{digest}"
+
+
+def state_digest(state: Any, images: Sequence[str] = (), model: str | None = None) -> str:
+    """A digest of a request's raw state as the prompt renders it (JSON, keys in their order),
+    of its images' SHA-256s and of the adapter that reads it (`model`; None: the base): equal
+    digests render the same state prefix under one model, so requests in flight can be matched
+    before they are encoded. Only ever steers which path runs, never what a row computes."""
     text = json.dumps(state, ensure_ascii=False)
     h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16)
     for sha in images:
         h.update(sha.encode("ascii"))
+    if model is not None:
+        h.update(b"\0model:" + model.encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 
@@ -112,11 +122,13 @@ def _expand_rows(tensor: Any, rows: int) -> Any:
 
 
 class StoredState:
-    """A prefilled state at the exact boundary of `ids`; hand out `fork(rows)`, never the cache."""
+    """A prefilled state at the exact boundary of `ids` under `model` (the adapter bank's index,
+    BASE_MODEL for the base); hand out `fork(rows)`, never the cache."""
 
-    def __init__(self, ids: Sequence[int], cache: Any) -> None:
+    def __init__(self, ids: Sequence[int], cache: Any, model: int = BASE_MODEL) -> None:
         self.ids: tuple[int, ...] = tuple(int(t) for t in ids)
-        self.digest = prefix_digest(self.ids)
+        self.model = model
+        self.digest = state_key(self.ids, model)
         self.nbytes = state_bytes(cache)
         self._cache = cache
 
@@ -193,8 +205,9 @@ class StateCache:
     the same state reuses); the `question` tier holds longer prefixes that also cover one
     request's question (what its orderings shared; almost nothing else reuses them). A
     question prefix is evicted before any state prefix and never evicts one: it is stored only
-    in what the states leave of the budget. Keyed by the digest of the exact prefix ids; a hit
-    also compares the full ids, so a digest collision is a miss, never a wrong state. One
+    in what the states leave of the budget. Keyed by the digest of the exact prefix ids and
+    the model (`state_key`); a hit also compares the full ids, so a digest collision is a
+    miss, never a wrong state. One
     engine thread mutates; any thread may read `stats()`. A budget of 0 disables storing.
     """
 
@@ -209,10 +222,10 @@ class StateCache:
         self._lock = threading.Lock()
         self.demand = Demand()
 
-    def get(self, ids: Sequence[int], kind: str = STATE) -> StoredState | None:
-        """The state stored for exactly `ids` in tier `kind` (now most recently used), or None;
-        counts a hit or miss of that kind."""
-        key = prefix_digest(ids)
+    def get(self, ids: Sequence[int], kind: str = STATE, model: int = BASE_MODEL) -> StoredState | None:
+        """The state stored for exactly `ids` under `model` in tier `kind` (now most recently
+        used), or None; counts a hit or miss of that kind."""
+        key = state_key(ids, model)
         with self._lock:
             tier = self._tiers[kind]
             entry = tier.get(key)
@@ -223,10 +236,10 @@ class StateCache:
             self._lookups[kind][0] += 1
             return entry
 
-    def has(self, ids: Sequence[int], kind: str | None = None) -> bool:
-        """Whether exactly `ids` is stored in tier `kind` (None: in either tier); counts nothing,
-        changes no order."""
-        key = prefix_digest(ids)
+    def has(self, ids: Sequence[int], kind: str | None = None, model: int = BASE_MODEL) -> bool:
+        """Whether exactly `ids` is stored under `model` in tier `kind` (None: in either tier);
+        counts nothing, changes no order."""
+        key = state_key(ids, model)
         wanted = tuple(ids)
         with self._lock:
             for tier_kind in KINDS if kind is None else (kind,):
@@ -235,27 +248,32 @@ class StateCache:
                     return True
             return False
 
-    def longest_prefix(self, ids: Sequence[int]) -> StoredState | None:
-        """The longest stored state (either tier) whose ids start `ids` (a shorter state to
-        extend), or None. Counts nothing: callers count the exact `get` they make first."""
+    def longest_prefix(self, ids: Sequence[int], model: int = BASE_MODEL) -> StoredState | None:
+        """The longest stored state under `model` (either tier) whose ids start `ids` (a shorter
+        state to extend), or None. Counts nothing: callers count the exact `get` they make first."""
         wanted = tuple(ids)
         with self._lock:
             best, best_kind = None, STATE
             for kind, tier in self._tiers.items():
                 for entry in tier.values():
                     n = len(entry.ids)
-                    if n <= len(wanted) and (best is None or n > len(best)) and wanted[:n] == entry.ids:
+                    if (
+                        entry.model == model
+                        and n <= len(wanted)
+                        and (best is None or n > len(best))
+                        and wanted[:n] == entry.ids
+                    ):
                         best, best_kind = entry, kind
             if best is not None:
                 self._tiers[best_kind].move_to_end(best.digest)
             return best
 
-    def put(self, ids: Sequence[int], cache: Any, kind: str = STATE) -> StoredState:
-        """Take ownership of `cache` (prefilled over exactly `ids`, one row) and store it in tier
-        `kind`, evicting least-recently-used entries to fit (question prefixes first; a question
-        prefix never evicts a state prefix); what cannot fit is returned unstored. The caller
-        must use the returned state's `fork`, never `cache` again."""
-        state = StoredState(ids, cache)
+    def put(self, ids: Sequence[int], cache: Any, kind: str = STATE, model: int = BASE_MODEL) -> StoredState:
+        """Take ownership of `cache` (prefilled over exactly `ids` under `model`, one row) and
+        store it in tier `kind`, evicting least-recently-used entries to fit (question prefixes
+        first; a question prefix never evicts a state prefix); what cannot fit is returned
+        unstored. The caller must use the returned state's `fork`, never `cache` again."""
+        state = StoredState(ids, cache, model)
         with self._lock:
             for tier_kind, tier in self._tiers.items():
                 old = tier.pop(state.digest, None)
@@ -272,9 +290,10 @@ class StateCache:
             self._tier_bytes[kind] += state.nbytes
         return state
 
-    def discard(self, ids: Sequence[int]) -> None:
-        """Drop the state stored for exactly `ids`, in whichever tier (a slice superseded by a longer one)."""
-        key = prefix_digest(ids)
+    def discard(self, ids: Sequence[int], model: int = BASE_MODEL) -> None:
+        """Drop the state stored for exactly `ids` under `model`, in whichever tier (a slice
+        superseded by a longer one)."""
+        key = state_key(ids, model)
         with self._lock:
             for kind, tier in self._tiers.items():
                 entry = tier.get(key)

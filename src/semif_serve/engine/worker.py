@@ -110,7 +110,7 @@ class EngineWorker:
         engine = self.engine
         self.pending += 1
         # Counted from before encoding, so a lone row can see that others want its state too.
-        demand_key = state_digest(request.state, [image.sha256 for image in request.images])
+        demand_key = state_digest(request.state, [image.sha256 for image in request.images], request.model)
         engine.cache.demand.enter(demand_key)
         try:
             prepared = await loop.run_in_executor(

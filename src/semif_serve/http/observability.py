@@ -172,6 +172,12 @@ class Metrics:
         self.images = Counter(
             "semif_images_read", "images shown to the model in answered requests", registry=self.registry
         )
+        self.by_model = Counter(
+            "semif_model_requests",
+            "answered decision requests by the model that read them (the base: `(base)`, never a model name)",
+            ["model"],
+            registry=self.registry,
+        )
         # A request's wait for the engine before its first forward, behind other requests' work
         # and behind idle (speculative) work: each request observes both.
         self.wait = Histogram(
@@ -199,6 +205,7 @@ class Metrics:
         if record is None:
             return
         self.rows.inc(record.rows)
+        self.by_model.labels(record.model or "(base)").inc()
         self.forward.observe(record.forward_seconds)
         self.wait.labels("requests").observe(record.wait_seconds - record.wait_idle_seconds)
         self.wait.labels("idle").observe(record.wait_idle_seconds)

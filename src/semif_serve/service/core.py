@@ -26,6 +26,7 @@ from semif_serve.domain.types import (
     TooManyOptions,
     TooManyRows,
     UnknownWorkload,
+    WorkloadOfAnotherModel,
 )
 from semif_serve.engine.loader import ModelIdentity
 from semif_serve.engine.runner import Readout
@@ -48,17 +49,24 @@ def plan_rows(
     calibration: CalibrationTable,
     reply_bytes: int = 0,
     max_reply_bytes: int | None = None,
+    model: str | None = None,
+    base_name: str = "the base model",
 ) -> tuple[list[PlannedQuestion], list[PromptRow]]:
-    """Expand every question into one row per ordering; refuse unknown workloads, too many
-    options, row-cap breaches and a reply (`reply_bytes`, the door's count of it) over
-    `max_reply_bytes` (None: no budget). Rows are counted before any is built, so a refusal
-    costs nothing however many rows the request would need."""
+    """Expand every question into one row per ordering; refuse unknown workloads, workloads
+    calibrated on another model than `model` (the adapter reading the request; None: the base,
+    named `base_name`), too many options, row-cap breaches and a reply (`reply_bytes`, the
+    door's count of it) over `max_reply_bytes` (None: no budget). Rows are counted before any
+    is built, so a refusal costs nothing however many rows the request would need."""
     needed = 0
     for index, question in enumerate(questions):
         if len(question.options) > max_options:
             raise TooManyOptions(len(question.options), max_options, index)
-        if question.workload is not None and question.workload not in calibration:
-            raise UnknownWorkload(question.workload, calibration.names(), index)
+        workload = question.workload
+        if workload is not None and workload not in calibration:
+            raise UnknownWorkload(workload, calibration.names(), index)
+        if workload is not None and workload in calibration.models and calibration.models[workload] != model:
+            calibrated = calibration.models[workload]
+            raise WorkloadOfAnotherModel(workload, calibrated or base_name, model or base_name, index)
         needed += order_count(len(question.options), question.orderings)
     if needed > max_rows:
         raise TooManyRows(needed, max_rows)
@@ -153,6 +161,7 @@ class DecisionCore:
         self.identity: ModelIdentity = scorer.identity
         self.capacity: int = scorer.capacity
         self.reads_images: bool = scorer.reads_images
+        self.base_name = f"{self.identity.source}@{self.identity.revision}"
 
     async def decide(self, request: DecisionRequest) -> DecisionOutcome:
         """Ask every question (in every ordering) over the request's state in one engine batch
@@ -178,6 +187,8 @@ class DecisionCore:
             calibration=self.calibration,
             reply_bytes=request.reply_bytes,
             max_reply_bytes=limits.max_reply_bytes,
+            model=request.model,
+            base_name=self.base_name,
         )
         try:
             readout = await self.scorer.score(request.with_rows(rows))
@@ -220,10 +231,12 @@ class RequestRecord:
     images: int | None = None  # images the request showed the model (None: text only)
     wait_seconds: float = 0.0  # its wait for the engine before its first forward
     wait_idle_seconds: float = 0.0  # the part of that wait spent behind idle (speculative) work
+    model: str | None = None  # the adapter that read it (None: the base)
 
     @classmethod
-    def of(cls, outcome: DecisionOutcome, images: int = 0) -> RequestRecord:
-        """The record of one answered call (that showed the model `images` images)."""
+    def of(cls, outcome: DecisionOutcome, images: int = 0, model: str | None = None) -> RequestRecord:
+        """The record of one answered call (that showed the model `images` images, read by the
+        adapter `model`; None: the base)."""
         readouts = [r for q in outcome.questions for r in q.readouts]
         timing = outcome.timing if outcome.shared else None  # a lone row's path is not a batch
         return cls(
@@ -239,6 +252,7 @@ class RequestRecord:
             images=images or None,
             wait_seconds=round(outcome.wait.behind_requests_seconds + outcome.wait.behind_idle_seconds, 6),
             wait_idle_seconds=round(outcome.wait.behind_idle_seconds, 6),
+            model=model,
         )
 
     def log_fields(self) -> dict[str, Any]:

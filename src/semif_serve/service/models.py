@@ -4,7 +4,7 @@
 ```toml
 [models.lev-4b]
 release = "/models/lev"          # a lev release directory (lev's method)
-prompt_style = "plain"           # optional, as lev's server flags
+prompt_style = "plain"           # optional, as lev's server flags (max_label_options too)
 [models.triage]
 adapter = "/models/triage-lora"  # a PEFT LoRA adapter, read with SemIf's method
 scale = 0.5                      # optional serving multiplier on the adapter
@@ -43,7 +43,8 @@ LEV_OPTIONS: dict[str, tuple[str, ...]] = {
     "score_order_average": ("off", "reversed", "cyclic"),
 }
 COMMON_KEYS = ("scale", "base_model")
-RELEASE_KEYS = ("release", *LEV_OPTIONS, *COMMON_KEYS)
+LABEL_CAP = "max_label_options"  # lev's label cap: a question with more candidates reads its head
+RELEASE_KEYS = ("release", *LEV_OPTIONS, LABEL_CAP, *COMMON_KEYS)
 ADAPTER_KEYS = ("adapter", *COMMON_KEYS)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
@@ -66,6 +67,7 @@ class ModelEntry:
     scale: float | None = None
     base_model: str | None = None
     lev_options: Mapping[str, str] = field(default_factory=dict)
+    max_label_options: int | None = None  # lev's label cap (None: Mode A while the codes last)
 
     @property
     def is_base(self) -> bool:
@@ -215,8 +217,17 @@ def _entry(name: str, table: dict[str, Any], where: str, key: str, root: Path) -
             options[option] = value
     scale_value = float(scale) if scale is not None else None
     if kind == "release":
+        cap = table.get(LABEL_CAP)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ConfigurationError(f"{where}: {key}.{LABEL_CAP}: must be an integer >= 1, not {cap!r}")
         return ModelEntry(
-            name, LEV, release=directory, scale=scale_value, base_model=base_model, lev_options=options
+            name,
+            LEV,
+            release=directory,
+            scale=scale_value,
+            base_model=base_model,
+            lev_options=options,
+            max_label_options=cap,
         )
     return ModelEntry(name, SEMIF, adapter=directory, scale=scale_value, base_model=base_model)
 

@@ -6,7 +6,7 @@ Startup fails closed: any error here stops the process before the port is bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from semif_serve.domain.calibration import CalibrationTable, load_calibration
@@ -14,6 +14,7 @@ from semif_serve.domain.images import ImageAsset, read_image
 from semif_serve.domain.numerics import MIB
 from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import ConfigurationError, PromptRow
+from semif_serve.engine.adapters import AdapterBank, AdapterError
 from semif_serve.engine.batching import Bounds
 from semif_serve.engine.checkpoint_files import Verification, verify_checkpoint
 from semif_serve.engine.loader import CheckpointSpec, load_model
@@ -22,7 +23,8 @@ from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.core import DecisionCore
-from semif_serve.service.models import ModelSet, load_models
+from semif_serve.service.lev_core import LevCore, load_lev_releases
+from semif_serve.service.models import LEV, ModelSet, load_models
 from semif_serve.service.settings import Settings
 
 WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
@@ -44,6 +46,7 @@ class Service:
     weights: Verification
     models: ModelSet  # the names a request may pick: the base and its aliases
     ready: bool = False
+    lev: LevCore = field(default_factory=LevCore)  # the lev releases of SEMIF_MODELS, by name
 
     @property
     def calibration(self) -> CalibrationTable:
@@ -72,9 +75,13 @@ class Service:
                 f"SEMIF_SYSTEMONE_WORKLOADS: {', '.join(unknown)} not in the calibration file"
             )
         models = served_models(settings)
+        calibration = calibration.with_models(workload_models(calibration, models, settings))
         weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
         if engine is None:
             engine = load_engine(settings)
+        engine = engine.with_adapters(load_adapters(models, engine, settings))  # counted in the baseline
+        # lev releases: read over the base before warm-up, so the baseline counts their adapters.
+        releases = load_lev_releases(models, engine, settings.model_source, settings.require_model())
         engine = engine.with_options(
             cache=StateCache(settings.state_cache_mib * MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -92,20 +99,56 @@ class Service:
             engine, policy, bounds, encoders=settings.max_queue
         )  # a thread per admitted request
         core = DecisionCore(worker, calibration)
-        return cls(settings, engine, worker, core, token, weights, models, ready=True)
+        lev = LevCore(releases, worker)
+        return cls(settings, engine, worker, core, token, weights, models, ready=True, lev=lev)
 
 
 def served_models(settings: Settings) -> ModelSet:
-    """The SEMIF_MODELS file, read and checked before the weights load. This build answers with
-    the base and its aliases only: a model over the base (an adapter, a lev release) is refused at
-    startup, naming its key, rather than served as something the service did not read."""
-    models = load_models(settings.models, f"{settings.model_source}@{settings.model_revision}")
-    if models.adapters:
-        raise ConfigurationError(
-            f"SEMIF_MODELS: {models.source}: models.{models.adapters[0].name}: adapters and lev releases "
-            "are checked but not yet served by this build; declare [aliases] of the base model only"
-        )
-    return models
+    """The SEMIF_MODELS file, read and checked before the weights load: the base, its aliases, the
+    PEFT adapters read with SemIf's method (`load_adapters`) and the lev releases read with lev's
+    (`service.lev_core`)."""
+    return load_models(settings.models, f"{settings.model_source}@{settings.model_revision}")
+
+
+def workload_models(
+    calibration: CalibrationTable, models: ModelSet, settings: Settings
+) -> dict[str, str | None]:
+    """The served model each calibration workload names (`"model"`), as the engine knows it: an
+    adapter's name, or None for the base. A name that is no served model (or a lev release,
+    which carries its own temperatures) refuses to start, naming the file and the workload."""
+    resolved: dict[str, str | None] = {}
+    for workload, name in calibration.models.items():
+        if name is None:
+            continue  # already resolved: the base
+        entry = models.resolve(name)
+        where = f'{settings.calibration}: workload "{workload}": model {name!r}'
+        if entry is None:
+            known = ", ".join(repr(n) for n in [*models.models, *models.aliases])
+            raise ConfigurationError(f"{where} is not a served model (served: {known})")
+        if entry.method == LEV:
+            raise ConfigurationError(f"{where} is a lev release, which reads its own calibration.json")
+        resolved[workload] = None if entry.is_base else entry.name
+    return resolved
+
+
+def load_adapters(models: ModelSet, engine: TorchEngine, settings: Settings) -> AdapterBank:
+    """Every PEFT adapter of the SEMIF_MODELS file in one bank over the engine's weights (loaded
+    once, on its device, before the memory baseline is marked). An adapter that does not match
+    the base is refused (ConfigurationError naming the file's key and the adapter's file and key)."""
+    bank = AdapterBank(engine.model)
+    base_names = (settings.model_source, str(settings.require_model()))
+    for entry in models.adapters:
+        if entry.adapter is None:
+            continue  # a lev release: served by lev's method
+        names = (*base_names, entry.base_model) if entry.base_model else base_names
+        try:
+            bank.add(entry.name, entry.adapter, multiplier=entry.scale or 1.0, base_names=names)
+        except AdapterError as exc:
+            bank.close()
+            raise ConfigurationError(
+                f"SEMIF_MODELS: {models.source}: models.{entry.name}.adapter: {exc}"
+            ) from None
+    return bank
 
 
 def checkpoint_spec(settings: Settings) -> CheckpointSpec:

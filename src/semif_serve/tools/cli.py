@@ -46,15 +46,22 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def demo_banner(host: str, port: int, made_token: str | None) -> str:
+def demo_banner(host: str, port: int, made_token: str | None, lev_model: str | None = None) -> str:
     """What the demo prints on start. A token the demo made is shown (it is the only way to learn
     it); a token the operator supplied is never printed (a terminal or its log may be shared):
-    the examples read `$SEMIF_API_TOKEN` instead."""
+    the examples read `$SEMIF_API_TOKEN` instead. `lev_model` names the demo's lev release."""
     url = f"http://{host}:{port}"
     shown = made_token or "the one in SEMIF_API_TOKEN or SEMIF_API_TOKEN_FILE (not shown)"
+    models = (
+        f"models: the base (SemIf's method) and {lev_model!r} (a random lev-format release, alias "
+        f"'local'), picked by System One's `model`; {url}/v1/models lists them\n"
+        if lev_model
+        else ""
+    )
     return (
         f"\nsemif-serve demo (random weights) on {url}\n"
         f"token: {shown}\n"
+        f"{models}"
         f'try:   curl -s -H "Authorization: Bearer {made_token or "$SEMIF_API_TOKEN"}" {url}/health\n'
         f"page:  {url}/playground (paste the token)\n"
     )
@@ -90,7 +97,8 @@ def serve(overrides: dict | None = None, demo: bool = False, made_token: str | N
         log.error("startup failed during load or warm-up: %s: %s", type(exc).__name__, exc)
         return EXIT_STARTUP
     if demo:
-        print(demo_banner(settings.host, settings.port, made_token), flush=True)
+        lev = next((name for name in service.lev.releases), None)
+        print(demo_banner(settings.host, settings.port, made_token, lev), flush=True)
     from semif_serve.http.server import run_server
 
     log.info(
@@ -211,8 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         "serve a random-weight demo model on the CPU (its answers carry no meaning)",
         "Builds the demo checkpoint once (under SEMIF_DEMO_DIR, else ~/.cache/semif-serve/demo-model), "
-        "then serves it in the foreground. It reads SEMIF_PORT, SEMIF_API_TOKEN (fixed, so examples "
-        "can be pasted; otherwise a new token is printed on every run) and SEMIF_CALIBRATION.",
+        "and beside it (in <dir>-lev) a random lev-format release served as `lev-demo` (alias `local`) "
+        "unless SEMIF_MODELS is set, then serves both in the foreground. It reads SEMIF_PORT, "
+        "SEMIF_API_TOKEN (fixed, so examples can be pasted; otherwise a new token is printed on every "
+        "run) and SEMIF_CALIBRATION.",
     )
     demo.add_argument("--port", type=int, default=None, help="port to bind (default: SEMIF_PORT, else 8032)")
     model = command("demo-model", "write the random-weight demo checkpoint to DIR, without serving it")
@@ -284,15 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "manifest":
         return write_manifest(args.directory, args.write)
     if args.command == "demo":
-        from semif_serve.tools.demo import DEMO_REVISION
+        from semif_serve.tools.demo import DEMO_REVISION, ensure_demo_models
 
+        checkpoint = ensure_demo_checkpoint(demo_directory())
         overrides = {
-            "model_path": ensure_demo_checkpoint(demo_directory()),
+            "model_path": checkpoint,
             "model_revision": DEMO_REVISION,
             "device": "cpu",
             "dtype": "float32",
             "demo": True,
         }
+        if not os.environ.get("SEMIF_MODELS"):  # the operator's own models file wins
+            overrides["models"] = ensure_demo_models(checkpoint)
         if args.port is not None:
             overrides["port"] = args.port
         made_token = None

@@ -295,3 +295,40 @@ def write_checkpoint(
         json.dumps({"random_weights": True, "revision": DEMO_REVISION, "seed": seed}) + "\n"
     )
     return directory
+
+
+# -- the demo's second model: a tiny random lev-format release ----------------------------------
+
+DEMO_LEV_MODEL = "lev-demo"
+DEMO_LEV_ALIAS = "local"  # the name lev's harness (levbench) sends
+DEMO_MODELS_FILE = "models.toml"
+_DEMO_LEV_MARKER = "DEMO_LEV.json"
+
+
+def demo_lev_directory(checkpoint: Path) -> Path:
+    """Where the demo keeps its lev release and SEMIF_MODELS file: beside the checkpoint (never
+    inside it, so the checkpoint's files and manifest stay the checkpoint's)."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent / f"{checkpoint.name}-lev"
+
+
+def ensure_demo_models(checkpoint: Path) -> Path:
+    """The demo's SEMIF_MODELS file: `[models.lev-demo]`, a random lev-format release over the demo
+    checkpoint (built offline, once per checkpoint revision), aliased `local`. Returns the file."""
+    from semif_serve.tools.lev_builder import write_lev_release
+
+    directory = demo_lev_directory(checkpoint)
+    marker = directory / _DEMO_LEV_MARKER
+    models = directory / DEMO_MODELS_FILE
+    built = marker.is_file() and json.loads(marker.read_text()).get("revision") == DEMO_REVISION
+    if not (built and models.is_file()):
+        release = directory / DEMO_LEV_MODEL
+        shutil.rmtree(release, ignore_errors=True)
+        write_lev_release(release, checkpoint, name=DEMO_LEV_MODEL)
+        models.write_text(
+            "# semif-serve demo: the base, and a random lev-format release beside it\n"
+            f'[models.{DEMO_LEV_MODEL}]\nrelease = "{DEMO_LEV_MODEL}"\n'
+            f'[aliases]\n{DEMO_LEV_ALIAS} = "{DEMO_LEV_MODEL}"\n'
+        )
+        marker.write_text(json.dumps({"random_weights": True, "revision": DEMO_REVISION}) + "\n")
+    return models

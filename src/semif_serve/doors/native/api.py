@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request, Security
@@ -38,6 +38,7 @@ from semif_serve.domain.types import (
     TooManyRows,
     TooManyTokens,
     UnknownWorkload,
+    WorkloadOfAnotherModel,
 )
 from semif_serve.doors.base import (
     BEARER,
@@ -49,6 +50,7 @@ from semif_serve.doors.base import (
 )
 from semif_serve.doors.native.schemas import (
     MAX_OPTIONS,
+    SYSTEM_ONE_PATH,
     BinBody,
     CalibrateBody,
     CalibratedBody,
@@ -78,11 +80,19 @@ from semif_serve.doors.reply_size import (
 )
 from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
 from semif_serve.http.errors import ErrorEnvelope, ServiceError, error_response, invalid
+from semif_serve.service.models import SEMIF
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
 CALIBRATE_PATH = "/calibrate"
 
 
+# The door's own refusal, outside the core: `model` names no model this door reads.
+UNKNOWN_MODEL = ErrorRule(
+    422,
+    "unknown_model",
+    "model",
+    when="`model` is no served model or alias, or a lev release (System One only)",
+)
 NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
     TooManyOptions: ErrorRule(
         422, "validation_error", "options", "decisions[{question}].options", when="too many options"
@@ -99,6 +109,13 @@ NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
         "workload",
         "decisions[{question}].workload",
         when="`workload` is not in the calibration file; the message lists the known ones",
+    ),
+    WorkloadOfAnotherModel: ErrorRule(
+        422,
+        "workload_model",
+        "workload",
+        "decisions[{question}].workload",
+        when="`workload` is calibrated on another served model than the one `model` names",
     ),
     AnswerBoundary: ErrorRule(
         422,
@@ -296,20 +313,30 @@ def shared_reply_bytes(questions: Sequence[Question], identity: dict[str, str]) 
     )
 
 
-def read_decision(body: bytes, identity: dict[str, str]) -> tuple[Any, Question, int]:
-    """`/decide`'s body as its state, its question and the count of its reply (the route runs
-    this on a worker thread)."""
+@dataclass(frozen=True)
+class NativeCall:
+    """A validated native body: its state, its questions, the model it names and the count of
+    its reply."""
+
+    state: Any
+    questions: list[Question]
+    model: str | None
+    reply_bytes: int
+
+
+def read_decision(body: bytes, identity: dict[str, str]) -> NativeCall:
+    """`/decide`'s body as a call (the route runs this on a worker thread)."""
     decision = parse_body(DecisionBody, body)
     question = to_question(decision)
-    return decision.state, question, result_bytes(question, model_bytes(identity), timed=True)
+    need = result_bytes(question, model_bytes(identity), timed=True)
+    return NativeCall(decision.state, [question], decision.model, need)
 
 
-def read_shared(body: bytes, identity: dict[str, str]) -> tuple[Any, list[Question], int]:
-    """`/decide/shared`'s body as its state, its questions and the count of its reply (the route
-    runs this on a worker thread)."""
+def read_shared(body: bytes, identity: dict[str, str]) -> NativeCall:
+    """`/decide/shared`'s body as a call (the route runs this on a worker thread)."""
     shared = parse_body(SharedDecisionsBody, body)
     questions = [to_question(d) for d in shared.decisions]
-    return shared.state, questions, shared_reply_bytes(questions, identity)
+    return NativeCall(shared.state, questions, shared.model, shared_reply_bytes(questions, identity))
 
 
 # -- the door -------------------------------------------------------------------------------------
@@ -342,12 +369,46 @@ class NativeDoor(DecisionDoor):
             max_reply_bytes=settings.max_reply_bytes,
         )
 
+    def reader(self, call: NativeCall) -> str | None:
+        """The adapter that reads a call (None: the base): the model it names, else the one its
+        workloads' calibration names (several: the base, and the core refuses the mismatch).
+        A name that is no served model, or a lev release (System One only), is a 422 on `model`."""
+        models = self.service.models
+        if call.model is None:
+            named = self.service.core.calibration.models
+            implied = {named[w] for q in call.questions if (w := q.workload) is not None and w in named}
+            return implied.pop() if len(implied) == 1 else None
+        entry = models.resolve(call.model)
+        if entry is None:
+            served = ", ".join(repr(n) for n in [*models.models, *models.aliases])
+            raise ServiceError(
+                UNKNOWN_MODEL.status,
+                UNKNOWN_MODEL.code,
+                f"unknown model {call.model!r}; served: {served}",
+                "model",
+            )
+        if entry.method != SEMIF:
+            raise ServiceError(
+                UNKNOWN_MODEL.status,
+                UNKNOWN_MODEL.code,
+                f"model {call.model!r} is a lev release, read with lev's method: ask it on {SYSTEM_ONE_PATH}",
+                "model",
+            )
+        return None if entry.is_base else entry.name
+
     async def decide(self, request: Request, body: bytes) -> DecisionResult:
         """`POST /decide`: one decision; orderings run as one shared batch."""
-        identity = self.service.core.model_info
-        state, question, need = await asyncio.to_thread(read_decision, body, identity)
+        call = await asyncio.to_thread(read_decision, body, self.service.core.model_info)
+        model = self.reader(call)
+        identity = self.identity(model)
         outcome = await self.ask(
-            request, state, [question], shared=False, limits=self.limits, reply_bytes=need
+            request,
+            call.state,
+            call.questions,
+            shared=False,
+            limits=self.limits,
+            reply_bytes=call.reply_bytes,
+            model=model,
         )
         result = await asyncio.to_thread(decision_result, outcome.questions[0], outcome, identity)
         if outcome.shared:
@@ -356,13 +417,27 @@ class NativeDoor(DecisionDoor):
 
     async def decide_shared(self, request: Request, body: bytes) -> SharedResponse:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        identity = self.service.core.model_info
-        state, questions, need = await asyncio.to_thread(read_shared, body, identity)
-        outcome = await self.ask(request, state, questions, shared=True, limits=self.limits, reply_bytes=need)
+        call = await asyncio.to_thread(read_shared, body, self.service.core.model_info)
+        model = self.reader(call)
+        identity = self.identity(model)
+        outcome = await self.ask(
+            request,
+            call.state,
+            call.questions,
+            shared=True,
+            limits=self.limits,
+            reply_bytes=call.reply_bytes,
+            model=model,
+        )
         results = await asyncio.to_thread(
             lambda: [decision_result(q, outcome, identity) for q in outcome.questions]
         )
         return SharedResponse(results=results, timing=timing_body(outcome.timing))
+
+    def identity(self, model: str | None) -> dict[str, str]:
+        """The results' `model` block: the base's identity, and the adapter that read them."""
+        identity = self.service.core.model_info
+        return identity if model is None else {**identity, "adapter": model}
 
     async def calibrate(self, request: Request, body: bytes) -> CalibrationReport:
         """`POST /calibrate`: fit the workload's single-read T on labelled rows, with the code

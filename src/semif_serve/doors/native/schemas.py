@@ -102,9 +102,12 @@ class QuestionBody(BaseModel):
 
 
 class DecisionBody(QuestionBody):
-    """`POST /decide`: one decision in SemIf's row shape (extra fields are ignored)."""
+    """`POST /decide`: one decision in SemIf's row shape (extra fields are ignored); `model`
+    names the served model that reads it (a SEMIF_MODELS name or alias; absent: the model its
+    workload names, else the base)."""
 
     state: Any
+    model: str | None = None
 
     @field_validator("state", mode="before")
     @classmethod
@@ -113,10 +116,12 @@ class DecisionBody(QuestionBody):
 
 
 class SharedDecisionsBody(BaseModel):
-    """`POST /decide/shared`: many questions over one exact state."""
+    """`POST /decide/shared`: many questions over one exact state, read by one `model` (as
+    `/decide`'s)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     state: Any
+    model: str | None = None
     decisions: Annotated[list[QuestionBody], Field(min_length=1)]
 
     @field_validator("state", mode="before")

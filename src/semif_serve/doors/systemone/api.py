@@ -34,6 +34,7 @@ from semif_serve.doors.systemone.errors import (
     UNKNOWN_MODEL,
     error_reply,
 )
+from semif_serve.doors.systemone.lev import answer_lev, lev_listing
 from semif_serve.doors.systemone.mapping import (
     Policy,
     answers_of,
@@ -52,6 +53,7 @@ from semif_serve.doors.systemone.schemas import (
     MAX_OPTIONS,
     MODELS_PATH,
     SYSTEMONE_PATH,
+    AdapterInfo,
     ModelEntry,
     ModelList,
     SystemOneRequest,
@@ -63,6 +65,8 @@ from semif_serve.doors.systemone.schemas import (
 from semif_serve.doors.systemone.sizes import reply_bytes
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import headers_of
+from semif_serve.service.models import LEV, SEMIF
+from semif_serve.service.models import ModelEntry as ServedModel
 from semif_serve.service.startup import Service
 
 
@@ -115,11 +119,18 @@ class SystemOneDoor(DecisionDoor):
     def refuse_past_row_cap(self, data: dict[str, Any]) -> None:
         """Refuse (413) a decoded request whose questions already ask for more rows than the cap,
         counted from the JSON before it is validated or mapped: milliseconds, whatever it holds."""
+        if self.lev_entry(data.get("model")) is not None:
+            return  # a lev model's rows are its own orders, counted from its plan (lev_core.py)
         rows = rows_asked(data, self.policy)
         limit = self.service.settings.systemone_max_rows
         if rows > limit:
             exc = domain.TooManyRows(rows, limit)
             raise self.refusal(exc, True, ())
+
+    def lev_entry(self, model: object) -> ServedModel | None:
+        """The lev model (method "lev") a request naming `model` reads, or None."""
+        entry = self.served(model) if isinstance(model, str) else None
+        return entry if entry is not None and entry.method == LEV else None
 
     def body_limit(self, path: str, content_type: str | None, default: int) -> int:
         """A multipart body on `/v1/systemone` may carry SEMIF_SYSTEMONE_MAX_IMAGE_BYTES of images
@@ -156,15 +167,21 @@ class SystemOneDoor(DecisionDoor):
             )
         return parse_request(multipart.request, self.max_options, self.refuse_past_row_cap), multipart.parts
 
-    def mapped(self, parsed: SystemOneRequest) -> tuple[list[tuple[Question, ...]], int]:
-        """The core questions each question is asked as, and the count of the reply; run off the
-        event loop (both are linear in the request's text)."""
+    def mapped(self, parsed: SystemOneRequest, model: str) -> tuple[list[tuple[Question, ...]], int]:
+        """The core questions each question is asked as, and the count of the reply naming
+        `model`; run off the event loop (both are linear in the request's text)."""
         asked = [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
-        return asked, reply_bytes(parsed.questions, asked, self.model_name)
+        return asked, reply_bytes(parsed.questions, asked, model)
 
-    def accepts(self, model: str) -> bool:
-        """Whether a request naming `model` is served: the real name, or an alias when allowed."""
-        return model == self.model_name or model in self.aliases
+    def served(self, model: str) -> ServedModel | None:
+        """The served model a request naming `model` reads (a model's name, or an alias when
+        allowed; the base's real name too), or None when unknown."""
+        if model == self.model_name:
+            return self.service.models.models[self.service.models.base]
+        if model in self.aliases:
+            return self.service.models.resolve(model)
+        entry = self.service.models.models.get(model)
+        return entry if entry is not None and not entry.is_base else None
 
     def render(self, error: ServiceError, request: Request) -> Response:
         """Any error on `/v1/...` in TypeSafe's shapes (errors.py); the request id headers are
@@ -193,34 +210,75 @@ class SystemOneDoor(DecisionDoor):
             x_max_image_pixels=self.image_limits.max_image_pixels,
             x_max_image_bytes=self.image_limits.max_image_bytes,
         )
-        aliases = [
-            ModelEntry(
-                name=alias,
-                description=f"Alias of {self.model_name}.",
-                release_date=self.release_date,
-                x_alias_of=self.model_name,
+        real.x_method = SEMIF
+        real.x_calibration = self.service.core.calibration.workloads_of(None)
+        over = [self.model_over_base(entry) for entry in self.service.models.adapters]
+        aliases = []
+        for alias in self.aliases:
+            target = self.service.models.resolve(alias)
+            name = self.model_name if target is None or target.is_base else target.name
+            aliases.append(
+                ModelEntry(
+                    name=alias,
+                    description=f"Alias of {name}.",
+                    release_date=self.release_date,
+                    x_alias_of=name,
+                )
             )
-            for alias in self.aliases
-        ]
-        return ModelList(models=[real, *aliases])
+        return ModelList(models=[real, *over, *aliases])
+
+    def model_over_base(self, entry: ServedModel) -> ModelEntry:
+        """`/v1/models`' entry of a model over the base: its method, adapter, scale, calibration."""
+        if entry.method == LEV:  # a lev release: its own listing (lev.py)
+            return lev_listing(
+                self.service.lev.release(entry.name), entry.name, self.model_name, self.release_date
+            )
+        listed = ModelEntry(
+            name=entry.name,
+            description=f"{entry.name}: a LoRA adapter over {self.model_name}, read by SemIf's "
+            "option-logit readout in the same forwards as the base.",
+            release_date=self.release_date,
+            x_method=entry.method,
+            x_max_options=self.max_options,
+            x_reads_images=self.service.core.reads_images,
+            x_calibration=self.service.core.calibration.workloads_of(entry.name),
+        )
+        bank = self.service.engine.adapters
+        served = bank.adapters[bank.index(entry.name)]
+        listed.x_adapter = AdapterInfo(
+            name=served.weights.directory.name,
+            rank=served.weights.rank,
+            modules=len(served.weights.modules),
+            factor=served.scale,
+        )
+        listed.x_scale = served.multiplier
+        return listed
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
         """`POST /v1/systemone`: every question (and ordering) over the state in one batch."""
         content_type = headers_of(request.scope).media_type  # the one Content-Type admission bounded
         parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
+        # A lev model (method "lev") is answered by lev's method, on its own path (lev.py).
+        if (entry := self.lev_entry(parsed.model)) is not None:
+            return await answer_lev(self.service, request, parsed, entry, self.limits)
         if parsed.assets:  # decoding images is CPU work: off the event loop
             images = await asyncio.to_thread(
                 resolve_images, parsed, parts, self.image_limits, self.verified_images
             )
         else:  # only the placeholder and part checks: no thread hop for a text-only request
             images = resolve_images(parsed, parts, self.image_limits)
-        if not self.accepts(parsed.model):
+        entry = self.served(parsed.model)
+        if entry is None:
             aliases = f" (aliases: {', '.join(self.aliases)})" if self.aliases else ""
+            over = [e.name for e in self.service.models.adapters]
+            names = ", ".join(repr(n) for n in [self.model_name, *over])
             raise ServiceError(
                 UNKNOWN_MODEL.status,
                 UNKNOWN_MODEL.code,
-                f"unknown model {parsed.model!r}; this server serves {self.model_name!r}{aliases}",
+                f"unknown model {parsed.model!r}; this server serves {names}{aliases}",
             )
+        adapter = None if entry.is_base else entry.name
+        reply_model = adapter or self.model_name
         if images and not self.service.core.reads_images:
             raise ServiceError(
                 NO_VISION.status,
@@ -231,7 +289,7 @@ class SystemOneDoor(DecisionDoor):
                 "assets",
             )
         parsed, images = place_images(parsed, images)
-        asked, need = await asyncio.to_thread(self.mapped, parsed)
+        asked, need = await asyncio.to_thread(self.mapped, parsed, reply_model)
         questions = [question for own in asked for question in own]
         # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
         outcome = await self.ask(
@@ -242,10 +300,11 @@ class SystemOneDoor(DecisionDoor):
             limits=self.limits,
             reply_bytes=need,
             images=images,
+            model=adapter,
         )
         answers = await asyncio.to_thread(answers_of, parsed.questions, asked, outcome.questions)
         return SystemOneResponse(
-            model=self.model_name,
+            model=reply_model,
             answers=answers,
             usage=Usage(input_tokens=evaluated_tokens(outcome), output_tokens=0),
             x_timing=timing_block(outcome),

@@ -42,6 +42,11 @@ SYSTEMONE_ERRORS: dict[type[DecisionError], ErrorRule] = {
     domain.UnknownWorkload: ErrorRule(
         400, "api_usage_error", when="`x_workload` is not in the calibration file"
     ),
+    domain.WorkloadOfAnotherModel: ErrorRule(
+        400,
+        "api_usage_error",
+        when="the question's workload is calibrated on another served model than `model`",
+    ),
     domain.AnswerBoundary: ErrorRule(
         400, "api_usage_error", when="appending an answer code would change this prompt's tokenisation"
     ),

@@ -39,6 +39,7 @@ from semif_serve.doors.systemone.schemas import (
     ScoreAnswer,
     ScoreQuestion,
     SemIfBlock,
+    SystemOneAnswer,
 )
 
 # The wording a question gets where the request leaves it out (fixed: answers stay reproducible).
@@ -210,10 +211,10 @@ def answers_of(
     bodies: dict[str, NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion],
     asked: Sequence[tuple[Question, ...]],
     outcomes: Sequence[QuestionOutcome],
-) -> dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer]:
+) -> dict[str, SystemOneAnswer]:
     """Every System One answer by id from the core's outcomes, `asked[k]` being the core
     questions the k-th question was asked as (its outcomes follow in that order)."""
-    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer] = {}
+    answers: dict[str, SystemOneAnswer] = {}
     start = 0
     for (qid, body), questions in zip(bodies.items(), asked, strict=True):
         own = outcomes[start : start + len(questions)]

@@ -353,17 +353,80 @@ class BatchTimingBlock(TimingBody):
     total_seconds: float
 
 
+# -- answers of a lev model (method "lev"): System One's fields, lev's own reading in `x_lev` ----
+
+
+class LevBlock(BaseModel):
+    """`x_lev`: how lev read one answer: Mode A (label codes) or B (the candidate head), the
+    calibration bucket and its temperature, the orders averaged, lev's own `confidence` (its
+    normalised Gini, (K sum p^2 - 1) / (K - 1)) and the distribution it was computed from (a
+    rating noul: the levels "0".."8"; a binary noul: "yes", "no")."""
+
+    mode: Literal["A", "B"]
+    bucket: str
+    temperature: float
+    orders: int
+    confidence: float
+    distribution: dict[str, float]
+
+
+class LevNoulAnswer(BaseModel):
+    """A lev model's noul: P(true) as lev reads it."""
+
+    type: Literal["noul"]
+    noul: float
+    x_lev: LevBlock
+
+
+class LevChoiceAnswer(BaseModel):
+    """A lev model's choice: the top option, every option's probability, System One's confidence."""
+
+    type: Literal["choice"]
+    choice: str
+    probabilities: dict[str, float]
+    confidence: float
+    x_lev: LevBlock
+
+
+class LevScoreAnswer(BaseModel):
+    """A lev model's score: sum(i * p_i), the legend, each level's probability, System One's confidence."""
+
+    type: Literal["score"]
+    score: float
+    legend: dict[str, str]
+    probabilities: dict[str, float]
+    confidence: float
+    x_lev: LevBlock
+
+
+SystemOneAnswer = (
+    NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer | LevNoulAnswer | LevChoiceAnswer | LevScoreAnswer
+)
+
+
 class SystemOneResponse(BaseModel):
     """The model that answered (its real identity), one answer per question id, usage, and timing."""
 
     model: str
-    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer]
+    answers: dict[str, SystemOneAnswer]
     usage: Usage
     x_timing: BatchTimingBlock
 
 
+class AdapterInfo(BaseModel):
+    """The LoRA adapter a served model reads over the base: its directory's name, its rank, how
+    many of the base's layers it adapts, and the factor on its B(A(x)) (PEFT's alpha / r times
+    the serving `scale`)."""
+
+    name: str
+    rank: int
+    modules: int
+    factor: float
+
+
 class ModelEntry(BaseModel):
-    """One model name a request may use: the loaded model (with its `x_` limits), or an alias of it."""
+    """One model name a request may use: the base (with its `x_` limits), a model over it (its
+    method, adapter, serving scale and the calibration workloads fitted on it), or an alias."""
 
     name: str
     description: str
@@ -377,6 +440,10 @@ class ModelEntry(BaseModel):
     x_max_images: int | None = None
     x_max_image_pixels: int | None = None
     x_max_image_bytes: int | None = None
+    x_method: str | None = None
+    x_adapter: AdapterInfo | None = None
+    x_scale: float | None = None
+    x_calibration: list[str] | None = None
     x_alias_of: str | None = None
 
 
