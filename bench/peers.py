@@ -19,8 +19,14 @@ Workloads, one client that sends the next request as soon as the answer arrives:
 (a) eight choices (3 options each) over a NEW ~1,000-token state every request;
 (b) one short noul over a NEW short state every request.
 Cells are interleaved A, B, A, B; while one server is measured the other is stopped
-(SIGSTOP), so neither steals the two cores with idle work. Reported: req/s, semif-serve/peer,
-and, since lev reads a shorter prompt, ms per 1,000 input tokens as each server counts them.
+(SIGSTOP), so neither steals the two cores with idle work. Every server runs with the same
+intra-op thread count (--threads, default 1, as OMP_NUM_THREADS and MKL_NUM_THREADS): on this
+shared machine another process usually holds a core, and a server whose torch runs two OpenMP
+threads then waits at every parallel op's barrier for the descheduled one (measured: upstream's
+short noul at 350-900 ms a request with two threads, 130-165 ms with one, under a load of 5,
+with or without the other server stopped; that, not the stopping, was the BEFORE run's 3.6 s).
+Reported: req/s, semif-serve/peer, the median request, and, since lev reads a shorter prompt,
+ms per 1,000 input tokens as each server counts them.
 """
 
 from __future__ import annotations
@@ -144,14 +150,20 @@ class PeerProcess:
         self._log.close()
 
 
-def _peer_env(extra: Mapping[str, str]) -> dict[str, str]:
+def thread_env(threads: int) -> dict[str, str]:
+    """The intra-op thread settings every server gets, ours and the peers' alike."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def _peer_env(extra: Mapping[str, str], threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SEMIF_", "DECISION_"))}
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(thread_env(threads))
     env.update(extra)
     return env
 
 
-def semif_api_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
+def semif_api_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
     """Upstream SemIf's `semif_api`, started as PEERS.md says (torch, CPU, float32)."""
     port = free_port()
     env = _peer_env(
@@ -164,7 +176,8 @@ def semif_api_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
             "SEMIF_HOST": LOOPBACK,
             "SEMIF_PORT": str(port),
             "PYTHONPATH": "src",
-        }
+        },
+        threads,
     )
     peer = PeerProcess(
         "semif_api",
@@ -179,7 +192,7 @@ def semif_api_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
     return peer
 
 
-def jev_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
+def jev_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
     """jev-compatible-server 0.1.1, transformers backend, the causal_options readout."""
     port = free_port()
     config = work / "jev-decision.json"
@@ -189,7 +202,8 @@ def jev_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
             "DECISION_BACKEND": "transformers",
             "DECISION_MODEL_ID": str(model),
             "DECISION_CONFIG": str(config),
-        }
+        },
+        threads,
     )
     argv = [str(directory / ".venv/bin/python"), "-m", "uvicorn", "--factory"]
     argv += ["jev_compatible_server.app:create_app", "--host", LOOPBACK, "--port", str(port)]
@@ -198,12 +212,12 @@ def jev_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
     return peer
 
 
-def lev_peer(directory: Path, model: Path, work: Path) -> PeerProcess:
+def lev_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
     """lev's own server over the frozen base (`lev serve --model`), bfloat16, two orders."""
     port = free_port()
     argv = [str(directory / ".venv/bin/lev"), "serve", "--model", str(model)]
     argv += ["--host", LOOPBACK, "--port", str(port)]
-    peer = PeerProcess("lev", argv, directory, _peer_env({}), "/health", "ok", work)
+    peer = PeerProcess("lev", argv, directory, _peer_env({}, threads), "/health", "ok", work)
     peer.url = f"http://{LOOPBACK}:{port}"
     return peer
 
@@ -279,16 +293,24 @@ def measure(
 ) -> dict[str, Any]:
     """Up to n requests back to back (at least one, fewer once `budget` seconds are spent);
     req/s over the wall time and the mean input tokens the server reported."""
-    tokens = []
+    tokens, latencies = [], []
     started = time.perf_counter()
     while len(tokens) < n and (not tokens or time.perf_counter() - started < budget):
+        sent = time.perf_counter()
         reply = client.post(url + SYSTEMONE, json=workload.next())
+        latencies.append(time.perf_counter() - sent)
         if reply.status_code != 200:
             raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:300]}")
         tokens.append(int(reply.json()["usage"]["input_tokens"]))
     wall = time.perf_counter() - started
     done = len(tokens)
-    return {"requests": done, "seconds": wall, "rps": done / wall, "input_tokens": sum(tokens) / done}
+    return {
+        "requests": done,
+        "seconds": wall,
+        "rps": done / wall,
+        "input_tokens": sum(tokens) / done,
+        "latencies": latencies,
+    }
 
 
 @contextmanager
@@ -358,6 +380,9 @@ def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "ratios": ratios,
         "semif_ms_per_request": median([1000.0 * c["seconds"] / c["requests"] for c in ours]),
         "peer_ms_per_request": median([1000.0 * c["seconds"] / c["requests"] for c in theirs]),
+        # One slow request dominates a short cell's mean on a shared machine; the median does not.
+        "semif_median_ms": 1000.0 * median([x for c in ours for x in c["latencies"]]),
+        "peer_median_ms": 1000.0 * median([x for c in theirs for x in c["latencies"]]),
         "semif_input_tokens": median([c["input_tokens"] for c in ours]),
         "peer_input_tokens": median([c["input_tokens"] for c in theirs]),
         "semif_ms_per_1k_tokens": per_k_tokens(ours),
@@ -380,6 +405,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "counts": counts,
         "cell_seconds": args.cell_seconds,
+        "threads": args.threads,
         "environment": environment(),
         "load_average_before": os.getloadavg(),
         "peers": {},
@@ -399,12 +425,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for (dtype, orderings), group in groups.items():
             settings = {"device": "cpu", "dtype": dtype, "systemone_orderings": orderings}
             log(f"peers: semif-serve ({dtype}, orderings {orderings}) ...")
-            with ServiceProcess(model, DEMO_REVISION, settings, work / f"semif-{dtype}") as ours:
+            with ServiceProcess(
+                model, DEMO_REVISION, settings, work / f"semif-{dtype}", extra_env=thread_env(args.threads)
+            ) as ours:
                 for peer in group:
                     log(f"peers: {peer.name} ...")
                     assert peer.directory is not None
                     with ExitStack() as stack:
-                        theirs = stack.enter_context(peer.build(peer.directory, model, work))
+                        theirs = stack.enter_context(peer.build(peer.directory, model, work, args.threads))
                         measured = side_by_side(
                             (ours.url, ours.token, ours.pid),
                             (theirs.url, theirs.pid),
@@ -438,6 +466,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                     f"{r['ratio']:.2f}x",
                     " ".join(f"{x:.2f}" for x in r["ratios"]),
                     f"{r['semif_ms_per_request']:.0f} / {r['peer_ms_per_request']:.0f}",
+                    f"{r['semif_median_ms']:.0f} / {r['peer_median_ms']:.0f}",
                     f"{r['semif_input_tokens']:.0f} / {r['peer_input_tokens']:.0f}",
                     f"{_ms(r['semif_ms_per_1k_tokens'])} / {_ms(r['peer_ms_per_1k_tokens'])}",
                 ]
@@ -453,6 +482,7 @@ HEADERS = [
     "semif/peer",
     "per round",
     "ms/request (ours / theirs)",
+    "median ms (ours / theirs)",
     "input tokens",
     "ms per 1k tokens",
 ]
@@ -484,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cell-seconds", type=float, default=10.0, help="stop a cell after this long (at least one request)"
     )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads of every server (OMP_NUM_THREADS)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
     args = parser.parse_args(argv)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -493,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     env_ = results["environment"]
     print(
         f"semif-serve vs peers: hidden 256, 8 layers, vocab 248,320; CPU ({env_['cpus']} CPUs, torch "
-        f"{env_['torch']}); {args.rounds} rounds; {results['wall_seconds']:.0f} s; load average "
+        f"{env_['torch']}); {args.threads} thread(s) per server; {args.rounds} rounds; "
+        f"{results['wall_seconds']:.0f} s; load average "
         f"{results['load_average_before'][0]:.2f}/{results['load_average_after'][0]:.2f}"
     )
     print(format_table(HEADERS, table_rows(results)))
