@@ -15,7 +15,8 @@ from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import ConfigurationError, PromptRow
 from semif_serve.service.startup import Service
 from semif_serve.tools.demo import DEMO_REVISION
-from tests.engine.test_adapters import LEV_TARGETS, peft_logits, write_adapter
+from tests.engine.test_adapter_rows import triage_and_routing
+from tests.engine.test_adapters import peft_logits
 from tests.support import in_process_client, make_settings
 
 BASE = f"Qwen/Qwen3.5-4B@{DEMO_REVISION}"
@@ -29,15 +30,7 @@ OPTIONS = [
 
 @pytest.fixture(scope="module")
 def adapter_dirs(checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("door-adapters")
-    return {
-        "triage": write_adapter(
-            checkpoint, root / "triage-lora", 21, r=8, lora_alpha=16, target_modules=LEV_TARGETS
-        ),
-        "routing": write_adapter(
-            checkpoint, root / "routing-lora", 22, r=4, lora_alpha=8, target_modules=["up_proj"]
-        ),
-    }
+    return triage_and_routing(checkpoint, tmp_path_factory.mktemp("door-adapters"), 21, suffix="-lora")
 
 
 @pytest.fixture(scope="module")

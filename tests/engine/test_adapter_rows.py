@@ -22,17 +22,21 @@ QUESTION = PromptRow("Which queue handles this ticket?", ("billing", "platform",
 REORDERED = PromptRow("Which queue handles this ticket?", ("support", "billing", "platform"))
 
 
-@pytest.fixture(scope="module")
-def adapter_dirs(checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("served-adapters")
+def triage_and_routing(checkpoint, root, seed: int, suffix: str = "") -> dict:
+    """Two PEFT adapters: `triage` (rank 8 on lev's targets) and `routing` (rank 4 on up_proj)."""
     return {
         "triage": write_adapter(
-            checkpoint, root / "triage", 11, r=8, lora_alpha=16, target_modules=LEV_TARGETS
+            checkpoint, root / f"triage{suffix}", seed, r=8, lora_alpha=16, target_modules=LEV_TARGETS
         ),
         "routing": write_adapter(
-            checkpoint, root / "routing", 12, r=4, lora_alpha=8, target_modules=["up_proj"]
+            checkpoint, root / f"routing{suffix}", seed + 1, r=4, lora_alpha=8, target_modules=["up_proj"]
         ),
     }
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(checkpoint, tmp_path_factory):
+    return triage_and_routing(checkpoint, tmp_path_factory.mktemp("served-adapters"), 11)
 
 
 @pytest.fixture(scope="module")

@@ -396,20 +396,26 @@ class NativeDoor(DecisionDoor):
             )
         return None if entry.is_base else entry.name
 
-    async def decide(self, request: Request, body: bytes) -> DecisionResult:
-        """`POST /decide`: one decision; orderings run as one shared batch."""
-        call = await asyncio.to_thread(read_decision, body, self.service.core.model_info)
+    async def asked(
+        self, request: Request, call: NativeCall, *, shared: bool
+    ) -> tuple[DecisionOutcome, dict[str, str]]:
+        """A call's outcome from the core, read by the model it names, and its results' `model` block."""
         model = self.reader(call)
-        identity = self.identity(model)
         outcome = await self.ask(
             request,
             call.state,
             call.questions,
-            shared=False,
+            shared=shared,
             limits=self.limits,
             reply_bytes=call.reply_bytes,
             model=model,
         )
+        return outcome, self.identity(model)
+
+    async def decide(self, request: Request, body: bytes) -> DecisionResult:
+        """`POST /decide`: one decision; orderings run as one shared batch."""
+        call = await asyncio.to_thread(read_decision, body, self.service.core.model_info)
+        outcome, identity = await self.asked(request, call, shared=False)
         result = await asyncio.to_thread(decision_result, outcome.questions[0], outcome, identity)
         if outcome.shared:
             result.timing = timing_body(outcome.timing)
@@ -418,17 +424,7 @@ class NativeDoor(DecisionDoor):
     async def decide_shared(self, request: Request, body: bytes) -> SharedResponse:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
         call = await asyncio.to_thread(read_shared, body, self.service.core.model_info)
-        model = self.reader(call)
-        identity = self.identity(model)
-        outcome = await self.ask(
-            request,
-            call.state,
-            call.questions,
-            shared=True,
-            limits=self.limits,
-            reply_bytes=call.reply_bytes,
-            model=model,
-        )
+        outcome, identity = await self.asked(request, call, shared=True)
         results = await asyncio.to_thread(
             lambda: [decision_result(q, outcome, identity) for q in outcome.questions]
         )
