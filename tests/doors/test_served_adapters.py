@@ -209,25 +209,13 @@ def test_a_workload_naming_no_served_model_refuses_to_start(engine, checkpoint, 
 
 
 def test_the_model_that_read_a_request_is_in_its_log_line_and_the_metrics(client):
-    import io
-    import logging
-
-    from semif_serve.http.logs import JsonFormatter
     from tests.http.test_operations import metric
+    from tests.support import request_log_lines
 
     before = client.get("/metrics").text
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("semif_serve.request")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with request_log_lines() as lines:
         decide(client, model="routing", id="routed")
         decide(client)
-    finally:
-        logger.removeHandler(handler)
-    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [line.get("model") for line in lines] == ["routing", None]
     after = client.get("/metrics").text
     counted = "semif_model_requests_total"

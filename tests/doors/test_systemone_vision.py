@@ -400,21 +400,12 @@ def test_the_sdk_asks_a_box_about_an_image_and_parses_the_box(server, client):
 
 
 def test_an_image_request_is_counted_in_the_metrics_and_its_log_line(client, app):
-    import io as text_io
-    import logging
-
-    from semif_serve.http.logs import JsonFormatter
     from tests.http.test_operations import metric
+    from tests.support import request_log_lines
 
     before = client.get("/metrics").text
-    stream = text_io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("semif_serve.request")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     images = {PHOTO: noise_png(60), "<image:other>": noise_png(61)}
-    try:
+    with request_log_lines() as logged:
         reply = client.post(
             "/v1/systemone",
             json=request_body({"a": PHOTO, "b": "<image:other>"}, {"c": CHOICE}, images),
@@ -423,11 +414,9 @@ def test_an_image_request_is_counted_in_the_metrics_and_its_log_line(client, app
         client.post(
             "/v1/systemone", json=request_body("text", {"c": CHOICE}, {}), headers={"X-Request-ID": "text-1"}
         )
-    finally:
-        logger.removeHandler(handler)
     assert reply.status_code == 200, reply.text
     after = client.get("/metrics").text
     assert metric(after, "semif_images_read_total") == metric(before, "semif_images_read_total") + 2
-    lines = {line["request_id"]: line for line in map(json.loads, stream.getvalue().splitlines())}
+    lines = {line["request_id"]: line for line in logged}
     assert lines["images-1"]["images"] == 2
     assert "images" not in lines["text-1"]

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import json
-import logging
 
 import httpx
 
 from semif_serve.app import create_app
-from semif_serve.http.logs import JsonFormatter
 from semif_serve.service.startup import Service
-from tests.support import TOKEN, decision, make_settings
+from tests.support import TOKEN, decision, make_settings, request_log_lines
 
 
 def metric(text: str, name: str, **labels) -> float:
@@ -87,14 +84,8 @@ def test_a_sane_caller_request_id_is_echoed_and_an_insane_one_replaced(client):
 
 
 def test_every_request_logs_one_json_line_without_the_state_or_the_token(client):
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("semif_serve.request")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     secret_state = "Zone 7 secret migration notes"
-    try:
+    with request_log_lines() as lines:
         client.post(
             "/decide", json=decision(state=secret_state, workload=None), headers={"X-Request-ID": "log-1"}
         )
@@ -104,16 +95,13 @@ def test_every_request_logs_one_json_line_without_the_state_or_the_token(client)
             json=decision(state=secret_state),
             headers={"Authorization": "Bearer wrong-" + TOKEN, "X-Request-ID": "log-2"},
         )
-    finally:
-        logger.removeHandler(handler)
-    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     first = next(line for line in lines if line.get("request_id") == "log-1")
     assert first["route"] == "/decide" and first["status"] == 200
     assert first["rows"] == 1 and first["input_tokens"] > 0 and first["forward_seconds"] > 0
     assert "duration_ms" in first
     second = next(line for line in lines if line.get("request_id") == "log-2")
     assert second["status"] == 401
-    text = stream.getvalue()
+    text = json.dumps(lines)
     assert secret_state not in text and TOKEN not in text
 
 

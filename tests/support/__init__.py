@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -11,6 +16,26 @@ from semif_serve.service.settings import Settings
 from semif_serve.tools.demo import DEMO_REVISION
 
 TOKEN = "test-token-0123456789"
+
+
+@contextmanager
+def request_log_lines() -> Iterator[list[dict]]:
+    """The request log's JSON lines written inside the block, as the service formats them
+    (the list is filled when the block ends)."""
+    from semif_serve.http.logs import JsonFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("semif_serve.request")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    lines: list[dict] = []
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        lines.extend(json.loads(line) for line in stream.getvalue().splitlines())
 
 
 def make_settings(model_path: Path, **overrides) -> Settings:
