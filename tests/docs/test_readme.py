@@ -316,14 +316,19 @@ def test_the_python_client_example_exits_1_with_the_services_error(demo):
     assert "401 unauthorized" in result.stderr
 
 
-def test_the_typesafe_sdk_example_answers_against_the_demo(demo):
+def sdk_block_lines(demo, starts: str) -> list[str]:
+    """The output lines of the README's SDK block that starts with `starts`, run against the demo."""
     url, _ = demo
-    script = here(block("export TYPESAFE_BASE_URL=")).replace("http://127.0.0.1:8032", url)
+    script = here(block(starts)).replace("http://127.0.0.1:8032", url)
     result = subprocess.run(
         ["bash", "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    return result.stdout.splitlines()
+
+
+def test_the_typesafe_sdk_example_answers_against_the_demo(demo):
+    lines = sdk_block_lines(demo, "export TYPESAFE_BASE_URL=")
     answers = dict(line.split(": ", 1) for line in lines[:3])
     assert set(answers) == {"wants-refund", "team", "upset"}
     assert 0 <= float(re.fullmatch(r"P\(true\)=([0-9.]+)", answers["wants-refund"])[1]) <= 1
@@ -407,13 +412,7 @@ def test_the_lev_curl_example_is_answered(demo):
 
 
 def test_the_sdk_reaches_the_demos_lev_release_by_its_alias(demo):
-    url, _ = demo
-    script = here(block("TYPESAFE_DEFAULT_MODEL=local")).replace("http://127.0.0.1:8032", url)
-    result = subprocess.run(
-        ["bash", "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    lines = sdk_block_lines(demo, "TYPESAFE_DEFAULT_MODEL=local")
     assert set(dict(line.split(": ", 1) for line in lines[:3])) == {"wants-refund", "team", "upset"}
     assert re.fullmatch(r"model lev-demo: \d+ input tokens, 0 output", lines[3])
 
