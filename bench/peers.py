@@ -2,6 +2,7 @@
 
     PYTHONPATH=src:. python bench/peers.py                      # every peer found, ~6 min
     PYTHONPATH=src:. python bench/peers.py --only lev --rounds 1
+    PYTHONPATH=src:. python bench/peers.py --only lev-release   # lev and semif-serve on one lev release
 
 Peers are built from their public source in scratch environments outside the repository (see
 bench/README.md "Peers" and ../shared/docs/PEERS.md); each is found by a flag or variable and
@@ -14,6 +15,25 @@ skipped with a line saying so when absent:
 - lev's own server, frozen base (--lev-dir, SEMIF_PEER_LEV_DIR), which always loads bfloat16 and
   reads choice and binary noul in two orders; semif-serve in bfloat16 with
   noul=rotations,choice=reversal,score=none (the same two orders).
+- `lev-release`: lev's own server and semif-serve both serving one lev-format release (issue 26),
+  written once beside the checkpoint (`<model>-lev-release/`, by `write_lev_release`: a random
+  rank-32 LoRA adapter on every attention and MLP projection, adapter_scale 0.25, a candidate
+  head, a calibration table). lev: `lev serve --model <ckpt> --checkpoint <release>
+  --noul-readout rating --prompt-style plain --score-order-average off` (bfloat16, as lev always
+  loads). With a checkpoint lev reads a noul as a rating (nine codes, one order) unless told
+  `binary`, and the manifest's prompt style wins over the flag; the flags only pin lev's
+  defaults, so the work cannot drift if a default changes. semif-serve: bfloat16, SEMIF_MODELS
+  `[models.lev-bench] release = ...` with the same three options (`noul_readout = "rating"`,
+  `prompt_style = "plain"`, `score_order_average = "off"`) and `base_model` the checkpoint (the
+  manifest's base, which lev loads in place of `--model`), aliased `local`; the requests name
+  `lev-bench` (lev ignores the name). Both sides then read each choice in Mode A in two orders
+  (as given, reversed) and the noul as one rating row over the same prompt, calibrated by the
+  release's temperatures. Where they differ, by design: lev merges the adapter into its bf16
+  weights at load (`merge_and_unload`, no flag turns it off), so its forward costs the base's;
+  semif-serve keeps the base unmerged and adds the adapter's term per projection (its base
+  serves SemIf's method beside). lev's `load` does not read the manifest's `adapter_scale`
+  (scale 1.0) where semif-serve applies it (0.25): a different factor on the same term, the
+  same cost.
 
 Workloads, one client that sends the next request as soon as the answer arrives:
 (a) eight choices (3 options each) over a NEW ~1,000-token state every request;
@@ -64,6 +84,14 @@ STATE_TOKENS = 1000
 MATCH_NONE = "none"
 MATCH_LEV = "noul=rotations,choice=reversal,score=none"
 JEV_DECISION_CONFIG = {"decision": {"readout": "causal_options", "profile": "decider"}}
+BASE_MODEL = "jev-latest"  # the name the requests send to semif-serve's base
+LEV_RELEASE = "lev-bench"  # the release's served name (and its manifest's name)
+LEV_RELEASE_ALIAS = "local"  # the name lev's harness sends
+LEV_RELEASE_RANK = 32
+LEV_RELEASE_SCALE = 0.25
+# lev's server flags for the release, the same on both sides (SEMIF_MODELS keys and `lev serve`).
+LEV_RELEASE_OPTIONS = {"noul_readout": "rating", "prompt_style": "plain", "score_order_average": "off"}
+_LEV_RELEASE_MARKER = "BENCH.json"
 
 
 def peers_shape() -> Any:
@@ -83,6 +111,67 @@ def ensure_checkpoint(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     write_checkpoint(directory, peers_shape())
     return directory
+
+
+def release_directory(model: Path) -> Path:
+    """Where the bench keeps its lev release: beside the checkpoint, never inside it."""
+    return model.parent / f"{model.name}-lev-release"
+
+
+def release_recipe(model: Path) -> dict[str, Any]:
+    """What the bench's release is written from; a release written from another is rewritten."""
+    from semif_serve.tools.lev_builder import DEFAULT_TARGETS
+
+    return {
+        "base": str(model),
+        "name": LEV_RELEASE,
+        "rank": LEV_RELEASE_RANK,
+        "adapter_scale": LEV_RELEASE_SCALE,
+        "target_modules": list(DEFAULT_TARGETS),
+    }
+
+
+def ensure_release(model: Path) -> Path:
+    """The lev release both servers of `lev-release` load, written once over `model`."""
+    directory = release_directory(model)
+    marker = directory / _LEV_RELEASE_MARKER
+    recipe = release_recipe(model)
+    if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == recipe:
+        return directory
+    from semif_serve.tools.lev_builder import write_lev_release
+
+    log(f"peers: writing the lev release to {directory} (once) ...")
+    shutil.rmtree(directory, ignore_errors=True)
+    write_lev_release(
+        directory,
+        model,
+        rank=recipe["rank"],
+        target_modules=tuple(recipe["target_modules"]),
+        adapter_scale=recipe["adapter_scale"],
+        # lev loads the manifest's base in place of --model: name the checkpoint itself.
+        base_name=recipe["base"],
+        name=recipe["name"],
+    )
+    marker.write_text(json.dumps(recipe) + "\n", encoding="utf-8")
+    return directory
+
+
+def release_models_toml(release: Path, base_model: str) -> str:
+    """semif-serve's SEMIF_MODELS file for the release: lev's flags as the entry's keys, the
+    release's base vouched for (the service's own base name is its model source), `local`."""
+    lines = [f"[models.{LEV_RELEASE}]", f"release = {json.dumps(str(release))}"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in LEV_RELEASE_OPTIONS.items()]
+    lines += [
+        f"base_model = {json.dumps(base_model)}",
+        "[aliases]",
+        f"{LEV_RELEASE_ALIAS} = {json.dumps(LEV_RELEASE)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def lev_flags(options: Mapping[str, str]) -> list[str]:
+    """`lev serve` flags for lev's server options (`noul_readout` -> `--noul-readout`)."""
+    return [arg for key, value in options.items() for arg in ("--" + key.replace("_", "-"), value)]
 
 
 # -- the servers ---------------------------------------------------------------------------------
@@ -222,6 +311,17 @@ def lev_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProc
     return peer
 
 
+def lev_release_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
+    """lev's own server over the bench's lev release (`lev serve --checkpoint`), bfloat16."""
+    port = free_port()
+    argv = [str(directory / ".venv/bin/lev"), "serve", "--model", str(model)]
+    argv += ["--checkpoint", str(release_directory(model)), *lev_flags(LEV_RELEASE_OPTIONS)]
+    argv += ["--host", LOOPBACK, "--port", str(port)]
+    peer = PeerProcess("lev-release", argv, directory, _peer_env({}, threads), "/health", "ok", work)
+    peer.url = f"http://{LOOPBACK}:{port}"
+    return peer
+
+
 @dataclasses.dataclass(frozen=True)
 class Peer:
     name: str
@@ -230,6 +330,12 @@ class Peer:
     build: Any
     dtype: str
     orderings: str
+    release: bool = False  # semif-serve serves the bench's lev release, and the requests name it
+
+    @property
+    def served(self) -> str:
+        """The model the requests name."""
+        return LEV_RELEASE if self.release else BASE_MODEL
 
 
 def peers_from(args: argparse.Namespace) -> list[Peer]:
@@ -237,6 +343,8 @@ def peers_from(args: argparse.Namespace) -> list[Peer]:
         Peer("semif_api", args.semif_api_dir, ".venv/bin/python", semif_api_peer, "float32", MATCH_NONE),
         Peer("jev", args.jev_dir, ".venv/bin/python", jev_peer, "float32", MATCH_NONE),
         Peer("lev", args.lev_dir, ".venv/bin/lev", lev_peer, "bfloat16", MATCH_LEV),
+        # SEMIF_SYSTEMONE_ORDERINGS reaches the base only; a release reads lev's own orders.
+        Peer("lev-release", args.lev_dir, ".venv/bin/lev", lev_release_peer, "bfloat16", MATCH_LEV, True),
     ]
 
 
@@ -258,9 +366,10 @@ def fit_state_words(model: Path, target: int) -> int:
 class Workload:
     """Request bodies, each over a state no earlier request saw."""
 
-    def __init__(self, name: str, words: int) -> None:
+    def __init__(self, name: str, words: int, model: str = BASE_MODEL) -> None:
         self.name = name
         self.words = words
+        self.model = model
         self.serial = 0
 
     def next(self) -> dict[str, Any]:
@@ -279,7 +388,7 @@ class Workload:
         else:
             state = f"Health checks passed in zone {n % 7} after deploy {n}."
             questions = {"ok": {"type": "noul", "instructions": "Did the deployment succeed?"}}
-        return {"model": "jev-latest", "state": state, "questions": questions}
+        return {"model": self.model, "state": state, "questions": questions}
 
 
 WORKLOADS = {
@@ -333,8 +442,10 @@ def side_by_side(
     counts: Mapping[str, int],
     rounds: int,
     budget: float,
+    model: str = BASE_MODEL,
 ) -> dict[str, Any]:
-    """For each workload, `rounds` interleaved pairs of cells (semif-serve, then the peer)."""
+    """For each workload, `rounds` interleaved pairs of cells (semif-serve, then the peer), every
+    request naming `model`."""
     our_url, token, our_pid = ours
     peer_url, peer_pid = theirs
     out: dict[str, Any] = {}
@@ -343,7 +454,7 @@ def side_by_side(
         httpx.Client(timeout=600.0) as peer,
     ):
         for name, n in counts.items():
-            workload = Workload(name, words)
+            workload = Workload(name, words, model)
             cells: dict[str, list[dict[str, Any]]] = {"semif-serve": [], "peer": []}
             for client, url, pid, other in (
                 (mine, our_url, our_pid, peer_pid),
@@ -397,7 +508,7 @@ def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from semif_serve.tools.demo import DEMO_REVISION
 
-    model = ensure_checkpoint(args.model)
+    model = ensure_checkpoint(args.model.resolve())  # the peers run in their own directories
     words = fit_state_words(model, STATE_TOKENS)
     counts = {"eight": args.requests_eight, "noul": args.requests_noul}
     results: dict[str, Any] = {
@@ -414,20 +525,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wanted = [p for p in peers_from(args) if p.name in args.only]
     work = Path(tempfile.mkdtemp(prefix="semif-bench-peers-"))
     try:
-        groups: dict[tuple[str, str], list[Peer]] = {}
+        groups: dict[tuple[str, str, bool], list[Peer]] = {}
         for peer in wanted:
             if peer.directory is None or not (peer.directory / peer.marker).exists():
                 line = f"{peer.name}: no scratch environment at {peer.directory} (see bench/README.md, Peers)"
                 print(f"SKIPPED {line}")
                 results["skipped"][peer.name] = line
                 continue
-            groups.setdefault((peer.dtype, peer.orderings), []).append(peer)
-        for (dtype, orderings), group in groups.items():
+            groups.setdefault((peer.dtype, peer.orderings, peer.release), []).append(peer)
+        for (dtype, orderings, release), group in groups.items():
             settings = {"device": "cpu", "dtype": dtype, "systemone_orderings": orderings}
-            log(f"peers: semif-serve ({dtype}, orderings {orderings}) ...")
-            with ServiceProcess(
-                model, DEMO_REVISION, settings, work / f"semif-{dtype}", extra_env=thread_env(args.threads)
-            ) as ours:
+            extra = thread_env(args.threads)
+            where = f"semif-{dtype}"
+            if release:
+                models = work / "models.toml"
+                models.write_text(release_models_toml(ensure_release(model), str(model)), encoding="utf-8")
+                extra["SEMIF_MODELS"] = str(models)
+                where += "-release"
+            served = ", the lev release" if release else ""
+            log(f"peers: semif-serve ({dtype}, orderings {orderings}{served}) ...")
+            with ServiceProcess(model, DEMO_REVISION, settings, work / where, extra_env=extra) as ours:
                 for peer in group:
                     log(f"peers: {peer.name} ...")
                     assert peer.directory is not None
@@ -440,8 +557,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             counts,
                             args.rounds,
                             args.cell_seconds,
+                            peer.served,
                         )
-                    results["peers"][peer.name] = {"dtype": dtype, "semif_orderings": orderings, **measured}
+                    results["peers"][peer.name] = {
+                        "dtype": dtype,
+                        "semif_orderings": orderings,
+                        "model": peer.served,
+                        **measured,
+                    }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["load_average_after"] = os.getloadavg()
@@ -507,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jev-dir", type=Path, default=Path(env("SEMIF_PEER_JEV_DIR") or "/work/peers/jev"))
     parser.add_argument("--lev-dir", type=Path, default=Path(env("SEMIF_PEER_LEV_DIR") or "/work/peers/lev"))
-    parser.add_argument("--only", default="semif_api,jev,lev", help="comma-separated peers")
+    parser.add_argument("--only", default="semif_api,jev,lev,lev-release", help="comma-separated peers")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload")
     parser.add_argument("--requests-eight", type=int, default=20, help="requests per cell, workload (a)")
     parser.add_argument("--requests-noul", type=int, default=40, help="requests per cell, workload (b)")
