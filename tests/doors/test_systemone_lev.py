@@ -199,6 +199,7 @@ def test_each_type_equals_lev_read_by_hand_in_both_prompt_styles(model, style, c
     assert reply["usage"] == {
         "input_tokens": tokens_of(tokenizer, prefix_of(style), suffixes),
         "output_tokens": 0,
+        "cached_input_tokens": len(tokenizer.encode(prefix_of(style))),  # lev's extra: the prefix
     }
     assert reply["x_timing"]["forward_batches"] == 4 and reply["x_timing"]["prefill"] == "none"
 

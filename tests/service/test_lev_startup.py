@@ -44,6 +44,20 @@ def test_a_release_is_served_by_its_name_with_the_manifests_options(engine, chec
     assert service.models.resolve("local").method == "lev"
 
 
+def test_a_releases_adapter_is_held_once_by_the_engines_bank_and_counted_there(
+    engine, checkpoint, tmp_path, release
+):
+    from safetensors import safe_open
+
+    service, _ = start(engine, checkpoint, tmp_path, f'release = "{release}"')
+    served = service.lev.releases["lev-tiny"]
+    assert served.modules == () and not served.adapter_weights  # no second copy beside the bank
+    with safe_open(str(release / "adapter_model.safetensors"), framework="pt") as saved:
+        saved_bytes = sum(saved.get_tensor(k).numel() for k in saved.keys()) * 4  # float32 on the CPU
+    assert service.engine.adapters.nbytes == saved_bytes
+    assert service.engine.adapters.index("lev-tiny") >= 0
+
+
 def test_a_release_for_another_base_stops_startup_naming_both_files_and_keys(
     engine, checkpoint, tmp_path, release
 ):

@@ -2,8 +2,10 @@
 right-padded over a cache, rows that hold image tokens (embeddings and 3-D positions), SemIf's
 plain forward of one whole prompt, and the readout of the answer slots.
 
-Each returns float32 full-vocabulary logits only at the positions read (the last real one of
-each row), so only those hidden states go through the vocabulary projection.
+Each returns float32 logits only at the positions read (the last real one of each row), so
+only those hidden states go through the vocabulary projection; given the token ids read (the
+answer slots, lev's label codes), only those rows of the projection are computed, never the
+vocabulary (on a CPU the whole projection is a read of the head's every weight per forward).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def logits_over(
     images: RowImages | None = None,
     prefix: Sequence[int] = (),
     hidden_out: bool = False,
+    columns: Any | None = None,
 ):
     """`suffix_logits` over an already forked cache of `n_prefix` tokens (None: no prefix), which
     the forward consumes: attention mask over prefix + suffix, explicit positions, only the read
@@ -131,7 +134,8 @@ def logits_over(
 
     Where the `prefix` (its ids) or a suffix holds image tokens, `images` gives the rows'
     embeddings and 3-D positions (`image_rows`). `hidden_out`: the last hidden states themselves
-    (`[rows, hidden]`, the decoder's dtype), not their logits.
+    (`[rows, hidden]`, the decoder's dtype), not their logits. `columns` (token ids): only those
+    logits, `[rows, len(columns)]` (`head_logits`).
     """
     import torch
 
@@ -177,7 +181,24 @@ def logits_over(
             del hidden
         if hidden_out:
             return torch.stack(reads)
-        return model.get_output_embeddings()(torch.stack(reads)).float()
+        return head_logits(model, torch.stack(reads), columns)
+
+
+def head_logits(model: Any, hidden: Any, columns: Any | None = None) -> Any:
+    """Float32 logits `[rows, len(columns)]` of hidden states `[rows, hidden]` at the token ids
+    `columns` (None: the whole vocabulary): the output head's rows for those ids alone, equal to
+    the whole projection's columns. A head an adapter hooks (or that is no plain Linear) runs
+    whole, then is indexed, so its adapter still applies."""
+    import torch
+
+    head = model.get_output_embeddings()
+    if columns is None:
+        return head(hidden).float()
+    index = torch.as_tensor(columns, dtype=torch.long, device=hidden.device)
+    if type(head) is not torch.nn.Linear or head._forward_hooks or head._forward_pre_hooks:
+        return head(hidden)[:, index].float()
+    bias = head.bias[index] if head.bias is not None else None
+    return torch.nn.functional.linear(hidden, head.weight[index], bias).float()
 
 
 def image_rows(
@@ -220,23 +241,25 @@ def plain_logits(
     device: Any,
     chunk_tokens: int | None = None,
     images: RowImages | None = None,
+    columns: Any | None = None,
 ) -> Any:
-    """SemIf's plain forward of one whole prompt, no cache: the logits `[vocab]` at its last
-    position (a prompt with image tokens runs over its embeddings and 3-D positions, in column
-    chunks of `chunk_tokens`)."""
+    """SemIf's plain forward of one whole prompt, no cache: the logits at its last position, of
+    the token ids `columns` (None: `[vocab]`; see `head_logits`). A prompt with image tokens
+    runs over its embeddings and 3-D positions, in column chunks of `chunk_tokens`."""
     import torch
 
     with torch.inference_mode():
         if images is not None and any(t < 0 for t in ids):
-            return logits_over(model, None, 0, [ids], pad_id, chunk_tokens, images)[0]
+            return logits_over(model, None, 0, [ids], pad_id, chunk_tokens, images, columns=columns)[0]
         tensor = torch.tensor([list(ids)], device=device)
-        return model(input_ids=tensor, use_cache=False, logits_to_keep=1).logits[0, -1]
+        last = model.get_decoder()(input_ids=tensor, use_cache=False).last_hidden_state[:, -1]
+        return head_logits(model, last, columns)[0]
 
 
-def read_slots(logits: Any, slot_ids: Any, n_options: int) -> tuple[list[float], list[float]]:
-    """One position's full-vocabulary logits -> (the first `n_options` answer slots' logits in
-    float32, their softmax): the slots alone, never the vocabulary."""
+def read_slots(slot_logits: Any, n_options: int) -> tuple[list[float], list[float]]:
+    """One position's answer-slot logits (`head_logits` at the slots) -> (the first `n_options`
+    slots' logits in float32, their softmax)."""
     import torch
 
-    option = logits[slot_ids[:n_options]].float()
+    option = slot_logits[:n_options].float()
     return option.tolist(), torch.softmax(option, dim=-1).tolist()

@@ -391,21 +391,15 @@ def load_lev_release(
     )
 
 
-def placed_on(release: LevRelease, model: Any) -> LevRelease:
-    """The release with its LoRA matrices in the dtype and on the device of the base modules they
-    adapt, and its head on the base's device (float32): moved once, at startup, so a request
-    copies nothing and the memory baseline counts them."""
-    modules = dict(model.named_modules())
-    moved = []
-    for lora in release.modules:
-        weight = modules[lora.name].weight
-        a = lora.a.to(device=weight.device, dtype=weight.dtype)
-        b = lora.b.to(device=weight.device, dtype=weight.dtype)
-        moved.append(LoraModule(lora.name, a, b, lora.scaling))
+def served_release(release: LevRelease, model: Any) -> LevRelease:
+    """The release as the serving engine holds it: its head on the base's device (float32, moved
+    once at startup, so a request copies nothing and the memory baseline counts it), its LoRA
+    matrices and saved tensors dropped: the engine's AdapterBank holds the adapter's one copy
+    (`score_lev_on` reads through it; `lora_applied` and `score_lev` need the loaded release)."""
     head = release.head
     if head is not None:
         head = head.to(device=next(model.parameters()).device)
-    return replace(release, modules=tuple(moved), head=head)
+    return replace(release, modules=(), adapter_weights={}, head=head)
 
 
 @contextmanager
@@ -491,9 +485,11 @@ def score_lev_on(
     by_labels = [i for i, row in enumerate(plan.rows) if row.label_ids is not None]
     by_head = [i for i, row in enumerate(plan.rows) if row.label_ids is None]
     if by_labels:
-        logits = engine.read_ids(prefix_ids, [suffixes[i] for i in by_labels], model)
+        read = sorted({t for i in by_labels for t in plan.rows[i].label_ids or ()})  # never the vocabulary
+        column = {token: at for at, token in enumerate(read)}
+        logits = engine.read_ids(prefix_ids, [suffixes[i] for i in by_labels], model, columns=read)
         for k, i in enumerate(by_labels):
-            scores[i] = logits[k, list(plan.rows[i].label_ids or ())].float().tolist()
+            scores[i] = logits[k, [column[t] for t in plan.rows[i].label_ids or ()]].float().tolist()
     if by_head:
         last = engine.read_ids(prefix_ids, [suffixes[i] for i in by_head], model, hidden=True)
         decoder = engine.model.get_decoder()

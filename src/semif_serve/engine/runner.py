@@ -31,6 +31,7 @@ from semif_serve.engine.forwards import logits_over, plain_logits, prefill, read
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.lone import KEEP_STATE_TOKENS, LoneRowPolicy
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
+from semif_serve.engine.sharing import prefill_pays
 from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, StoredState, prefix_digest
 from semif_serve.engine.stepped import SteppedPrefill
 from semif_serve.engine.vision import ImageSet, VisionTower, text_chunk_flops
@@ -266,23 +267,37 @@ class TorchEngine:
         return self.readout(prepared, scored[0])
 
     def read_ids(
-        self, prefix: list[int], suffixes: Sequence[Sequence[int]], model: int = BASE, *, hidden: bool = False
+        self,
+        prefix: list[int],
+        suffixes: Sequence[Sequence[int]],
+        model: int = BASE,
+        *,
+        hidden: bool = False,
+        columns: Sequence[int] | None = None,
     ) -> Any:
-        """Float32 full-vocabulary logits `[rows, vocab]` at the last token of each row `prefix +
-        suffix` under `model` (`hidden`: the last hidden states instead), for a method that
-        renders its own token ids (lev's). A prefix worth keeping (cached, or at least
-        `keep_state_tokens`) is prefilled once into the state cache (or found there) and the
-        rows run over it, split by the memory headroom; a short one runs every whole row in one
-        right-padded forward. Either equals each row's plain forward (float32: within 1e-5)."""
+        """Float32 logits `[rows, len(columns)]` of the token ids `columns` (None: the whole
+        vocabulary) at the last token of each row `prefix + suffix` under `model` (`hidden`: the
+        last hidden states instead), for a method that renders its own token ids (lev's). A prefix
+        worth keeping (at least `keep_state_tokens`) or worth sharing (`prefill_pays`, counting a
+        cached state) is prefilled once into the state cache (or found there) and the rows run
+        over it, split by the memory headroom; otherwise every whole row runs in one right-padded
+        forward. Either equals each row's plain forward (float32: within 1e-5)."""
         torch = self.torch
-        if not self.cache.has(prefix, STATE, model) and len(prefix) < self.options.keep_state_tokens:
+        width = max(len(s) for s in suffixes)
+        if not self._shares(prefix, model, len(suffixes), width):
             with torch.inference_mode(), self.adapters.rows(model):
                 rows = [[*prefix, *suffix] for suffix in suffixes]
                 return logits_over(
-                    self.model, None, 0, rows, self.pad_id, self.prefill_chunk_tokens, hidden_out=hidden
+                    self.model,
+                    None,
+                    0,
+                    rows,
+                    self.pad_id,
+                    self.prefill_chunk_tokens,
+                    hidden_out=hidden,
+                    columns=columns,
                 )
         stored, _, _ = self._state(prefix, len(prefix), None, model)
-        width = max(len(s) for s in suffixes)
         chunk = self.prefill_chunk_tokens
         step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(suffixes)
         parts = []
@@ -291,7 +306,16 @@ class TorchEngine:
                 batch = list(suffixes[start : start + step])
                 cache = stored.fork(len(batch)) if stored is not None else None
                 parts.append(
-                    logits_over(self.model, cache, len(prefix), batch, self.pad_id, chunk, hidden_out=hidden)
+                    logits_over(
+                        self.model,
+                        cache,
+                        len(prefix),
+                        batch,
+                        self.pad_id,
+                        chunk,
+                        hidden_out=hidden,
+                        columns=columns,
+                    )
                 )
                 del cache
         return torch.cat(parts)
@@ -426,10 +450,18 @@ class TorchEngine:
                 suffixes = [s for s, _, _ in batch]
                 with self.adapters.rows(row_models):
                     logits = logits_over(
-                        self.model, cache, len(prefix), suffixes, self.pad_id, chunk, images, prefix
+                        self.model,
+                        cache,
+                        len(prefix),
+                        suffixes,
+                        self.pad_id,
+                        chunk,
+                        images,
+                        prefix,
+                        columns=self.slot_ids,
                     )
                 del cache
-                readouts.extend(read_slots(logits[i], self.slot_ids, n) for i, (_, n, _) in enumerate(batch))
+                readouts.extend(read_slots(logits[i], n) for i, (_, n, _) in enumerate(batch))
                 del logits
                 self.memory.synchronize()
                 replicate_seconds += t1 - t0
@@ -454,14 +486,25 @@ class TorchEngine:
             at += count
         return results
 
+    def _shares(self, prefix: Sequence[int], model: int, rows: int, width: int) -> bool:
+        """Whether `rows` rows (suffixes up to `width` tokens) run over one state of `prefix`
+        under `model` rather than each whole: a prefix worth keeping (`keep_state_tokens`), or
+        one whose prefill pays (`prefill_pays`, counting what the cache already holds)."""
+        if len(prefix) >= self.options.keep_state_tokens:
+            return True
+        to_prefill = len(prefix) - len(self.cache.longest_prefix(prefix, model) or ())
+        return prefill_pays(len(prefix), to_prefill, rows, width)
+
     def _plain(self, prepared: PreparedRows, images: ImageSet | None) -> ScoredRow:
         """SemIf's plain forward of a lone row's whole prompt."""
         ids = prepared.prompts[0].ids
         t0 = time.perf_counter()
         with self.adapters.rows(prepared.model):
-            last = plain_logits(self.model, ids, self.pad_id, self.device, self.prefill_chunk_tokens, images)
+            last = plain_logits(
+                self.model, ids, self.pad_id, self.device, self.prefill_chunk_tokens, images, self.slot_ids
+            )
         with self.torch.inference_mode():
-            logits, probs = read_slots(last, self.slot_ids, prepared.n_options[0])
+            logits, probs = read_slots(last, prepared.n_options[0])
         self.memory.synchronize()
         run = GroupRun(suffix_forward_seconds=time.perf_counter() - t0, width=len(ids), direct=True)
         return ScoredRow(logits, probs, run)

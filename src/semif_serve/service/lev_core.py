@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from semif_serve.domain.lev import LevPlan, LevQuestion, LevReleaseError, plan_request
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.types import ConfigurationError, TooManyRows, TooManyTokens
-from semif_serve.engine.lev_release import LevRelease, LevReply, load_lev_release, placed_on, score_lev_on
+from semif_serve.engine.lev_release import (
+    LevRelease,
+    LevReply,
+    load_lev_release,
+    score_lev_on,
+    served_release,
+)
 from semif_serve.service.models import LEV, ModelSet
 
 if TYPE_CHECKING:
@@ -61,7 +67,7 @@ def load_lev_releases(
             if exc.file == where:
                 raise ConfigurationError(f"{where}.{exc.key}: {exc.problem}") from None
             raise ConfigurationError(f"{where}.release: {exc}") from None
-        releases[entry.name] = placed_on(release, engine.model)
+        releases[entry.name] = served_release(release, engine.model)
     return releases
 
 

@@ -229,10 +229,17 @@ class SystemOneDoor(DecisionDoor):
 
     def model_over_base(self, entry: ServedModel) -> ModelEntry:
         """`/v1/models`' entry of a model over the base: its method, adapter, scale, calibration."""
+        bank = self.service.engine.adapters
+        served = bank.adapters[bank.index(entry.name)]
+        adapter = AdapterInfo(
+            name=served.weights.directory.name,
+            rank=served.weights.rank,
+            modules=len(served.weights.modules),
+            factor=served.scale,
+        )
         if entry.method == LEV:  # a lev release: its own listing (lev.py)
-            return lev_listing(
-                self.service.lev.release(entry.name), entry.name, self.model_name, self.release_date
-            )
+            release = self.service.lev.release(entry.name)
+            return lev_listing(release, adapter, entry.name, self.model_name, self.release_date)
         listed = ModelEntry(
             name=entry.name,
             description=f"{entry.name}: a LoRA adapter over {self.model_name}, read by SemIf's "
@@ -243,14 +250,7 @@ class SystemOneDoor(DecisionDoor):
             x_reads_images=self.service.core.reads_images,
             x_calibration=self.service.core.calibration.workloads_of(entry.name),
         )
-        bank = self.service.engine.adapters
-        served = bank.adapters[bank.index(entry.name)]
-        listed.x_adapter = AdapterInfo(
-            name=served.weights.directory.name,
-            rank=served.weights.rank,
-            modules=len(served.weights.modules),
-            factor=served.scale,
-        )
+        listed.x_adapter = adapter
         listed.x_scale = served.multiplier
         return listed
 

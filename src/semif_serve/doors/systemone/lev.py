@@ -187,15 +187,19 @@ async def answer_lev(
     return SystemOneResponse(
         model=entry.name,
         answers=answers,
-        usage=Usage(input_tokens=reply.input_tokens, output_tokens=0),
+        usage=Usage(
+            input_tokens=reply.input_tokens, output_tokens=0, cached_input_tokens=reply.cached_input_tokens
+        ),
         x_timing=lev_timing(outcome),
     )
 
 
-def lev_listing(release: LevRelease, name: str, base: str, release_date: str) -> ModelListing:
-    """`/v1/models`' entry of a lev release: method `lev`, its adapter (the factor on B(A(x)) with
-    the serving scale in it), the serving scale, and its calibration buckets."""
-    modules = release.modules
+def lev_listing(
+    release: LevRelease, adapter: AdapterInfo, name: str, base: str, release_date: str
+) -> ModelListing:
+    """`/v1/models`' entry of a lev release: method `lev`, its adapter as the engine serves it
+    (the factor on B(A(x)) with the serving scale in it), the serving scale, and its calibration
+    buckets."""
     return ModelListing(
         name=name,
         description=f"{name}: the lev release {release.name!r} over {base}, read by lev's method (its "
@@ -205,12 +209,7 @@ def lev_listing(release: LevRelease, name: str, base: str, release_date: str) ->
         x_method="lev",
         x_max_options=MAX_OPTIONS,
         x_reads_images=False,
-        x_adapter=AdapterInfo(
-            name=release.directory.name,
-            rank=int(release.adapter_config["r"]),
-            modules=len(modules),
-            factor=modules[0].scaling if modules else 0.0,
-        ),
+        x_adapter=adapter,
         x_scale=release.adapter_scale,
         x_calibration=sorted(release.calibration.temperatures),
     )
