@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from semif_serve.app import create_app
+from semif_serve.doors.systemone.schemas import SystemOneRequest
+from semif_serve.doors.systemone.sizes import lev_reply_bytes
 from semif_serve.service.startup import Service
 from semif_serve.tools.lev_builder import DEFAULT_TEMPERATURES, write_lev_release
 from tests.engine.test_lev_release import (
@@ -348,3 +350,37 @@ def test_a_prompt_over_the_token_limit_is_refused_naming_the_question(engine, ch
     questions = {"short": {"type": "noul"}, "long": {"type": "noul", "instructions": "word " * 60}}
     message = refused(post(small, questions=questions), 413, "request_too_large")
     assert message.startswith("question 'long': the prompt is")
+
+
+def test_a_lev_reply_is_counted_before_any_engine_work_at_least_as_large_as_it_is_sent(client):
+    wide = {"type": "choice", "criteria": {f"option-{i}-" + "é" * i: None for i in range(30)}}
+    questions = {**QUESTIONS, "wide": wide, "again": QUESTIONS["frustration"]}
+    reply = post(client, questions=questions)
+    assert reply.status_code == 200, reply.text
+    for model in ("lev-tiny", "lev-binary"):  # a rating noul and a binary one
+        sent = post(client, model=model, questions=questions)
+        assert sent.status_code == 200
+        request = SystemOneRequest.model_validate({"model": model, "state": "text", "questions": questions})
+        assert lev_reply_bytes(request.questions, model) >= len(sent.content)
+
+
+def test_a_lev_reply_over_the_reply_budget_is_refused_before_any_engine_work(
+    engine, checkpoint, release_dirs, monkeypatch
+):
+    from semif_serve.service.lev_core import LevCore
+
+    settings = make_settings(checkpoint, models=release_dirs / "models.toml", max_reply_bytes=2048)
+    small = in_process_client(create_app(Service.start(settings, engine=engine)))
+    asked = []
+    real = LevCore.decide
+
+    async def counted(self, *args, **kwargs):
+        asked.append(args)
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LevCore, "decide", counted)
+    assert post(small, questions={"urgent": QUESTIONS["urgent"]}).status_code == 200
+    wide = {"type": "choice", "criteria": {f"queue-{i}": None for i in range(40)}}
+    message = refused(post(small, questions={"wide": wide}), 413, "request_too_large")
+    assert "over the reply budget of 2048 bytes" in message
+    assert len(asked) == 1  # the refused request never reached lev's method

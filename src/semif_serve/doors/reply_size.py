@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
@@ -57,12 +58,17 @@ def object_bytes(model: type[BaseModel], sizes: Mapping[str, int]) -> int:
 def scalars_bytes(model: type[BaseModel], texts: Mapping[str, int] | None = None) -> int:
     """A model of numbers and flags (every field set) as a JSON object; `texts` bounds its
     string fields."""
-    bounds: dict[type, int] = {bool: BOOL_BYTES, int: INT_BYTES, float: FLOAT_BYTES}
+    bounds: dict[Any, int] = {bool: BOOL_BYTES, int: INT_BYTES, float: FLOAT_BYTES}
     texts = texts or {}
+
+    def bound(annotation: Any) -> int:  # an optional number counts as set: the larger
+        kinds = [kind for kind in get_args(annotation) if kind is not type(None)] or [annotation]
+        return max(bounds[kind] for kind in kinds)
+
     return object_bytes(
         model,
         {
-            name: texts[name] if name in texts else bounds[field.annotation]  # type: ignore[index]
+            name: texts[name] if name in texts else bound(field.annotation)
             for name, field in model.model_fields.items()
         },
     )

@@ -9,12 +9,14 @@ probabilities; lev's own statistic (its normalised Gini) is kept in `x_lev.confi
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 
 from semif_serve.domain.answers import choice_confidence, score_confidence
 from semif_serve.domain.lev import LevAnswer, LevChoice, LevNoul, LevQuestion, LevScore, ModeBUnavailable
 from semif_serve.domain.requests import Limits
-from semif_serve.domain.types import BatchTiming, DecisionError
+from semif_serve.domain.types import BatchTiming, DecisionError, ReplyTooLarge
 from semif_serve.doors.base import ErrorRule, refusal_of
 from semif_serve.doors.systemone.errors import SYSTEMONE_ERRORS
 from semif_serve.doors.systemone.mapping import as_text
@@ -38,6 +40,7 @@ from semif_serve.doors.systemone.schemas import (
 from semif_serve.doors.systemone.schemas import (
     ModelEntry as ModelListing,
 )
+from semif_serve.doors.systemone.sizes import lev_reply_bytes
 from semif_serve.engine.lev_release import LevRelease
 from semif_serve.http.errors import ServiceError
 from semif_serve.service.core import RequestRecord
@@ -166,6 +169,9 @@ async def answer_lev(
     """`POST /v1/systemone` for the lev model `entry`: lev's answers under System One's names,
     `usage.input_tokens` as lev counts it (the prefix once, plus every row's suffix)."""
     questions = lev_questions(parsed, entry.name)
+    need = await asyncio.to_thread(lev_reply_bytes, parsed.questions, entry.name)
+    if limits.max_reply_bytes is not None and need > limits.max_reply_bytes:  # before any engine work
+        raise refusal_of(LEV_ERRORS, ReplyTooLarge(need, limits.max_reply_bytes), True, [])
     try:
         outcome = await service.lev.decide(entry.name, parsed.state, questions, limits)
     except DecisionError as exc:

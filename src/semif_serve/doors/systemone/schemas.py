@@ -345,7 +345,7 @@ class Usage(BaseModel):
     input_tokens: int
     output_tokens: int
     cached_input_tokens: int | None = Field(
-        None,
+        default=None,
         description="lev models only, as lev reports it: the prefix's tokens, read once for every row.",
     )
 

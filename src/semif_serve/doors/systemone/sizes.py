@@ -24,6 +24,7 @@ from semif_serve.doors.reply_size import (
     text_bytes,
 )
 from semif_serve.doors.systemone import schemas as wire
+from semif_serve.doors.systemone.mapping import as_text
 
 TIMING_BYTES = scalars_bytes(wire.BatchTimingBlock, {"prefill": PREFILL_BYTES})
 
@@ -95,6 +96,65 @@ def reply_bytes(
     """At least the bytes of the reply to a request's questions (`asked[k]`: the core questions
     the k-th was asked as), counted without building it."""
     answers = [answer_bytes(body.type, own) for body, own in zip(bodies.values(), asked, strict=True)]
+    return object_bytes(
+        wire.SystemOneResponse,
+        {
+            "model": text_bytes(model_name),
+            "answers": map_bytes(sum(map(text_bytes, bodies)), sum(answers), len(answers)),
+            "usage": scalars_bytes(wire.Usage),
+            "x_timing": TIMING_BYTES,
+        },
+    )
+
+
+# lev's calibration buckets (`{type}:{mode}[:{band}]`, or "default"): the longest bounds every one.
+LEV_BUCKET_BYTES = max(
+    text_bytes(f"{kind}:{mode}:{band}")
+    for kind in ("noul", "noul_binary", "choice", "score")
+    for mode in ("A", "B")
+    for band in ("small", "mid", "large")
+)
+LEV_NOUL_LEVELS = [str(level) for level in range(9)]  # a rating noul's levels (a binary one: yes, no)
+
+
+def lev_answer_bytes(body: wire.NoulQuestion | wire.ChoiceQuestion | wire.ScoreQuestion) -> int:
+    """At least the bytes of a lev model's answer to `body`: its value, the probabilities and
+    `x_lev`'s distribution by name (a noul by its rating levels, the larger of lev's readouts)."""
+    if isinstance(body, wire.NoulQuestion):
+        names = [text_bytes(level) for level in LEV_NOUL_LEVELS]
+    elif isinstance(body, wire.ChoiceQuestion):
+        names = [text_bytes(name) for name in body.criteria]
+    else:
+        names = [text_bytes(str(i)) for i in range(len(body.criteria))]
+    by_name = map_bytes(sum(names), len(names) * FLOAT_BYTES, len(names))
+    block = object_bytes(
+        wire.LevBlock,
+        {
+            "mode": text_bytes("A"),
+            "bucket": LEV_BUCKET_BYTES,
+            "temperature": FLOAT_BYTES,
+            "orders": INT_BYTES,
+            "confidence": FLOAT_BYTES,
+            "distribution": by_name,
+        },
+    )
+    sizes = {"type": text_bytes(body.type), "x_lev": block}
+    if isinstance(body, wire.NoulQuestion):
+        return object_bytes(wire.LevNoulAnswer, sizes | {"noul": FLOAT_BYTES})
+    sizes |= {"probabilities": by_name, "confidence": FLOAT_BYTES}
+    if isinstance(body, wire.ChoiceQuestion):
+        return object_bytes(wire.LevChoiceAnswer, sizes | {"choice": max(names)})
+    legend = map_bytes(sum(names), sum(text_bytes(as_text(level)) for level in body.criteria), len(names))
+    return object_bytes(wire.LevScoreAnswer, sizes | {"score": FLOAT_BYTES, "legend": legend})
+
+
+def lev_reply_bytes(
+    bodies: dict[str, wire.NoulQuestion | wire.ChoiceQuestion | wire.ScoreQuestion | wire.BoxQuestion],
+    model_name: str,
+) -> int:
+    """At least the bytes of a lev model's reply to a request's questions (boxes are refused
+    before), counted without building it."""
+    answers = [lev_answer_bytes(body) for body in bodies.values() if not isinstance(body, wire.BoxQuestion)]
     return object_bytes(
         wire.SystemOneResponse,
         {
