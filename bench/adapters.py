@@ -132,6 +132,7 @@ def measure(
     from semif_serve.engine.state_cache import StoredState
 
     pad = 0
+    slots = list(range(32, 48))  # the rows the output head computes, as the engine reads 16 answer slots
     generator = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -142,7 +143,7 @@ def measure(
 
     def run_plain(rows: list[list[int]], over: Any = model) -> Any:
         with torch.inference_mode():
-            return logits_over(over, None, 0, rows, pad)
+            return logits_over(over, None, 0, rows, pad, columns=slots)
 
     bank = AdapterBank(model)
     try:
@@ -164,7 +165,7 @@ def measure(
                 else:
                     counts.append((states[m], 1))
             with bank.rows(models):
-                return logits_over(model, stacked_fork(counts), len(state), questions, pad)
+                return logits_over(model, stacked_fork(counts), len(state), questions, pad, columns=slots)
 
         def fill(m: int) -> Any:
             with bank.rows(m):
@@ -198,7 +199,9 @@ def measure(
         if detached is not None:
             detached_state = StoredState(state, prefill(detached, state))
             extra = [
-                lambda: logits_over(detached, detached_state.fork(8), len(state), questions, pad),
+                lambda: logits_over(
+                    detached, detached_state.fork(8), len(state), questions, pad, columns=slots
+                ),
                 lambda: prefill(detached, state),
                 lambda: run_plain([lone], detached),
                 lambda: run_plain(lones, detached),

@@ -203,7 +203,13 @@ def test_each_type_equals_lev_read_by_hand_in_both_prompt_styles(model, style, c
         "output_tokens": 0,
         "cached_input_tokens": len(tokenizer.encode(prefix_of(style))),  # lev's extra: the prefix
     }
-    assert reply["x_timing"]["forward_batches"] == 4 and reply["x_timing"]["prefill"] == "none"
+    # Four rows repeat the prefix three times more than one prefill of it: they ran over it.
+    prefix = len(tokenizer.encode(prefix_of(style)))
+    own = [len(tokenizer.encode(s, add_special_tokens=False)) for s in suffixes]
+    timing = reply["x_timing"]
+    assert (timing["prefill"], timing["prefix_tokens"], timing["forward_batches"]) == ("fresh", prefix, 1)
+    assert (timing["batch_size"], timing["true_suffix_tokens"]) == (4, sum(own))
+    assert timing["padded_suffix_tokens"] == 4 * max(own)
 
 
 def test_the_entrys_lev_options_binary_noul_and_cyclic_score_orders(client, references, tokenizer):

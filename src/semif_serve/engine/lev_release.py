@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +43,7 @@ from semif_serve.domain.lev import (
     read_plan,
     serving_options,
 )
+from semif_serve.domain.types import BatchTiming
 
 PEFT_PREFIX = "base_model.model."  # PEFT's saved keys: base_model.model.<module>.lora_A.weight
 HEAD_HEADS = 8  # lev's head has 8 attention heads; the file does not store it (readout/mode_b.py)
@@ -436,6 +437,7 @@ class LevReply:
     answers: dict[str, LevAnswer]
     input_tokens: int  # the prefix once, plus every row's suffix
     cached_input_tokens: int  # the prefix
+    timing: BatchTiming | None = None  # how the engine ran the rows (`score_lev_on`; None per row)
 
 
 def score_lev(release: LevRelease, model: Any, state: Any, questions: Mapping[str, LevQuestion]) -> LevReply:
@@ -484,14 +486,15 @@ def score_lev_on(
     scores: list[list[float]] = [[] for _ in plan.rows]
     by_labels = [i for i, row in enumerate(plan.rows) if row.label_ids is not None]
     by_head = [i for i, row in enumerate(plan.rows) if row.label_ids is None]
+    runs: list[BatchTiming] = []
     if by_labels:
         read = sorted({t for i in by_labels for t in plan.rows[i].label_ids or ()})  # never the vocabulary
         column = {token: at for at, token in enumerate(read)}
-        logits = engine.read_ids(prefix_ids, [suffixes[i] for i in by_labels], model, columns=read)
+        logits = engine.read_ids(prefix_ids, [suffixes[i] for i in by_labels], model, columns=read, runs=runs)
         for k, i in enumerate(by_labels):
             scores[i] = logits[k, [column[t] for t in plan.rows[i].label_ids or ()]].float().tolist()
     if by_head:
-        last = engine.read_ids(prefix_ids, [suffixes[i] for i in by_head], model, hidden=True)
+        last = engine.read_ids(prefix_ids, [suffixes[i] for i in by_head], model, hidden=True, runs=runs)
         decoder = engine.model.get_decoder()
         with torch.inference_mode(), engine.adapters.rows(model):
             candidates = _candidate_states(plan, tokenizer, decoder, engine.device)
@@ -500,7 +503,24 @@ def score_lev_on(
                 shown = candidates[plan.rows[i].question_id].float().unsqueeze(0)
                 scores[i] = head(last[k].float().unsqueeze(0), shown)[0].float().tolist()
     answers = read_plan(plan, scores, release.calibration)
-    return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids))
+    return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids), joined(runs))
+
+
+def joined(runs: Sequence[BatchTiming]) -> BatchTiming:
+    """One request's timing from its reads (label rows and head rows run apart): seconds, rows,
+    tokens and forwards added up; the prefix and where it came from, of the read that ran over it."""
+    over = [run for run in runs if run.prefill != "none"] or list(runs)
+    return BatchTiming(
+        prefix_tokens=max(run.prefix_tokens for run in runs),
+        prefill_seconds=sum(run.prefill_seconds for run in runs),
+        replicate_seconds=sum(run.replicate_seconds for run in runs),
+        suffix_forward_seconds=sum(run.suffix_forward_seconds for run in runs),
+        batch_size=sum(run.batch_size for run in runs),
+        true_suffix_tokens=sum(run.true_suffix_tokens for run in runs),
+        padded_suffix_tokens=sum(run.padded_suffix_tokens for run in runs),
+        forward_batches=sum(run.forward_batches for run in runs),
+        prefill=over[0].prefill,
+    )
 
 
 def _candidate_states(plan: LevPlan, tokenizer: Any, decoder: Any, device: Any) -> dict[str, Any]:

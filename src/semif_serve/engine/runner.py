@@ -274,6 +274,7 @@ class TorchEngine:
         *,
         hidden: bool = False,
         columns: Sequence[int] | None = None,
+        runs: list[BatchTiming] | None = None,
     ) -> Any:
         """Float32 logits `[rows, len(columns)]` of the token ids `columns` (None: the whole
         vocabulary) at the last token of each row `prefix + suffix` under `model` (`hidden`: the
@@ -281,13 +282,16 @@ class TorchEngine:
         worth keeping (at least `keep_state_tokens`) or worth sharing (`prefill_pays`, counting a
         cached state) is prefilled once into the state cache (or found there) and the rows run
         over it, split by the memory headroom; otherwise every whole row runs in one right-padded
-        forward. Either equals each row's plain forward (float32: within 1e-5)."""
+        forward. Either equals each row's plain forward (float32: within 1e-5). `runs` gets how
+        the rows ran appended (a `BatchTiming`: `prefix_tokens` 0 and `prefill` "none" for whole
+        rows)."""
         torch = self.torch
         width = max(len(s) for s in suffixes)
+        started = time.perf_counter()
         if not self._shares(prefix, model, len(suffixes), width):
+            rows = [[*prefix, *suffix] for suffix in suffixes]
             with torch.inference_mode(), self.adapters.rows(model):
-                rows = [[*prefix, *suffix] for suffix in suffixes]
-                return logits_over(
+                read = logits_over(
                     self.model,
                     None,
                     0,
@@ -297,14 +301,22 @@ class TorchEngine:
                     hidden_out=hidden,
                     columns=columns,
                 )
-        stored, _, _ = self._state(prefix, len(prefix), None, model)
+            self.memory.synchronize()
+            ran = GroupRun(time.perf_counter() - started, len(prefix) + width, rows=len(rows))
+            (runs if runs is not None else []).append(_timing_of(ran, [len(r) for r in rows]))
+            return read
+        stored, how, prefill_seconds = self._state(prefix, len(prefix), None, model)
         chunk = self.prefill_chunk_tokens
         step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(suffixes)
         parts = []
+        replicate_seconds = 0.0
+        t0 = time.perf_counter()
         with torch.inference_mode(), self.adapters.rows(model):
             for start in range(0, len(suffixes), step):
                 batch = list(suffixes[start : start + step])
+                forked = time.perf_counter()
                 cache = stored.fork(len(batch)) if stored is not None else None
+                replicate_seconds += time.perf_counter() - forked
                 parts.append(
                     logits_over(
                         self.model,
@@ -318,7 +330,61 @@ class TorchEngine:
                     )
                 )
                 del cache
-        return torch.cat(parts)
+            read = torch.cat(parts)
+        self.memory.synchronize()
+        ran = GroupRun(
+            suffix_forward_seconds=time.perf_counter() - t0 - replicate_seconds,
+            width=width,
+            prefix_tokens=len(prefix),
+            prefill=how,
+            prefill_seconds=prefill_seconds,
+            replicate_seconds=replicate_seconds,
+            rows=len(suffixes),
+            forwards=len(parts),
+        )
+        (runs if runs is not None else []).append(_timing_of(ran, [len(s) for s in suffixes]))
+        return read
+        stored, how, prefill_seconds = self._state(prefix, len(prefix), None, model)
+        chunk = self.prefill_chunk_tokens
+        step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(suffixes)
+        parts = []
+        replicate_seconds = 0.0
+        t0 = time.perf_counter()
+        with torch.inference_mode(), self.adapters.rows(model):
+            for start in range(0, len(suffixes), step):
+                batch = list(suffixes[start : start + step])
+                forked = time.perf_counter()
+                cache = stored.fork(len(batch)) if stored is not None else None
+                replicate_seconds += time.perf_counter() - forked
+                parts.append(
+                    logits_over(
+                        self.model,
+                        cache,
+                        len(prefix),
+                        batch,
+                        self.pad_id,
+                        chunk,
+                        hidden_out=hidden,
+                        columns=columns,
+                    )
+                )
+                del cache
+            read = torch.cat(parts)
+        self.memory.synchronize()
+        runs.append(
+            BatchTiming(
+                prefix_tokens=len(prefix),
+                prefill_seconds=prefill_seconds,
+                replicate_seconds=replicate_seconds,
+                suffix_forward_seconds=time.perf_counter() - t0 - replicate_seconds,
+                batch_size=len(suffixes),
+                true_suffix_tokens=sum(len(s) for s in suffixes),
+                padded_suffix_tokens=len(suffixes) * width,
+                forward_batches=len(parts),
+                prefill=how,
+            )
+        )
+        return read
 
     def prepare(self, request: RowsRequest) -> PreparedRows:
         """Encode (the state once) and check one request's rows and find what they share; refuses
@@ -644,6 +710,22 @@ class TorchEngine:
         self.estimate.check_tower(
             self.headroom_bytes, self.vision.activation_bytes(patches, self.estimate), patches
         )
+
+
+def _timing_of(run: GroupRun, row_tokens: Sequence[int]) -> BatchTiming:
+    """The timing block of one request's rows that ran alone as `run` (`row_tokens`: each row's
+    tokens after the prefix run, the whole row when none was)."""
+    return BatchTiming(
+        prefix_tokens=run.prefix_tokens,
+        prefill_seconds=run.prefill_seconds,
+        replicate_seconds=run.replicate_seconds,
+        suffix_forward_seconds=run.suffix_forward_seconds,
+        batch_size=run.rows,
+        true_suffix_tokens=sum(row_tokens),
+        padded_suffix_tokens=run.rows * run.width,
+        forward_batches=run.forwards,
+        prefill=run.prefill,
+    )
 
 
 def _fork(states: dict[int, StoredState | None], row_models: Sequence[int]) -> Any:

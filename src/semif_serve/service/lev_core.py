@@ -80,12 +80,6 @@ class LevOutcome:
     engine_seconds: float  # score_lev_on on the engine thread
     wait_seconds: float  # the wait for the engine thread before it started
 
-    @property
-    def evaluated_tokens(self) -> int:
-        """Tokens the forwards read: lev runs the whole prompt (prefix and suffix) for each row."""
-        reply = self.reply
-        return self.rows * reply.cached_input_tokens + reply.input_tokens - reply.cached_input_tokens
-
 
 @dataclass(frozen=True)
 class LevCore:

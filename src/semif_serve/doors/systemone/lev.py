@@ -16,7 +16,7 @@ from fastapi import Request
 from semif_serve.domain.answers import choice_confidence, score_confidence
 from semif_serve.domain.lev import LevAnswer, LevChoice, LevNoul, LevQuestion, LevScore, ModeBUnavailable
 from semif_serve.domain.requests import Limits
-from semif_serve.domain.types import BatchTiming, DecisionError, ReplyTooLarge
+from semif_serve.domain.types import DecisionError, ReplyTooLarge
 from semif_serve.doors.base import ErrorRule, refusal_of
 from semif_serve.doors.systemone.errors import SYSTEMONE_ERRORS
 from semif_serve.doors.systemone.mapping import as_text
@@ -144,20 +144,10 @@ def lev_answer(
 
 
 def lev_timing(outcome: LevOutcome) -> BatchTimingBlock:
-    """`x_timing` of a lev request: its engine seconds as one figure (`score_lev_on` batches the
-    rows over the prefix; the block does not split prefill from rows, and counts one batch per row)."""
-    tokens = outcome.evaluated_tokens
-    timing = BatchTiming(
-        prefix_tokens=0,
-        prefill_seconds=0.0,
-        replicate_seconds=0.0,
-        suffix_forward_seconds=outcome.engine_seconds,
-        batch_size=1,
-        true_suffix_tokens=tokens,
-        padded_suffix_tokens=tokens,
-        forward_batches=outcome.rows,
-        prefill="none",
-    )
+    """`x_timing` of a lev request: how the engine ran its rows (`score_lev_on`: the prefix once
+    with every row over it, or each row whole), and its engine seconds."""
+    timing = outcome.reply.timing
+    assert timing is not None, "score_lev_on always reports its timing"
     return BatchTimingBlock(
         **timing.as_dict(), forward_seconds=outcome.engine_seconds, total_seconds=outcome.engine_seconds
     )
