@@ -344,47 +344,6 @@ class TorchEngine:
         )
         (runs if runs is not None else []).append(_timing_of(ran, [len(s) for s in suffixes]))
         return read
-        stored, how, prefill_seconds = self._state(prefix, len(prefix), None, model)
-        chunk = self.prefill_chunk_tokens
-        step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(suffixes)
-        parts = []
-        replicate_seconds = 0.0
-        t0 = time.perf_counter()
-        with torch.inference_mode(), self.adapters.rows(model):
-            for start in range(0, len(suffixes), step):
-                batch = list(suffixes[start : start + step])
-                forked = time.perf_counter()
-                cache = stored.fork(len(batch)) if stored is not None else None
-                replicate_seconds += time.perf_counter() - forked
-                parts.append(
-                    logits_over(
-                        self.model,
-                        cache,
-                        len(prefix),
-                        batch,
-                        self.pad_id,
-                        chunk,
-                        hidden_out=hidden,
-                        columns=columns,
-                    )
-                )
-                del cache
-            read = torch.cat(parts)
-        self.memory.synchronize()
-        runs.append(
-            BatchTiming(
-                prefix_tokens=len(prefix),
-                prefill_seconds=prefill_seconds,
-                replicate_seconds=replicate_seconds,
-                suffix_forward_seconds=time.perf_counter() - t0 - replicate_seconds,
-                batch_size=len(suffixes),
-                true_suffix_tokens=sum(len(s) for s in suffixes),
-                padded_suffix_tokens=len(suffixes) * width,
-                forward_batches=len(parts),
-                prefill=how,
-            )
-        )
-        return read
 
     def prepare(self, request: RowsRequest) -> PreparedRows:
         """Encode (the state once) and check one request's rows and find what they share; refuses

@@ -96,11 +96,16 @@ def reply_bytes(
     """At least the bytes of the reply to a request's questions (`asked[k]`: the core questions
     the k-th was asked as), counted without building it."""
     answers = [answer_bytes(body.type, own) for body, own in zip(bodies.values(), asked, strict=True)]
+    return response_bytes(model_name, list(bodies), answers)
+
+
+def response_bytes(model_name: str, ids: list[str], answers: list[int]) -> int:
+    """The reply around its answers (`answers[k]`: the bytes of question `ids[k]`'s)."""
     return object_bytes(
         wire.SystemOneResponse,
         {
             "model": text_bytes(model_name),
-            "answers": map_bytes(sum(map(text_bytes, bodies)), sum(answers), len(answers)),
+            "answers": map_bytes(sum(map(text_bytes, ids)), sum(answers), len(answers)),
             "usage": scalars_bytes(wire.Usage),
             "x_timing": TIMING_BYTES,
         },
@@ -154,13 +159,5 @@ def lev_reply_bytes(
 ) -> int:
     """At least the bytes of a lev model's reply to a request's questions (boxes are refused
     before), counted without building it."""
-    answers = [lev_answer_bytes(body) for body in bodies.values() if not isinstance(body, wire.BoxQuestion)]
-    return object_bytes(
-        wire.SystemOneResponse,
-        {
-            "model": text_bytes(model_name),
-            "answers": map_bytes(sum(map(text_bytes, bodies)), sum(answers), len(answers)),
-            "usage": scalars_bytes(wire.Usage),
-            "x_timing": TIMING_BYTES,
-        },
-    )
+    read = {qid: body for qid, body in bodies.items() if not isinstance(body, wire.BoxQuestion)}
+    return response_bytes(model_name, list(read), [lev_answer_bytes(body) for body in read.values()])
