@@ -278,8 +278,9 @@ def interleaved(sides: list[Side], tokens: int, states: int, questions: int) -> 
     return {name: round(v[0], 2) for name, v in got.items()}
 
 
-def clients16(sides: list[Side], tokens: int, each: int) -> dict[str, Any]:
-    """16 clients, each sending `each` short /decide back to back (a new state each)."""
+def clients16(sides: list[Side], tokens: int, each: int, rounds: int = 1) -> dict[str, Any]:
+    """16 clients, each sending `each` short /decide back to back (a new state each); `rounds`
+    bursts per side, the sides' order rotated every round; the median burst's req/s, and each."""
 
     def run(side: Side, r: int) -> float:
         clients = [httpx.Client(base_url=side.service.url, timeout=600) for _ in range(16)]
@@ -300,8 +301,11 @@ def clients16(sides: list[Side], tokens: int, each: int) -> dict[str, Any]:
             for c in clients:
                 c.close()
 
-    got = interleave(sides, 1, run)
-    return {name: round(v[0], 2) for name, v in got.items()}
+    got = interleave(sides, rounds, run)
+    return {
+        name: {"median": round(statistics.median(v), 2), "bursts": [round(x, 2) for x in v]}
+        for name, v in got.items()
+    }
 
 
 def stages(sides: list[Side], tokens: int, pause: float, requests: int) -> dict[str, Any]:
@@ -424,7 +428,7 @@ def main() -> int:
                 results["eight_2k"] = eight(sides, 2000, max(1, rounds - 1))
                 print("eight", results["eight_2k"], flush=True)
             if "clients16" in only:
-                results["clients16"] = clients16(sides, 40, 3)
+                results["clients16"] = clients16(sides, 40, 3, rounds)
                 print("clients16", results["clients16"], flush=True)
             if "stages" in only:
                 results["stages_short"] = stages(sides, 40, 0.3, 6)

@@ -287,11 +287,12 @@ class ReplyTooLarge(Refusal):
     """The reply would pass the reply budget (counted before it is built: every reading echoes
     every option's name, so names and orderings, not tokens, set its size)."""
 
-    def __init__(self, need_bytes: int, limit_bytes: int) -> None:
+    ORDERINGS = "ask fewer orderings or options, shorten the names, or split it across requests"
+
+    def __init__(self, need_bytes: int, limit_bytes: int, remedy: str = ORDERINGS) -> None:
         super().__init__(
             f"the reply would need up to {need_bytes} bytes (every ordering's reading echoes every "
-            f"option name or id), over the reply budget of {limit_bytes} bytes; ask fewer orderings "
-            "or options, shorten the names, or split it across requests"
+            f"option name or id), over the reply budget of {limit_bytes} bytes; {remedy}"
         )
         self.need_bytes = need_bytes
         self.limit_bytes = limit_bytes

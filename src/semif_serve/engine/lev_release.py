@@ -487,14 +487,20 @@ def score_lev_on(
     by_labels = [i for i, row in enumerate(plan.rows) if row.label_ids is not None]
     by_head = [i for i, row in enumerate(plan.rows) if row.label_ids is None]
     runs: list[BatchTiming] = []
+    # One decision for all the request's rows (label rows and head rows run apart).
+    shared = engine.shares_prefix(prefix_ids, model, len(suffixes), max(len(s) for s in suffixes))
     if by_labels:
         read = sorted({t for i in by_labels for t in plan.rows[i].label_ids or ()})  # never the vocabulary
         column = {token: at for at, token in enumerate(read)}
-        logits = engine.read_ids(prefix_ids, [suffixes[i] for i in by_labels], model, columns=read, runs=runs)
+        logits = engine.read_ids(
+            prefix_ids, [suffixes[i] for i in by_labels], model, columns=read, runs=runs, shared=shared
+        )
         for k, i in enumerate(by_labels):
             scores[i] = logits[k, [column[t] for t in plan.rows[i].label_ids or ()]].float().tolist()
     if by_head:
-        last = engine.read_ids(prefix_ids, [suffixes[i] for i in by_head], model, hidden=True, runs=runs)
+        last = engine.read_ids(
+            prefix_ids, [suffixes[i] for i in by_head], model, hidden=True, runs=runs, shared=shared
+        )
         decoder = engine.model.get_decoder()
         with torch.inference_mode(), engine.adapters.rows(model):
             candidates = _candidate_states(plan, tokenizer, decoder, engine.device)

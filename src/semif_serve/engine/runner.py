@@ -1,16 +1,16 @@
 """The engine: scores rows (one question + ordered options) over a state with a loaded model.
 
-A row's score is SemIf's readout: the full-vocabulary logits at the last prompt position,
-in float32, restricted to the answer slots. Rows that share a state run through one path:
-the state prefix's cache comes from the state cache or is prefilled once (in chunks), is
-forked over the rows, every suffix runs in one right-padded forward and each row is read at
-its last real position, whose hidden state alone goes through the vocabulary projection.
+A row's score is SemIf's readout: the logits of the answer slots at the last prompt position,
+in float32 (the output head computes those rows only, `forwards.head_logits`). Rows that share
+a state run through one path: the state prefix's cache comes from the state cache or is
+prefilled once (in chunks), is forked over the rows, every suffix runs in one right-padded
+forward and each row is read at its last real position.
 
 Scoring is split so that the worker can merge requests: `prepare` (encode and check one
 request, off the engine thread), `run_group` (one planned group of requests' rows, on the
 engine thread) and `readout` (one request's `Readout` from its scored rows). `score` runs
 the three for one request alone. The rooms around it: the forwards (`forwards`), the stepped
-prefill (`stepped`), the lone-row policy (`lone`), the headroom
+prefill (`stepped`), the lone-row policy (`lone`), lev's prefix rule (`sharing`), the headroom
 checks (`memory.MemoryEstimate`), the state cache (`state_cache`).
 """
 
@@ -275,6 +275,7 @@ class TorchEngine:
         hidden: bool = False,
         columns: Sequence[int] | None = None,
         runs: list[BatchTiming] | None = None,
+        shared: bool | None = None,
     ) -> Any:
         """Float32 logits `[rows, len(columns)]` of the token ids `columns` (None: the whole
         vocabulary) at the last token of each row `prefix + suffix` under `model` (`hidden`: the
@@ -282,13 +283,17 @@ class TorchEngine:
         worth keeping (at least `keep_state_tokens`) or worth sharing (`prefill_pays`, counting a
         cached state) is prefilled once into the state cache (or found there) and the rows run
         over it, split by the memory headroom; otherwise every whole row runs in one right-padded
-        forward. Either equals each row's plain forward (float32: within 1e-5). `runs` gets how
-        the rows ran appended (a `BatchTiming`: `prefix_tokens` 0 and `prefill` "none" for whole
-        rows)."""
+        forward. Either equals each row's plain forward (float32: within 1e-5). `shared`: the
+        caller's decision (`shares_prefix` over all its rows), None to decide here. `runs` gets
+        how the rows ran appended (a `BatchTiming`: `prefix_tokens` 0 and `prefill` "none" for
+        whole rows). The prefix a shared read prefills is kept in the state cache under `model`,
+        as the shared path keeps its state."""
         torch = self.torch
         width = max(len(s) for s in suffixes)
         started = time.perf_counter()
-        if not self._shares(prefix, model, len(suffixes), width):
+        if shared is None:
+            shared = self.shares_prefix(prefix, model, len(suffixes), width)
+        if not shared:
             rows = [[*prefix, *suffix] for suffix in suffixes]
             with torch.inference_mode(), self.adapters.rows(model):
                 read = logits_over(
@@ -303,7 +308,8 @@ class TorchEngine:
                 )
             self.memory.synchronize()
             ran = GroupRun(time.perf_counter() - started, len(prefix) + width, rows=len(rows))
-            (runs if runs is not None else []).append(_timing_of(ran, [len(r) for r in rows]))
+            if runs is not None:
+                runs.append(_timing_of(ran, [len(r) for r in rows]))
             return read
         stored, how, prefill_seconds = self._state(prefix, len(prefix), None, model)
         chunk = self.prefill_chunk_tokens
@@ -342,7 +348,8 @@ class TorchEngine:
             rows=len(suffixes),
             forwards=len(parts),
         )
-        (runs if runs is not None else []).append(_timing_of(ran, [len(s) for s in suffixes]))
+        if runs is not None:
+            runs.append(_timing_of(ran, [len(s) for s in suffixes]))
         return read
 
     def prepare(self, request: RowsRequest) -> PreparedRows:
@@ -511,7 +518,7 @@ class TorchEngine:
             at += count
         return results
 
-    def _shares(self, prefix: Sequence[int], model: int, rows: int, width: int) -> bool:
+    def shares_prefix(self, prefix: Sequence[int], model: int, rows: int, width: int) -> bool:
         """Whether `rows` rows (suffixes up to `width` tokens) run over one state of `prefix`
         under `model` rather than each whole: a prefix worth keeping (`keep_state_tokens`), or
         one whose prefill pays (`prefill_pays`, counting what the cache already holds)."""

@@ -161,7 +161,8 @@ async def answer_lev(
     questions = lev_questions(parsed, entry.name)
     need = await asyncio.to_thread(lev_reply_bytes, parsed.questions, entry.name)
     if limits.max_reply_bytes is not None and need > limits.max_reply_bytes:  # before any engine work
-        raise refusal_of(LEV_ERRORS, ReplyTooLarge(need, limits.max_reply_bytes), True, [])
+        remedy = "ask fewer questions or options, shorten the names, or split it across requests"
+        raise refusal_of(LEV_ERRORS, ReplyTooLarge(need, limits.max_reply_bytes, remedy), True, [])
     try:
         outcome = await service.lev.decide(entry.name, parsed.state, questions, limits)
     except DecisionError as exc:

@@ -157,7 +157,7 @@ def lev_reply_bytes(
     bodies: dict[str, wire.NoulQuestion | wire.ChoiceQuestion | wire.ScoreQuestion | wire.BoxQuestion],
     model_name: str,
 ) -> int:
-    """At least the bytes of a lev model's reply to a request's questions (boxes are refused
-    before), counted without building it."""
-    read = {qid: body for qid, body in bodies.items() if not isinstance(body, wire.BoxQuestion)}
-    return response_bytes(model_name, list(read), [lev_answer_bytes(body) for body in read.values()])
+    """At least the bytes of a lev model's reply to a request's questions (`lev_questions` has
+    refused a box before), counted without building it."""
+    answers = [lev_answer_bytes(body) for body in bodies.values()]  # type: ignore[arg-type]
+    return response_bytes(model_name, list(bodies), answers)
