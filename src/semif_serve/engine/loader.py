@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from semif_serve.domain.prompt import PromptCodec
 from semif_serve.domain.types import ConfigurationError
+from semif_serve.engine import linear_attention_cpu
 from semif_serve.engine.memory import CudaMemory, DeviceMemory, HostMemory
 from semif_serve.engine.vision import VisionTower, has_vision_tower
 
@@ -39,6 +40,7 @@ class CheckpointSpec:
     demo: bool = False
     allow_any_architecture: bool = False
     vram_cap_gib: float = 12.0
+    cpu_kernels: bool = True  # on the CPU: engine.linear_attention_cpu instead of the reference code
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,8 @@ def load_model(spec: CheckpointSpec, memory: DeviceMemory | None = None) -> Load
         log.info("skipped %d checkpoint tensors the model does not use", skipped)
     model.to(spec.device)
     model.eval()
+    if spec.device == "cpu" and spec.cpu_kernels:
+        linear_attention_cpu.accelerate(model)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     vision = None
     if multimodal:

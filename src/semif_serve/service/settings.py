@@ -46,6 +46,10 @@ class Settings(BaseSettings):
         False, description="Serve a checkpoint whose model_type is not a Qwen3.5 text model."
     )
     device: Literal["cuda", "cpu"] = Field("cuda", description="cuda (one visible GPU) or cpu.")
+    cpu_kernels: bool = Field(
+        True,
+        description="On the CPU, run linear attention on the engine's own kernels (false: transformers').",
+    )
     dtype: Literal["bfloat16", "float32"] | None = Field(
         None, description="Weights dtype; default bfloat16 on cuda, float32 on cpu."
     )

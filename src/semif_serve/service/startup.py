@@ -166,6 +166,7 @@ def checkpoint_spec(settings: Settings) -> CheckpointSpec:
         demo=settings.demo,
         allow_any_architecture=settings.allow_any_architecture,
         vram_cap_gib=settings.vram_cap_gib,
+        cpu_kernels=settings.cpu_kernels,
     )
 
 
