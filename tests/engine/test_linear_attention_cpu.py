@@ -1,0 +1,133 @@
+"""The engine's CPU linear-attention kernels give transformers' reference results: the kernels
+on their own against transformers' functions, and a model loaded by the production loader
+against a fresh transformers model (plain forwards, a prefill continued by suffix rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen3_5ForCausalLM
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from semif_serve.engine import linear_attention_cpu
+from semif_serve.engine.loader import load_model
+from semif_serve.service.startup import checkpoint_spec
+from tests.support import make_settings
+
+
+def _reference(name: str):
+    current = getattr(modeling_qwen3_5, name)
+    return getattr(current, "__semif_reference__", current)
+
+
+# (batch, tokens, with a starting state, dtype, decay scale): tails shorter than a chunk, exact
+# chunks, several chunks and a tail, a lone token; mild decays and ones far under exp(-87).
+SHAPES = [
+    (1, 77, False, torch.float32, 0.05),
+    (2, 200, True, torch.float32, 0.05),
+    (3, 34, True, torch.float32, 17.0),
+    (1, 128, False, torch.float32, 17.0),
+    (1, 1, True, torch.float32, 0.05),
+    (2, 150, True, torch.bfloat16, 0.05),
+]
+
+
+@pytest.mark.parametrize(("batch", "tokens", "started", "dtype", "decay"), SHAPES)
+def test_the_gated_delta_rule_equals_transformers_reference(batch, tokens, started, dtype, decay) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    heads, dim = 4, 32
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q, k, v = (draw(batch, tokens, heads, dim).to(dtype) for _ in range(3))
+    g = -torch.rand(batch, tokens, heads, generator=generator) * decay
+    beta = torch.rand(batch, tokens, heads, generator=generator).to(dtype)
+    state = draw(batch, heads, dim, dim) if started else None
+    options = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    expected, expected_state = _reference("torch_chunk_gated_delta_rule")(q, k, v, **options)
+    got, got_state = linear_attention_cpu.chunk_gated_delta_rule(q, k, v, **options)
+    assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous()
+    assert torch.allclose(got.float(), expected.float(), atol=1e-5, rtol=0)
+    assert torch.allclose(got_state, expected_state, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "dtype"), [(1, torch.float32), (3, torch.float32), (90, torch.float32), (90, torch.bfloat16)]
+)
+def test_the_causal_convolution_equals_transformers_reference(tokens, dtype) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    projected = torch.randn(2, tokens, 48, generator=generator).to(dtype)  # as the projection writes it
+    weight = torch.randn(48, 4, generator=generator).to(dtype)
+    channels_first = projected.transpose(1, 2)
+    expected = _reference("causal_conv1d_fn")(channels_first, weight, None, activation="silu")
+    got = linear_attention_cpu.causal_conv1d(channels_first, weight, None, activation="silu")
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.allclose(
+        got.float(), expected.float(), atol=1e-5, rtol=1e-3 if dtype == torch.bfloat16 else 0
+    )
+
+
+def test_decays_under_the_normal_range_are_zero_and_the_rest_are_exp() -> None:
+    logs = torch.tensor([0.0, -1.0, -80.0, -86.9, -87.5, -100.0, -1000.0])
+    got = linear_attention_cpu.decay_exp(logs.clone())
+    assert torch.equal(got[:4], logs[:4].exp())
+    assert torch.equal(got[4:], torch.zeros(3))
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    loaded = load_model(checkpoint_spec(make_settings(checkpoint)))
+    reference = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return loaded.model, reference
+
+
+def test_the_loader_runs_the_checkpoint_on_the_own_kernels_and_the_setting_turns_them_off(checkpoint) -> None:
+    accelerated = load_model(checkpoint_spec(make_settings(checkpoint))).model.get_decoder()
+    reference = load_model(checkpoint_spec(make_settings(checkpoint, cpu_kernels=False))).model.get_decoder()
+    assert getattr(accelerated, "__semif_accelerated__", False)
+    assert not getattr(reference, "__semif_accelerated__", False)
+
+
+def test_an_accelerated_model_gives_a_plain_forwards_logits(models) -> None:
+    served, reference = models
+    ids = torch.randint(0, 2000, (2, 150), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, expected = served(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_prefill_continued_by_padded_suffix_rows_gives_the_plain_forwards_logits(models) -> None:
+    served, reference = models
+    ids = torch.randint(0, 2000, (1, 100), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = DynamicCache(config=served.config)
+        served(input_ids=ids[:, :70], past_key_values=cache, use_cache=True)
+        rest = served(input_ids=ids[:, 70:], past_key_values=cache, use_cache=True).logits
+        expected = reference(input_ids=ids).logits[:, 70:]
+    assert torch.allclose(rest, expected, atol=1e-5, rtol=0)
+
+
+def test_subnormals_are_kept_again_after_an_accelerated_forward(models) -> None:
+    served, _ = models
+    with torch.no_grad():
+        served(input_ids=torch.tensor([[1, 2, 3]]))
+    assert (torch.tensor([1e-39]) * 1.0).item() != 0.0
+
+
+def test_outside_an_accelerated_decoder_the_modeling_code_runs_transformers_kernels(models) -> None:
+    served, reference = models
+    assert getattr(reference.get_decoder(), "__semif_accelerated__", False) is False
+    probe = torch.zeros(1, 8, 3)
+    weight = torch.ones(8, 4)
+    chosen = modeling_qwen3_5.causal_conv1d_fn
+    calls = []
+    original = chosen.__semif_reference__
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    chosen_again = linear_attention_cpu._dispatching(counting, linear_attention_cpu.causal_conv1d)
+    chosen_again(probe, weight)
+    assert calls == [1]
