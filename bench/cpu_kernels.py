@@ -1,0 +1,84 @@
+"""The engine's CPU linear-attention kernels vs transformers' reference code, in process, one
+thread, on the peers' bench checkpoint: the forwards of the peers' two workloads (a new state
+then its suffix rows), the same model loaded twice by the production loader
+(SEMIF_CPU_KERNELS on and off), rounds alternating the two.
+
+    PYTHONPATH=src:. python bench/cpu_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.peers import DEFAULT_MODEL_DIR, ensure_checkpoint
+from bench.sharing import COLUMNS, median_ms
+from semif_serve.engine.forwards import logits_over, prefill
+from semif_serve.engine.loader import load_model
+from semif_serve.engine.state_cache import StoredState
+from semif_serve.service.settings import Settings
+from semif_serve.service.startup import checkpoint_spec
+
+# (name, dtype, state tokens, rows, suffix tokens): bench/peers.py's workloads as the engine runs them.
+WORKLOADS = [
+    ("8 choices, new ~1k state", "float32", 1074, 8, 51),
+    ("1 short noul, new state (2 orders)", "bfloat16", 77, 2, 34),
+    ("1 short noul, new state (1 order)", "float32", 77, 1, 34),
+]
+
+
+def new_state_then_rows(model: Any, prefix: list[int], suffixes: list[list[int]]) -> None:
+    """A new state's prefill, then its suffix rows in one right-padded forward."""
+    state = StoredState(tuple(prefix), prefill(model, prefix))
+    logits_over(model, state.fork(len(suffixes)), len(prefix), suffixes, 0, columns=COLUMNS)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    path = ensure_checkpoint(args.model)
+    rng = random.Random(0)
+    print("| workload | dtype | reference ms (by round) | own kernels ms (by round) | reference/own |")
+    print("|---|---|---|---|---|")
+    for name, dtype, state_tokens, rows, width in WORKLOADS:
+        models = {
+            kernels: load_model(
+                checkpoint_spec(
+                    Settings(
+                        model_path=path,
+                        model_revision="bench",
+                        device="cpu",
+                        dtype=dtype,
+                        cpu_kernels=kernels,
+                    )
+                )
+            ).model
+            for kernels in (False, True)
+        }
+        prefix = [rng.randrange(1000, 50000) for _ in range(state_tokens)]
+        suffixes = [[rng.randrange(1000, 50000) for _ in range(width)] for _ in range(rows)]
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for kernels, model in models.items():
+                run = functools.partial(new_state_then_rows, model, prefix, suffixes)
+                times[kernels].append(median_ms(run, args.repeats))
+        ratio = sum(times[False]) / sum(times[True])
+        print(
+            f"| {name} | {dtype} | {' / '.join(map(str, times[False]))} "
+            f"| {' / '.join(map(str, times[True]))} | {ratio:.2f}x |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
