@@ -60,6 +60,8 @@ def bound_implementation(wrapper: Any) -> Any | None:
 def describe(wrapper: Any) -> str:
     """`reference`, the dotted name of the bound kernel, or `unknown` (the wrapper is not one
     this version of transformers builds)."""
+    # The engine's CPU dispatcher (engine.linear_attention_cpu) hands CUDA tensors to the wrapper.
+    wrapper = getattr(wrapper, "__semif_reference__", wrapper)
     implementation = bound_implementation(wrapper)
     if implementation is None:
         return UNKNOWN
