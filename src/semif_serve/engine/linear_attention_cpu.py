@@ -157,9 +157,8 @@ def causal_conv1d(
     taps = weight.to(torch.float32).t()  # [kernel, channels]
     kernel, tokens = taps.shape[0], x.shape[1]
     out = x * taps[kernel - 1]
-    for shift in range(1, min(kernel, tokens + 1)):
-        if shift < tokens:
-            out[:, shift:].addcmul_(x[:, : tokens - shift], taps[kernel - 1 - shift])
+    for shift in range(1, min(kernel, tokens)):
+        out[:, shift:].addcmul_(x[:, : tokens - shift], taps[kernel - 1 - shift])
     if bias is not None:
         out += bias.to(torch.float32)
     out = out.to(weight.dtype)
