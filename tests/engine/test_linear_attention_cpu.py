@@ -115,6 +115,29 @@ def test_subnormals_are_kept_again_after_an_accelerated_forward(models) -> None:
     assert (torch.tensor([1e-39]) * 1.0).item() != 0.0
 
 
+def test_a_forward_that_fails_still_leaves_subnormals_kept_and_the_kernels_switched_back(models) -> None:
+    served, _ = models
+    with torch.no_grad(), pytest.raises(IndexError):
+        served(input_ids=torch.tensor([[10**7]]))  # past the embedding table
+    assert (torch.tensor([1e-39]) * 1.0).item() != 0.0
+    assert linear_attention_cpu._ACTIVE.get() == 0
+
+
+def test_a_patch_of_the_decoders_class_forward_still_sees_every_call(models, monkeypatch) -> None:
+    served, _ = models
+    decoder = served.get_decoder()
+    real, seen = type(decoder).forward, []
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs["input_ids"].shape[1])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(decoder), "forward", recording)
+    with torch.no_grad():
+        served(input_ids=torch.tensor([[1, 2, 3]]))
+    assert seen == [3]
+
+
 def test_outside_an_accelerated_decoder_the_modeling_code_runs_transformers_kernels(models) -> None:
     served, reference = models
     assert getattr(reference.get_decoder(), "__semif_accelerated__", False) is False

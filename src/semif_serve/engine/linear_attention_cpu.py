@@ -34,8 +34,8 @@ from typing import Any
 
 log = logging.getLogger("semif_serve.engine")
 
-# Set only while an accelerated decoder runs (per thread: the engine's own).
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("semif_cpu_linear_attention", default=False)
+# How many accelerated decoders are running in this context (each engine thread has its own).
+_ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("semif_cpu_linear_attention", default=0)
 # The module-level names the reference layer's forward calls, and their replacements here.
 _KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 _LAYER_CLASS = "Qwen3_5GatedDeltaNet"
@@ -195,21 +195,21 @@ def _install(module: Any) -> bool:
     return True
 
 
-def _accelerated(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        import torch
+def _entered(_module: Any, _args: Any) -> None:
+    import torch
 
-        token = _ACTIVE.set(True)
-        # Subnormals flushed to zero on this thread while the decoder runs (the CPU's slow path).
-        torch.set_flush_denormal(True)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            torch.set_flush_denormal(False)
-            _ACTIVE.reset(token)
+    _ACTIVE.set(_ACTIVE.get() + 1)
+    # Subnormals flushed to zero on this thread while the decoder runs (the CPU's slow path).
+    torch.set_flush_denormal(True)
 
-    return run
+
+def _left(_module: Any, _args: Any, _output: Any) -> None:
+    import torch
+
+    depth = _ACTIVE.get() - 1
+    _ACTIVE.set(depth)
+    if depth == 0:
+        torch.set_flush_denormal(False)
 
 
 def accelerate(model: Any) -> int:
@@ -223,6 +223,8 @@ def accelerate(model: Any) -> int:
     if not layers or not _install(sys.modules[type(layers[0]).__module__]):
         return 0
     if not getattr(decoder, "__semif_accelerated__", False):
-        decoder.forward = _accelerated(decoder.forward)
+        # Hooks, not a wrapped forward: the class's forward stays the one that runs.
+        decoder.register_forward_pre_hook(_entered)
+        decoder.register_forward_hook(_left, always_call=True)
         decoder.__semif_accelerated__ = True
     return len(layers)
