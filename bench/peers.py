@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -363,18 +364,21 @@ def fit_state_words(model: Path, target: int) -> int:
     return words
 
 
+# One numbering for every workload of the process: a state a server kept from an earlier peer's
+# cells must not come back in the next peer's.
+_STATE_SERIALS = itertools.count(1)
+
+
 class Workload:
-    """Request bodies, each over a state no earlier request saw."""
+    """Request bodies, each over a state no earlier request of this process saw."""
 
     def __init__(self, name: str, words: int, model: str = BASE_MODEL) -> None:
         self.name = name
         self.words = words
         self.model = model
-        self.serial = 0
 
     def next(self) -> dict[str, Any]:
-        self.serial += 1
-        n = self.serial
+        n = next(_STATE_SERIALS)
         if self.name == "eight":
             state = f"Incident {n}. " + filler(self.words, seed=n)
             questions = {

@@ -58,3 +58,9 @@ def test_requests_name_the_served_model():
         "lev": "jev-latest",
         "lev-release": "lev-bench",
     }
+
+
+def test_no_two_workloads_of_one_run_ask_about_the_same_state():
+    first = [peers.Workload(name, 5).next()["state"] for name in ("eight", "noul") for _ in range(3)]
+    again = [peers.Workload(name, 5).next()["state"] for name in ("eight", "noul") for _ in range(3)]
+    assert len(set(first + again)) == 12
