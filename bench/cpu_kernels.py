@@ -4,6 +4,7 @@ then its suffix rows), the same model loaded twice by the production loader
 (SEMIF_CPU_KERNELS on and off), rounds alternating the two.
 
     PYTHONPATH=src:. python bench/cpu_kernels.py
+    PYTHONPATH=src:. python bench/cpu_kernels.py --where   # where a short noul's forwards spend their time
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import functools
 import random
+import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +41,72 @@ def new_state_then_rows(model: Any, prefix: list[int], suffixes: list[list[int]]
     logits_over(model, state.fork(len(suffixes)), len(prefix), suffixes, 0, columns=COLUMNS)
 
 
+def time_by_part(model: Any, run: Any, repeats: int) -> dict[str, float]:
+    """Milliseconds per run spent inside each kind of decoder part (a layer's attention, MLP,
+    norms and a linear-attention layer's projections; parts nest), from forward hooks."""
+    totals: dict[str, float] = defaultdict(float)
+    started: dict[int, float] = {}
+
+    def part_of(name: str) -> str | None:
+        leaf, parent = name.split(".")[-1], name.split(".")[-2] if "." in name else ""
+        if parent == "linear_attn":
+            return f"linear_attn.{leaf}"
+        return (
+            leaf
+            if leaf in {"linear_attn", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+            else None
+        )
+
+    def hooked(part: str, module: Any) -> None:
+        def entered(*_: Any) -> None:
+            started[id(module)] = time.perf_counter()
+
+        def left(*_: Any) -> None:
+            totals[part] += time.perf_counter() - started.pop(id(module))
+
+        module.register_forward_pre_hook(entered)
+        module.register_forward_hook(left)
+
+    decoder = model.get_decoder()
+    hooked("decoder", decoder)
+    for name, module in decoder.named_modules():
+        if name.startswith("layers.") and (part := part_of(name)) is not None:
+            hooked(part, module)
+    run()  # warm-up
+    totals.clear()
+    for _ in range(repeats):
+        run()
+    return {part: 1000 * seconds / repeats for part, seconds in totals.items()}
+
+
+def where(path: Path, repeats: int) -> int:
+    """The short noul of the lev workload (bf16, two orders) on the own kernels, by part."""
+    _, dtype, state_tokens, rows, width = WORKLOADS[1]
+    model = load_model(
+        checkpoint_spec(Settings(model_path=path, model_revision="bench", device="cpu", dtype=dtype))
+    ).model
+    rng = random.Random(0)
+    prefix = [rng.randrange(1000, 50000) for _ in range(state_tokens)]
+    suffixes = [[rng.randrange(1000, 50000) for _ in range(width)] for _ in range(rows)]
+    parts = time_by_part(model, functools.partial(new_state_then_rows, model, prefix, suffixes), repeats)
+    print(f"| part ({WORKLOADS[1][0]}, {dtype}) | ms per request |")
+    print("|---|---|")
+    for part, ms in sorted(parts.items(), key=lambda item: -item[1]):
+        print(f"| {part} | {ms:.2f} |")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--where", action="store_true", help="time by decoder part instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     path = ensure_checkpoint(args.model)
+    if args.where:
+        return where(path, 4 * args.repeats)
     rng = random.Random(0)
     print("| workload | dtype | reference ms (by round) | own kernels ms (by round) | reference/own |")
     print("|---|---|---|---|---|")
