@@ -15,12 +15,12 @@ What differs from the reference, and why each is exact to float32 rounding:
   under 1e-37 cannot move a float32 sum of terms over 1e-30;
 - the causal convolution runs on the `[batch, tokens, channels]` layout the projection wrote,
   as K shifted multiply-adds in float32 rounded once to the weights' dtype (the reference
-  transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB stride).
-
+  transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB stride);
 - subnormal floats are flushed to zero while the decoder runs (`torch.set_flush_denormal`): with
   strong decays the state's terms fall under 1e-38, where every CPU op takes a slow path.
 
-`accelerate(model)` switches one model's decoder onto these kernels; any other model in the
+`accelerate(model)` switches one model's decoder onto these kernels with forward hooks (the
+decoder's own class forward still runs, as code that patches it expects); any other model in the
 process (the tests' references) keeps transformers' code.
 """
 
