@@ -101,6 +101,13 @@ class Client:
     def decide_shared(self, state: Any, decisions: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
         return self.post("/decide/shared", {"state": state, "decisions": decisions})
 
+    def metrics(self) -> str:
+        """The service's `/metrics` exposition text."""
+        response = self._http.get("/metrics")
+        if not response.is_success:
+            raise error_from(response.status_code, _json_or_none(response), response.text)
+        return response.text
+
     def health(self) -> dict[str, Any]:
         response = self._http.get("/health")
         payload = _json_or_none(response)

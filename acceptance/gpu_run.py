@@ -18,7 +18,9 @@ rewritten after every phase, so an error or the deadline loses only the phase it
    chunks): identical prompt hashes, no real top flip, max probability gap;
 4. memory: reserved at rest, after a burst, after an out-of-memory forced by lowering the cap
    (503, back to baseline, the next request answered);
-5. latency: the spec's five rows against its 35/92/78/81/158 ms server-side medians;
+5. latency: the spec's five rows against its 35/92/78/81/158 ms server-side medians, the rows'
+   mean wait behind idle work (`/metrics`), and short `/decide`s sent right after lone questions
+   on new ~2,000-token states: their latency and wait behind idle work (issue 29);
 6. capacity at ~140 / 520 / 1,960 / 3,900 prefix tokens: the out-of-memory boundary (the engine's
    estimate off, the batcher's row bound raised past it), the rows the estimate allows, and what
    the estimate does at those counts (one forward; split, refused or 503 at the boundary);
@@ -91,7 +93,14 @@ from .gpu_images import (
     vision_language_model,
 )
 from .kernels import block_kernel_packages, bound_kernels, fast_linear_attention, kernel_check
-from .latency import measure_latency, print_latency
+from .latency import (
+    engine_waits,
+    measure_latency,
+    print_latency,
+    short_after_lone_long,
+    wait_gates,
+    waits_between,
+)
 from .server import LoopbackServer
 from .workloads import (
     DEPLOYMENT_OPTIONS,
@@ -620,7 +629,10 @@ class GpuRun:
         client = self._client()
         opts = self.options
         states = fit_latency_states(client, long_state_tokens=opts.long_state_tokens)
+        waits_before = engine_waits(client)
         rows = measure_latency(client, states, LATENCY_CASES, opts.runs, opts.requests)
+        waits = waits_between(waits_before, engine_waits(client))
+        follow_ups = [short_after_lone_long(client, states, f"f{k}") for k in range(opts.requests)]
         for row, spec in zip(rows, SPEC_LATENCY_SERVER_MS, strict=True):
             row["spec_0_1_3_server_ms"] = spec
             median = row["server_median_ms"]
@@ -634,11 +646,32 @@ class GpuRun:
             ],
             title="server-side medians against the seed's release notes",
         )
+        print_table(
+            [
+                "short /decide right after a lone long one",
+                "e2e ms",
+                "server ms",
+                "behind idle ms",
+                "behind requests ms",
+            ],
+            [
+                [
+                    f"#{k + 1}",
+                    f["short_e2e_ms"],
+                    f["short_server_ms"],
+                    f["short_wait_behind_idle_ms"],
+                    f["short_wait_behind_requests_ms"],
+                ]
+                for k, f in enumerate(follow_ups)
+            ],
+            title=f"engine waits (the latency rows: {waits})",
+        )
         failed = sum(len(r["errors"]) for r in rows)
         gates = [
             Gate(
                 "latency answered", failed == 0, f"{sum(r['requests'] for r in rows)} timed, {failed} refused"
-            )
+            ),
+            *wait_gates(waits, follow_ups),
         ]
         data = {
             "runs": opts.runs,
@@ -646,6 +679,8 @@ class GpuRun:
             "short_input_tokens": states.short_input_tokens,
             "long_state_tokens": states.long_state_tokens,
             "rows": rows,
+            "engine_waits": waits,
+            "short_after_lone_long": follow_ups,
         }
         return data, gates
 
