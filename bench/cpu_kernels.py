@@ -20,10 +20,8 @@ from typing import Any
 import torch
 
 from bench.peers import DEFAULT_MODEL_DIR, ensure_checkpoint
-from bench.sharing import COLUMNS, median_ms
-from semif_serve.engine.forwards import logits_over, prefill
+from bench.sharing import median_ms, new_state_then_rows, random_rows, table_row
 from semif_serve.engine.loader import load_model
-from semif_serve.engine.state_cache import StoredState
 from semif_serve.service.settings import Settings
 from semif_serve.service.startup import checkpoint_spec
 
@@ -33,12 +31,6 @@ WORKLOADS = [
     ("1 short noul, new state (2 orders)", "bfloat16", 77, 2, 34),
     ("1 short noul, new state (1 order)", "float32", 77, 1, 34),
 ]
-
-
-def new_state_then_rows(model: Any, prefix: list[int], suffixes: list[list[int]]) -> None:
-    """A new state's prefill, then its suffix rows in one right-padded forward."""
-    state = StoredState(tuple(prefix), prefill(model, prefix))
-    logits_over(model, state.fork(len(suffixes)), len(prefix), suffixes, 0, columns=COLUMNS)
 
 
 def time_by_part(model: Any, run: Any, repeats: int) -> dict[str, float]:
@@ -86,8 +78,7 @@ def where(path: Path, repeats: int) -> int:
         checkpoint_spec(Settings(model_path=path, model_revision="bench", device="cpu", dtype=dtype))
     ).model
     rng = random.Random(0)
-    prefix = [rng.randrange(1000, 50000) for _ in range(state_tokens)]
-    suffixes = [[rng.randrange(1000, 50000) for _ in range(width)] for _ in range(rows)]
+    prefix, suffixes = random_rows(rng, state_tokens, rows, width)
     parts = time_by_part(model, functools.partial(new_state_then_rows, model, prefix, suffixes), repeats)
     print(f"| part ({WORKLOADS[1][0]}, {dtype}) | ms per request |")
     print("|---|---|")
@@ -125,18 +116,19 @@ def main() -> int:
             ).model
             for kernels in (False, True)
         }
-        prefix = [rng.randrange(1000, 50000) for _ in range(state_tokens)]
-        suffixes = [[rng.randrange(1000, 50000) for _ in range(width)] for _ in range(rows)]
+        prefix, suffixes = random_rows(rng, state_tokens, rows, width)
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.rounds):
             for kernels, model in models.items():
                 run = functools.partial(new_state_then_rows, model, prefix, suffixes)
                 times[kernels].append(median_ms(run, args.repeats))
         ratio = sum(times[False]) / sum(times[True])
-        print(
-            f"| {name} | {dtype} | {' / '.join(map(str, times[False]))} "
-            f"| {' / '.join(map(str, times[True]))} | {ratio:.2f}x |",
-            flush=True,
+        table_row(
+            name,
+            dtype,
+            " / ".join(map(str, times[False])),
+            " / ".join(map(str, times[True])),
+            f"{ratio:.2f}x",
         )
     return 0
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import time
@@ -32,6 +33,25 @@ def median_ms(run, repeats: int) -> float:
     return round(statistics.median(seconds[1:]) * 1000, 1)  # the first call warms up
 
 
+def random_rows(
+    rng: random.Random, prefix_tokens: int, rows: int, width: int
+) -> tuple[list[int], list[list[int]]]:
+    """A random prefix and `rows` random suffixes of `width` tokens (ids the tokenizer has)."""
+    prefix = [rng.randrange(1000, 50000) for _ in range(prefix_tokens)]
+    return prefix, [[rng.randrange(1000, 50000) for _ in range(width)] for _ in range(rows)]
+
+
+def new_state_then_rows(model, prefix: list[int], suffixes: list[list[int]]) -> None:
+    """A new state's prefill, then its suffix rows in one right-padded forward."""
+    state = StoredState(tuple(prefix), prefill(model, prefix))
+    logits_over(model, state.fork(len(suffixes)), len(prefix), suffixes, 0, columns=COLUMNS)
+
+
+def table_row(*cells: object) -> None:
+    """One markdown table row, printed at once (a long bench shows its rows as they come)."""
+    print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -47,21 +67,16 @@ def main() -> int:
     print("| rows | prefix | suffix | whole ms | shared ms | rule |")
     print("|---|---|---|---|---|---|")
     for rows, prefix_tokens, width in SHAPES:
-        prefix = [rng.randrange(1000, 50000) for _ in range(prefix_tokens)]
-        suffixes = [[rng.randrange(1000, 50000) for _ in range(width)] for _ in range(rows)]
+        prefix, suffixes = random_rows(rng, prefix_tokens, rows, width)
 
         def whole(prefix: list[int] = prefix, suffixes: list[list[int]] = suffixes) -> None:
             logits_over(model, None, 0, [prefix + s for s in suffixes], 0, columns=COLUMNS)
 
-        def shared(prefix: list[int] = prefix, suffixes: list[list[int]] = suffixes) -> None:
-            state = StoredState(tuple(prefix), prefill(model, prefix))
-            logits_over(model, state.fork(len(suffixes)), len(prefix), suffixes, 0, columns=COLUMNS)
+        shared = functools.partial(new_state_then_rows, model, prefix, suffixes)
 
         rule = "shared" if prefill_pays(prefix_tokens, prefix_tokens, rows, width) else "whole"
-        print(
-            f"| {rows} | {prefix_tokens} | {width} | {median_ms(whole, args.repeats)} "
-            f"| {median_ms(shared, args.repeats)} | {rule} |",
-            flush=True,
+        table_row(
+            rows, prefix_tokens, width, median_ms(whole, args.repeats), median_ms(shared, args.repeats), rule
         )
     return 0
 
