@@ -138,7 +138,7 @@ def chunk_gated_delta_rule(
         terms = _chunk_terms(*(chunked(t) for t in (q, k, v, log_decay, beta_)))
         chunk_out = torch.empty(n, rows, length, v_dim, dtype=torch.float32, device=q.device)
         state = _scan(terms, state, chunk_out)
-        out[:, start:stop] = chunk_out.transpose(0, 1).reshape(rows, stop - start, v_dim)
+        out[:, start:stop].view(rows, n, length, v_dim).copy_(chunk_out.transpose(0, 1))  # one copy
     result = out.reshape(batch, heads, tokens, v_dim).transpose(1, 2).to(query.dtype)
     final = state.reshape(batch, heads, k_dim, v_dim) if output_final_state else None
     return result.contiguous(), final
@@ -220,11 +220,17 @@ def accelerate(model: Any) -> int:
 
     decoder = model.get_decoder()
     layers = [m for m in decoder.modules() if type(m).__name__ == _LAYER_CLASS]
-    if not layers or not _install(sys.modules[type(layers[0]).__module__]):
+    if not layers:
+        return 0
+    if not _install(sys.modules[type(layers[0]).__module__]):
+        log.warning(
+            "linear attention stays on transformers' CPU code: its kernel names are not the ones expected"
+        )
         return 0
     if not getattr(decoder, "__semif_accelerated__", False):
         # Hooks, not a wrapped forward: the class's forward stays the one that runs.
         decoder.register_forward_pre_hook(_entered)
         decoder.register_forward_hook(_left, always_call=True)
         decoder.__semif_accelerated__ = True
+        log.info("linear attention on the engine's CPU kernels: %d layers", len(layers))
     return len(layers)
