@@ -98,10 +98,10 @@ def png_layout(data: bytes) -> PngLayout:
         length, kind = struct.unpack_from(">I4s", data, pos)
         stop = pos + 8 + length
         if stop + 4 > len(data):
-            raise BrokenImage(f"the PNG is cut inside its {kind!r} chunk")
+            raise BrokenImage(f"the PNG is cut inside its {kind.decode('latin-1')!r} chunk")
         (crc,) = struct.unpack_from(">I", data, stop)
         if zlib.crc32(view[pos + 4 : stop]) != crc:
-            raise BrokenImage(f"the CRC of the PNG's {kind!r} chunk at byte {pos} is wrong")
+            raise BrokenImage(f"the CRC of the PNG's {kind.decode('latin-1')!r} chunk at byte {pos} is wrong")
         if kind == b"IHDR":
             if header is not None:
                 raise BrokenImage("the PNG has two IHDR chunks")
@@ -156,8 +156,8 @@ def png_data_complete(data: bytes, layout: PngLayout) -> None:
                 pending = inflater.unconsumed_tail
             if inflater.eof:
                 break
-    except zlib.error as exc:
-        raise BrokenImage(f"the PNG's image data is not a valid zlib stream ({exc})") from None
+    except zlib.error:
+        raise BrokenImage("the PNG's image data is not a valid zlib stream") from None
     if produced < expected:
         raise BrokenImage(
             f"the PNG's image data holds {produced} of the {expected} bytes its "

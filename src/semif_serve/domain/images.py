@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from semif_serve.domain.echo import quoted
 from semif_serve.domain.image_files import (
     BrokenImage,
     JpegLayout,
@@ -120,7 +121,7 @@ def read_image(
     if found is None:
         raise ImageRejected("the bytes are neither a PNG nor a JPEG image")
     if claimed is not None and FORMATS[claimed] != found:
-        raise ImageRejected(f"the asset says {claimed!r} but its bytes are a {found.upper()} image")
+        raise ImageRejected(f"the asset says {quoted(claimed)} but its bytes are a {found.upper()} image")
     from PIL import Image, UnidentifiedImageError
 
     digest = hashlib.sha256(data).hexdigest()
@@ -154,7 +155,7 @@ def read_image(
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             if isinstance(exc, ImageRejected):
                 raise
-            raise ImageRejected(f"the bytes are not a valid {found.upper()} image ({exc})") from None
+            raise ImageRejected(f"the bytes are not a valid {found.upper()} image") from None
     return ImageAsset(placeholder, found, *upright, data, digest)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
+from semif_serve.domain.echo import quoted
+
 Ordering = Literal["rotations", "all", "shifts", "reversal"]
 #: Where a request's state came from: prefilled fresh, extended from a cached prefix, cached whole, or none.
 Prefill = Literal["fresh", "extended", "cached", "none"]
@@ -252,7 +254,7 @@ class UnknownWorkload(Refusal):
 
     def __init__(self, workload: str, known: list[str], question: int) -> None:
         names = ", ".join(known) or "none are configured"
-        super().__init__(f"unknown workload {workload!r}; known workloads: {names}", question)
+        super().__init__(f"unknown workload {quoted(workload)}; known workloads: {names}", question)
         self.workload = workload
         self.known = known
 
@@ -262,7 +264,7 @@ class WorkloadOfAnotherModel(Refusal):
 
     def __init__(self, workload: str, calibrated: str, reading: str, question: int) -> None:
         super().__init__(
-            f"workload {workload!r} is calibrated on model {calibrated!r}, and this request is read "
+            f"workload {quoted(workload)} is calibrated on model {calibrated!r}, and this request is read "
             f"by {reading!r}; ask that model (or name another workload)",
             question,
         )

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
+from semif_serve.domain.echo import quoted
 from semif_serve.domain.images import ImageAsset
 from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.domain.types import BatchTiming, DecisionError, DecisionOutcome, Question
@@ -95,7 +96,7 @@ def refusal_of(
     rule = rule_for(table, exc)
     where = ""
     if exc.question is not None and exc.question < len(ids):
-        where = f"question {ids[exc.question]!r}: "
+        where = f"question {quoted(ids[exc.question])}: "
     field = rule.field_for(shared, exc.question)
     return ServiceError(rule.status, rule.code, where + exc.message, field, dict(rule.headers))
 

@@ -454,7 +454,7 @@ class TorchEngine:
         first = parts[0].job.payload
         prefix = first.prefix if group.prefix_key is not None else []
         models = sorted({p.job.payload.model for p in parts})
-        if any(self.stepped.step(prefix, first.state_tokens, images, m) for m in models):
+        if any(self.stepped.step(prefix, first.state_tokens, images, m, (group.job_ids, m)) for m in models):
             return UNFINISHED
         states = {m: self._state(prefix, first.state_tokens, images, m) for m in models}
         hows = {how for _, how, _ in states.values()}
@@ -653,10 +653,15 @@ class TorchEngine:
         kind: str = STATE,
         images: ImageSet | None = None,
         model: int = BASE,
+        drop_start: bool = False,
     ) -> StoredState:
+        """Prefill `ids` from `start` and store it in tier `kind` (`drop_start`: `start` is a
+        superseded slice, dropped before the store so it costs no eviction)."""
         with self.adapters.rows(model):
             chunk = self.prefill_chunk_tokens
             cache = prefill(self.model, ids, start=start, chunk_tokens=chunk, images=images)
+        if drop_start and start is not None:
+            self.cache.discard(start.ids, start.model)
         return self.cache.put(ids, cache, kind, model)
 
     def _uncached_images(

@@ -207,7 +207,8 @@ class StateCache:
     question prefix is evicted before any state prefix and never evicts one: it is stored only
     in what the states leave of the budget. Keyed by the digest of the exact prefix ids and
     the model (`state_key`); a hit also compares the full ids, so a digest collision is a
-    miss, never a wrong state. One
+    miss, never a wrong state. An entry may be pinned (`pin`: the slice of a prefill in progress),
+    which no `put` evicts; only `shrink_to` (memory pressure) drops pinned entries. One
     engine thread mutates; any thread may read `stats()`. A budget of 0 disables storing.
     """
 
@@ -219,6 +220,7 @@ class StateCache:
         self._tier_bytes = dict.fromkeys(KINDS, 0)
         self._lookups = {kind: [0, 0] for kind in KINDS}  # hits, misses
         self._evictions = self._refused = 0
+        self._pinned: set[str] = set()  # keys no put may evict (the slices of prefills in progress)
         self._lock = threading.Lock()
         self.demand = Demand()
 
@@ -272,20 +274,23 @@ class StateCache:
         """Take ownership of `cache` (prefilled over exactly `ids` under `model`, one row) and
         store it in tier `kind`, evicting least-recently-used entries to fit (question prefixes
         first; a question prefix never evicts a state prefix); what cannot fit is returned
-        unstored. The caller must use the returned state's `fork`, never `cache` again."""
+        unstored, as is what would need a pinned entry evicted. The caller must use the returned
+        state's `fork`, never `cache` again."""
         state = StoredState(ids, cache, model)
         with self._lock:
             for tier_kind, tier in self._tiers.items():
                 old = tier.pop(state.digest, None)
                 if old is not None:
                     self._tier_bytes[tier_kind] -= old.nbytes
-            room = self.budget_bytes - (self._tier_bytes[STATE] if kind == QUESTION else 0)
-            if state.nbytes > room:
+            kept = self._pinned_bytes(QUESTION) + (
+                self._pinned_bytes(STATE) if kind == STATE else self._tier_bytes[STATE]
+            )
+            if state.nbytes > self.budget_bytes - kept:
                 self._refused += 1
                 return state
-            self._evict_to(self.budget_bytes - state.nbytes, QUESTION)
+            self._evict_to(self.budget_bytes - state.nbytes, QUESTION, spare_pinned=True)
             if kind == STATE:
-                self._evict_to(self.budget_bytes - state.nbytes, STATE)
+                self._evict_to(self.budget_bytes - state.nbytes, STATE, spare_pinned=True)
             self._tiers[kind][state.digest] = state
             self._tier_bytes[kind] += state.nbytes
         return state
@@ -300,6 +305,16 @@ class StateCache:
                 if entry is not None and entry.ids == tuple(ids):
                     del tier[key]
                     self._tier_bytes[kind] -= entry.nbytes
+
+    def pin(self, key: str) -> None:
+        """Keep the entry under `key` (a `StoredState.digest`) from being evicted by any `put`."""
+        with self._lock:
+            self._pinned.add(key)
+
+    def unpin(self, key: str) -> None:
+        """Let the entry under `key` be evicted again (least recently used first)."""
+        with self._lock:
+            self._pinned.discard(key)
 
     def shrink_to(self, max_bytes: int) -> int:
         """Evict least-recently-used entries (question prefixes first) until at most
@@ -338,10 +353,19 @@ class StateCache:
     def _bytes(self) -> int:
         return sum(self._tier_bytes.values())
 
-    def _evict_to(self, max_bytes: int, kind: str) -> None:
-        """Evict tier `kind`, least recently used first, while the cache holds more than `max_bytes`."""
+    def _pinned_bytes(self, kind: str) -> int:
         tier = self._tiers[kind]
-        while tier and self._bytes > max_bytes:
-            _, entry = tier.popitem(last=False)
+        return sum(tier[key].nbytes for key in self._pinned if key in tier)
+
+    def _evict_to(self, max_bytes: int, kind: str, spare_pinned: bool = False) -> None:
+        """Evict tier `kind`, least recently used first (pinned entries spared where asked),
+        while the cache holds more than `max_bytes`."""
+        tier = self._tiers[kind]
+        for key in list(tier):
+            if self._bytes <= max_bytes:
+                return
+            if spare_pinned and key in self._pinned:
+                continue
+            entry = tier.pop(key)
             self._tier_bytes[kind] -= entry.nbytes
             self._evictions += 1

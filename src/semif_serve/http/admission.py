@@ -4,7 +4,9 @@ body decoding, the body limit and the body deadline.
 Every header that decides anything is read once (`http.headers`), before anything else: a
 header that must be single and is repeated is refused (400). A request on a protected path is
 then authenticated from its headers before it may take a slot,
-so an unauthenticated client never holds one. A POST counts from then until its response is
+so an unauthenticated client never holds one. Only a POST to a protected path (every POST route
+is one) has its body read or takes a slot: any other request is answered without its body
+(a POST elsewhere gets its 404 or 405 at once). A POST counts from then until its response is
 sent or its client disconnects. Past the cap it gets 429 before a byte of its body is read; a
 body is read only up to the limit (the chunk that would pass it is never kept) and only until
 the body deadline, after which it gets 408 and its slot back; the deadline counts only the time
@@ -161,8 +163,10 @@ class Admission:
             except ServiceError as error:
                 await self.refuse(scope, send, error)
                 return
-        if scope["method"] != "POST":
-            await self.app(scope, receive, send)
+        if scope["method"] != "POST" or scope["path"] not in self.protected_paths:
+            # No route here reads a body: none is read, no slot is taken (the server then closes a
+            # connection whose body was left unread).
+            await self.app(scope, _without_body(receive), send)
             return
         if self.draining:
             await self.refuse(scope, send, draining())
@@ -312,6 +316,22 @@ def decoded_scope(scope: Scope, length: int) -> Scope:
         (k, v) for k, v in scope["headers"] if k.lower() not in (b"content-encoding", b"content-length")
     ]
     return {**scope, "headers": [*headers, (b"content-length", str(length).encode("ascii"))]}
+
+
+def _without_body(receive: Receive) -> Receive:
+    """`receive` for an app that is not given the request's body: an empty body at once, then
+    only the client's disconnect (body bytes that arrive meanwhile are dropped)."""
+    given = False
+
+    async def empty() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await _wait_for_disconnect(receive)
+        return {"type": "http.disconnect"}
+
+    return empty
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
+from semif_serve.domain.echo import bounded_message
+
 
 class ErrorDetail(BaseModel):
     """What went wrong: a stable code, the rule, the offending field (or null), the request id."""
@@ -26,7 +28,8 @@ class ServiceError(Exception):
     """A failure the service answers on purpose: an HTTP status, a stable code, a message.
 
     `field` names the offending request field (dotted path) where there is one. The
-    message never contains the bearer token or the caller's state text.
+    message never contains the bearer token or the caller's state text, and is bounded
+    (`domain.echo`).
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class ServiceError(Exception):
         field: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = bounded_message(message)
         super().__init__(message)
         self.status = status
         self.code = code

@@ -14,6 +14,8 @@ import math
 import re
 from typing import Any
 
+from semif_serve.domain.echo import quoted
+
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 4300  # Python's default limit for int <-> str conversion
 INVALID_JSON = "invalid_json"
@@ -98,7 +100,7 @@ def _check(document: Any) -> None:
         if isinstance(value, _DuplicateKey):
             raise BodyError(
                 INVALID_VALUE,
-                f"the key {value.key!r} appears more than once in one object; every key must be unique",
+                f"the key {quoted(value.key)} appears more than once in one object; every key must be unique",
                 _child(path, value.key),
             )
         if isinstance(value, dict):
@@ -155,7 +157,7 @@ def require_finite(value: Any, path: str, what: str) -> Any:
     while stack:
         item, where = stack.pop()
         if isinstance(item, float) and not math.isfinite(item):
-            raise ValueError(f"{where} holds {item!r}; {what} must serialise as finite JSON")
+            raise ValueError(f"{where} holds {quoted(str(item))}; {what} must serialise as finite JSON")
         if isinstance(item, dict):
             stack.extend((child, f"{where}.{key}") for key, child in reversed(item.items()))
         elif isinstance(item, list):

@@ -1,14 +1,16 @@
 """Running the app under uvicorn: envelope answers from the HTTP layer, a header deadline, and a drain.
 
 The HTTP/1.1 protocol is uvicorn's h11 protocol with three changes: the parser is strict where
-h11 is lenient (a bare LF in the request head, or `Content-Length` together with
-`Transfer-Encoding`, is a protocol error: both let a front proxy and this server disagree on
-where a request ends); a request the parser refuses (those, a malformed request line or
+h11 is lenient (a bare LF in the request head, a header folded onto a continuation line, or
+`Content-Length` together with `Transfer-Encoding`, is a protocol error: each lets a front proxy
+and this server disagree on where a request ends or what a header says); a request the parser refuses (those, a malformed request line or
 headers, a bad `Content-Length`, a header block over h11's 16 KiB) is answered with the error
 envelope (`400 invalid_http_request`) instead of uvicorn's plain text, and the connection is
-closed; and headers that do not complete within SEMIF_HEADER_TIMEOUT_SECONDS of the
+closed; headers that do not complete within SEMIF_HEADER_TIMEOUT_SECONDS of the
 connection opening (or of the previous response) get `408 header_timeout` and the connection
-is closed.
+is closed; and a response sent before the request's body was read whole (a refusal, a GET
+with a body) closes the connection at once, so no byte a client sends after it keeps the
+connection open.
 
 The first SIGTERM/SIGINT stops admitting (new POSTs get 503 draining, /health says
 draining so a load balancer takes the replica out) while the socket stays open; in-flight
@@ -58,7 +60,7 @@ class StrictConnection(h11.Connection):
 
     def next_event(self):
         if self.their_state is h11.IDLE:
-            self._refuse_bare_lf()
+            self._refuse_loose_head()
         event = super().next_event()
         if isinstance(event, h11.Request):
             names = {name for name, _ in event.headers}
@@ -66,12 +68,14 @@ class StrictConnection(h11.Connection):
                 self._refuse("the request has both Content-Length and Transfer-Encoding")
         return event
 
-    def _refuse_bare_lf(self) -> None:
+    def _refuse_loose_head(self) -> None:
         buffered = self.trailing_data[0][: MAX_HEAD_BYTES + 4]
         end = buffered.find(b"\r\n\r\n")
         head = buffered if end < 0 else buffered[:end]
         if b"\n" in head.replace(b"\r\n", b""):
             self._refuse("a line of the request head ends with a bare LF (lines end with CRLF)")
+        if b"\r\n " in head or b"\r\n\t" in head:
+            self._refuse("a header line is folded onto the next (obs-fold): send each header on one line")
 
     def _refuse(self, why: str) -> None:
         self.refusal = why
@@ -110,7 +114,12 @@ class EnvelopeProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.SEND_BODY:
+            # A body nobody reads (a refusal, a GET's): bytes of it would stop uvicorn's keep-alive timer.
+            self.transport.close()
+        elif self.conn.their_state is h11.IDLE:
             self._await_headers()
 
     def send_400_response(self, msg: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Security
 from fastapi.responses import JSONResponse
 
+from semif_serve.domain.echo import quoted
 from semif_serve.domain.fitting import calibration_entry, calibration_report, reliability_bins
 from semif_serve.domain.orderings import COMBINE_METHOD, order_count
 from semif_serve.domain.prompt import PROMPT_VERSION
@@ -384,14 +385,15 @@ class NativeDoor(DecisionDoor):
             raise ServiceError(
                 UNKNOWN_MODEL.status,
                 UNKNOWN_MODEL.code,
-                f"unknown model {call.model!r}; served: {served}",
+                f"unknown model {quoted(call.model)}; served: {served}",
                 "model",
             )
         if entry.method != SEMIF:
             raise ServiceError(
                 UNKNOWN_MODEL.status,
                 UNKNOWN_MODEL.code,
-                f"model {call.model!r} is a lev release, read with lev's method: ask it on {SYSTEM_ONE_PATH}",
+                f"model {quoted(call.model)} is a lev release, read with lev's method: "
+                f"ask it on {SYSTEM_ONE_PATH}",
                 "model",
             )
         return None if entry.is_base else entry.name

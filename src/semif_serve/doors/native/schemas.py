@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from semif_serve.domain.echo import NAME_CHARS, quoted
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS
 from semif_serve.domain.prompt import LETTERS, NATIVE_ALPHABET_SIZE
 from semif_serve.domain.types import Combined
@@ -33,7 +34,7 @@ def _has_text(value: str, what: str) -> str:
 def _check_state(state: Any) -> Any:
     """A state is a non-empty string, object or array whose JSON is finite (no NaN/Infinity)."""
     if isinstance(state, float) and not math.isfinite(state):
-        raise ValueError(f"state is {state!r}; the state must serialise as finite JSON")
+        raise ValueError(f"state is {quoted(str(state))}; the state must serialise as finite JSON")
     if isinstance(state, str):
         _has_text(state, "state")
     elif isinstance(state, (dict, list)):
@@ -168,7 +169,7 @@ class CalibrateBody(BaseModel):
     """`POST /calibrate`: labelled reads of one workload, fitted as `semif-serve calibrate` fits them."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    workload: str
+    workload: Annotated[str, Field(max_length=NAME_CHARS)]
     rows: Annotated[list[CalibrateRow], Field(min_length=1)]
 
     @field_validator("workload")
@@ -181,7 +182,7 @@ def _require_unique(ids: list[str], what: str) -> None:
     seen: set[str] = set()
     for item in ids:
         if item in seen:
-            raise ValueError(f"{what} must be unique; {item!r} appears more than once")
+            raise ValueError(f"{what} must be unique; {quoted(item)} appears more than once")
         seen.add(item)
 
 

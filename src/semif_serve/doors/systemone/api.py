@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from semif_serve import __version__
 from semif_serve.domain import types as domain
+from semif_serve.domain.echo import quoted
 from semif_serve.domain.images import VerifiedImages
 from semif_serve.domain.types import Question
 from semif_serve.doors.base import (
@@ -275,7 +276,7 @@ class SystemOneDoor(DecisionDoor):
             raise ServiceError(
                 UNKNOWN_MODEL.status,
                 UNKNOWN_MODEL.code,
-                f"unknown model {parsed.model!r}; this server serves {names}{aliases}",
+                f"unknown model {quoted(parsed.model)}; this server serves {names}{aliases}",
             )
         adapter = None if entry.is_base else entry.name
         reply_model = adapter or self.model_name

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from semif_serve.domain.echo import quoted
 from semif_serve.domain.images import ImageAsset, ImageRejected, VerifiedImages, read_image
 from semif_serve.doors.systemone.schemas import (
     AssetEntry,
@@ -106,7 +107,7 @@ def check_references(request: SystemOneRequest) -> list[dict[str, Any]]:
             used.update(match[0] for match in pattern.finditer(text))
         for match in PLACEHOLDER.finditer(text):
             if match[0] not in assets:
-                errors.append(_error(loc, f"the placeholder {match[0]!r} has no asset in `assets`"))
+                errors.append(_error(loc, f"the placeholder {quoted(match[0])} has no asset in `assets`"))
     for name in assets:
         if name not in used:
             errors.append(
@@ -145,17 +146,20 @@ def _claimed_bytes(
                 _error(where, "a JSON body has no parts: send `part` assets as multipart/form-data")
             )
         elif entry.part not in parts:
-            errors.append(_error(where, f"the body has no part named {entry.part!r}"))
+            errors.append(_error(where, f"the body has no part named {quoted(entry.part)}"))
         elif entry.part in claimed:
             errors.append(
-                _error(where, f"the part {entry.part!r} is already claimed by {claimed[entry.part]!r}")
+                _error(
+                    where,
+                    f"the part {quoted(entry.part)} is already claimed by {quoted(claimed[entry.part])}",
+                )
             )
         else:
             claimed[entry.part] = name
             sources[name] = parts[entry.part]
     for part in parts or {}:
         if part not in claimed:
-            errors.append(_error(("body",), f"the multipart part {part!r} is claimed by no asset"))
+            errors.append(_error(("body",), f"the multipart part {quoted(part)} is claimed by no asset"))
     return sources, errors
 
 

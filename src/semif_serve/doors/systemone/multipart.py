@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from semif_serve.domain.echo import quoted
+
 MULTIPART = "multipart/form-data"
 REQUEST_PART = "request"
 
@@ -115,7 +117,7 @@ def parse_multipart(content_type: str, body: bytes, max_parts: int | None = None
         if name is None:
             raise MultipartRefused(f"part {index} of the multipart body has no form-data name")
         if name in parsed:
-            raise MultipartRefused(f"the multipart body has two parts named {name!r}")
+            raise MultipartRefused(f"the multipart body has two parts named {quoted(name)}")
         parsed[name] = bytes(data)
     if REQUEST_PART not in parsed:
         raise MultipartRefused(

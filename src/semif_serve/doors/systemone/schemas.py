@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from semif_serve.domain.boxes import POSITIONS
+from semif_serve.domain.echo import bounded_message, clipped, quoted
 from semif_serve.domain.orderings import ALLOWED_ORDERINGS, MAX_ALL_OPTIONS, OrderingName
 from semif_serve.doors.base import TimingBody
 from semif_serve.http.errors import ServiceError
@@ -34,14 +35,6 @@ Text = str | dict[str, Any] | list[Any]
 
 # A 422 echoes the request's keys: bounded so that a small body never buys a large error reply.
 MAX_REPORTED_ERRORS = 32
-MAX_ECHOED_CHARS = 256
-
-
-def clipped(value: Any, limit: int = MAX_ECHOED_CHARS) -> Any:
-    """A string cut to `limit` characters (saying how long it was); anything else as it is."""
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]}... ({len(value)} characters)"
-    return value
 
 
 def bounded_detail(detail: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,7 +43,7 @@ def bounded_detail(detail: list[dict[str, Any]]) -> list[dict[str, Any]]:
     kept = [
         {
             "loc": [clipped(part) for part in item["loc"]],
-            "msg": clipped(item["msg"], 4 * MAX_ECHOED_CHARS),
+            "msg": bounded_message(item["msg"]),
             "type": item["type"],
         }
         for item in detail[:MAX_REPORTED_ERRORS]
@@ -76,7 +69,9 @@ def _check_ordering(kind: str, value: str | None, options: int) -> None:
         return
     if value not in ALLOWED_ORDERINGS[kind]:
         allowed = ", ".join(ALLOWED_ORDERINGS[kind])
-        raise ValueError(f"x_orderings {value!r} is not allowed for a {kind} question (allowed: {allowed})")
+        raise ValueError(
+            f"x_orderings {quoted(value)} is not allowed for a {kind} question (allowed: {allowed})"
+        )
     if value == "all" and options > MAX_ALL_OPTIONS:
         raise ValueError(f'x_orderings "all" is allowed for at most {MAX_ALL_OPTIONS} options, not {options}')
 
