@@ -19,6 +19,7 @@ from tests.support import decision, in_process_client
 def vision_client(vision_service):
     return in_process_client(create_app(vision_service))
 
+
 BIG = "m" * 1_000_000
 LIMIT = 4096  # bytes of any of these error replies, whatever the request sent
 

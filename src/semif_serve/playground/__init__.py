@@ -19,6 +19,7 @@ ASSETS = Path(__file__).parent
 # The page's own files (name -> media type); any other name is a 404.
 FILES = {
     "playground.js": "text/javascript; charset=utf-8",
+    "snippets.js": "text/javascript; charset=utf-8",
     "playground.css": "text/css; charset=utf-8",
     "templates.json": "application/json",
     "favicon.svg": "image/svg+xml",

@@ -716,80 +716,15 @@
 
   // -- copying the request ----------------------------------------------------------------------------
 
-  function pyLiteral(value, depth) {
-    const pad = "    ".repeat(depth + 1);
-    const end = "    ".repeat(depth);
-    if (value === null) return "None";
-    if (value === true) return "True";
-    if (value === false) return "False";
-    if (typeof value === "number" || typeof value === "string") return JSON.stringify(value);
-    if (Array.isArray(value)) {
-      if (!value.length) return "[]";
-      return `[\n${value.map((v) => pad + pyLiteral(v, depth + 1)).join(",\n")},\n${end}]`;
-    }
-    const entries = value instanceof Ordered ? value.entries : Object.entries(value);
-    if (!entries.length) return "{}";
-    return `{\n${entries.map(([k, v]) => `${pad}${JSON.stringify(k)}: ${pyLiteral(v, depth + 1)}`).join(",\n")},\n${end}}`;
-  }
-
-  function indented(text, spaces) {
-    return text.split("\n").join(`\n${" ".repeat(spaces)}`);
-  }
-
-  const shellQuoted = (text) => `'${text.replace(/'/g, "'\\''")}'`;
-
-  // Each snippet sends the request as the page does: with images (`used`, read from their files by
-  // name in the current directory), as multipart, the SDK's way.
-  const SNIPPETS = {
-    curl: (body, used) => {
-      const start = [`curl -s ${window.location.origin}${SYSTEMONE_PATH} \\`, `  -H "Authorization: Bearer $${TOKEN_PLACEHOLDER}" \\`];
-      if (!used.length) {
-        return [...start, `  -H "Content-Type: application/json" \\`, "  --data-binary @- <<'JSON'", pretty(body), "JSON"].join("\n");
-      }
-      return [
-        ...start,
-        `  -F "request=<-;type=application/json" \\`,
-        ...used.map((image, i) => `  -F ${shellQuoted(`asset-${i}=@${image.name};filename=asset-${i};type=${image.type}`)} \\`),
-        "  <<'JSON'",
-        pretty({ ...body, assets: partsOf(used) }),
-        "JSON",
-      ].join("\n");
-    },
-    python: (body, used) =>
-      [
-        "import os",
-        ...(used.length ? ["from pathlib import Path"] : []),
-        "",
-        `from typesafe_sdk import ${used.length ? "Image, " : ""}TypeSafeClient`,
-        "",
-        `with TypeSafeClient(api_key=os.environ["${TOKEN_PLACEHOLDER}"], base_url=${JSON.stringify(window.location.origin)}) as client:`,
-        "    result = client.system_one(",
-        `        model=${JSON.stringify(body.model)},`,
-        `        state=${indented(pyLiteral(body.state, 0), 8)},`,
-        `        questions=${indented(pyLiteral(body.questions, 0), 8)},`,
-        ...(used.length
-          ? ["        assets={", ...used.map((image) => `            ${JSON.stringify(image.placeholder)}: Image(Path(${JSON.stringify(image.name)})),`), "        },"]
-          : []),
-        "    )",
-        "print(result.model_dump_json(indent=2))",
-      ].join("\n"),
-    javascript: (body, used) =>
-      [
-        ...used.map((image) => `// ${image.placeholder} names ${image.name}: attach it as an asset of this request`),
-        'import { TypeSafeClient } from "@typesafe-ai/sdk";',
-        "",
-        "const client = new TypeSafeClient({",
-        `  apiKey: process.env.${TOKEN_PLACEHOLDER},`,
-        `  baseURL: ${JSON.stringify(window.location.origin)},`,
-        "});",
-        "const response = await client.systemOne({",
-        `  model: ${JSON.stringify(body.model)},`,
-        `  state: ${indented(pretty(body.state), 2)},`,
-        `  questions: ${indented(pretty(body.questions), 2)},`,
-        "});",
-        "console.log(JSON.stringify(response, null, 2));",
-      ].join("\n"),
-  };
+  // The copied requests (snippets.js): every string they embed escaped for its language.
+  const SNIPPETS = globalThis.semifSnippets({
+    toJson,
+    entriesOf: (value) => (value instanceof Ordered ? value.entries : Object.entries(value)),
+    partsOf,
+    origin: window.location.origin,
+    path: SYSTEMONE_PATH,
+    tokenVariable: TOKEN_PLACEHOLDER,
+  });
   const SNIPPET_NAMES = { curl: "curl", python: "Python (typesafe-sdk)", javascript: "JavaScript (@typesafe-ai/sdk)" };
 
   async function copyText(area, status) {
