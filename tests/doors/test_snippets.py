@@ -43,7 +43,8 @@ BUILD = textwrap.dedent(
     const snippets = globalThis.semifSnippets({
       toJson,
       entriesOf: Object.entries,
-      partsOf: (images) => Object.fromEntries(images.map((im, i) => [im.placeholder, { type: "image", part: `asset-${i}` }])),
+      partsOf: (images) =>
+        Object.fromEntries(images.map((im, i) => [im.placeholder, { type: "image", part: `asset-${i}` }])),
       origin,
       path: "/v1/systemone",
       tokenVariable: "SEMIF_API_TOKEN",
