@@ -31,6 +31,7 @@ from semif_serve.doors.systemone.api import SystemOneDoor
 from semif_serve.doors.systemone.mapping import core_questions, timing_block
 from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
 from semif_serve.doors.systemone.sizes import reply_bytes
+from semif_serve.service.settings import Settings
 from semif_serve.service.startup import Service
 from tests.doors.test_systemone_boxes import answered
 from tests.http.test_body_encoding import zstded
@@ -108,6 +109,26 @@ def test_system_one_counts_at_least_every_byte_it_sends_and_at_most_twice_as_man
     parsed = parse_request(body, door.max_options)
     asked = [core_questions(qid, q, door.policy) for qid, q in parsed.questions.items()]
     assert_bounds(len(reply.content), reply_bytes(parsed.questions, asked, door.model_name))
+
+
+def largest_legitimate_choice(name_chars: int) -> dict:
+    """The largest reply a request may legitimately ask: a choice of 255 described options (the
+    most any request may have) in rotations (255 readings, within the row cap of 256)."""
+    criteria = {f"{i:03d}" + "n" * (name_chars - 3): f"Option {i}." for i in range(255)}
+    return {"pick": {"type": "choice", "criteria": criteria, "x_orderings": "rotations"}}
+
+
+def test_the_default_reply_budget_is_sized_to_the_largest_legitimate_reply(door):
+    budget = Settings.model_fields["max_reply_bytes"].default
+    counts = {}
+    for chars in (16, 64):
+        questions = largest_legitimate_choice(chars)
+        parsed = parse_request(
+            json.dumps({"model": "jev-latest", "state": STATE, "questions": questions}).encode(), 255
+        )
+        asked = [core_questions(qid, q, door.policy) for qid, q in parsed.questions.items()]
+        counts[chars] = reply_bytes(parsed.questions, asked, door.model_name)
+    assert counts[64] <= budget <= 1.5 * counts[64]  # names of 64 characters fit, with a margin, no more
 
 
 @pytest.mark.parametrize("orderings", ["none", "reversal"])
@@ -253,7 +274,7 @@ def assert_refused_naming_the_need(reply: httpx.Response) -> None:
     assert detail["error_type"] == "request_too_large"
     need = int(detail["message"].split("up to ")[1].split(" bytes")[0])
     assert need > 100 * 2**20  # the need named: ~140 MiB
-    assert "reply budget of 16777216 bytes" in detail["message"]  # the default budget
+    assert f"reply budget of {Settings.model_fields['max_reply_bytes'].default} bytes" in detail["message"]
 
 
 def test_the_reply_amplification_attack_is_refused_fast_while_health_answers(server):
@@ -281,6 +302,24 @@ def test_the_reply_amplification_attack_is_refused_fast_while_health_answers(ser
     assert len(replies) == 2
     for reply in replies:
         assert_refused_naming_the_need(reply)
+
+
+def test_a_long_reply_is_gzip_compressed_on_the_wire_for_a_client_that_accepts_it(server):
+    questions = {"pick": {"type": "choice", "criteria": {f"{i:02d}" + "n" * 60: None for i in range(24)}}}
+    questions["pick"]["x_orderings"] = "rotations"
+    body = json.dumps({"model": "jev-latest", "state": STATE, "questions": questions})
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        plain = client.post("/v1/systemone", content=body, headers={**auth, "Accept-Encoding": "identity"})
+        packed = client.post("/v1/systemone", content=body, headers={**auth, "Accept-Encoding": "gzip"})
+        small = client.get("/livez", headers={"Accept-Encoding": "gzip"})
+    assert plain.status_code == packed.status_code == 200
+    assert "content-encoding" not in plain.headers and packed.headers["content-encoding"] == "gzip"
+    wire = int(packed.headers["content-length"])
+    assert wire * 5 < len(plain.content)  # the repeated names cost little on the wire
+    unpacked = json.loads(packed.content)["answers"]["pick"]  # httpx inflated it, as any client would
+    assert unpacked["probabilities"] == pytest.approx(plain.json()["answers"]["pick"]["probabilities"])
+    assert "content-encoding" not in small.headers  # a short reply goes as it is
 
 
 def test_the_reply_amplification_attack_leaves_memory_flat(server):

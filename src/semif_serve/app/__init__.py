@@ -1,4 +1,5 @@
-"""The ASGI app: request context (ids, logs, metrics) -> admission control -> FastAPI, which
+"""The ASGI app: request context (ids, logs, metrics) -> admission control -> gzip for the
+clients that accept it -> FastAPI, which
 composes the doors (the native API, System One, and any further door given), the operations routes
 (ops.py), the published API pages (docs.py) and the error handlers (handlers.py)."""
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from fastapi import FastAPI, Request
+from starlette.middleware.gzip import GZipMiddleware
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp
@@ -28,6 +30,9 @@ from semif_serve.service.startup import Service
 from semif_serve.service.status import take_snapshot
 
 __all__ = ["Service", "create_app"]
+
+# Replies this long or longer go gzip-compressed to a client that accepts it (contract.md, Reply budget).
+COMPRESS_FROM_BYTES = 1024
 
 
 def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) -> RequestContext:
@@ -58,7 +63,7 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
         return door_of(all_doors, path).body_limit(path, content_type, settings.max_body_bytes)
 
     admission = Admission(
-        cast(ASGIApp, api),
+        cast(ASGIApp, GZipMiddleware(api, minimum_size=COMPRESS_FROM_BYTES)),
         settings.max_queue,
         settings.max_body_bytes,
         settings.body_timeout_seconds,

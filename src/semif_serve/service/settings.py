@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(32, ge=1, description="POST requests in progress before 429 busy.")
     max_body_bytes: int = Field(1_048_576, ge=1, description="Request body limit in bytes.")
     max_reply_bytes: int = Field(
-        16_777_216,
+        12_582_912,
         ge=1,
         description="Reply size limit in bytes, counted before any engine work (both doors).",
     )
