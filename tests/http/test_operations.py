@@ -115,3 +115,56 @@ def test_livez_stays_200_while_draining_when_health_turns_503(client):
         assert (during.status_code, during.json()) == (200, {"status": "alive"})
     finally:
         client.app.admission.draining = False
+
+
+def test_a_reply_is_counted_and_logged_before_its_last_byte_leaves(service):
+    """A client that has read a reply and then reads /metrics finds it counted: the count is
+    taken before the last body message is handed to the server."""
+    import asyncio
+
+    app = create_app(service)
+    body = json.dumps(decision()).encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/decide",
+        "raw_path": b"/decide",
+        "query_string": b"",
+        "headers": [
+            (b"authorization", f"Bearer {TOKEN}".encode()),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8032),
+        "scheme": "http",
+        "http_version": "1.1",
+    }
+    seen: list[tuple[float, int]] = []
+
+    def counted() -> float:
+        return (
+            app.metrics.registry.get_sample_value(
+                "semif_requests_total", {"route": "/decide", "status": "200"}
+            )
+            or 0.0
+        )
+
+    given = []
+
+    async def receive():
+        if not given:
+            given.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected
+
+    async def send(message):
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with request_log_lines() as lines:
+                pass
+            seen.append((counted(), len(lines)))
+
+    before = counted()
+    with request_log_lines() as logged:
+        asyncio.run(app(scope, receive, send))
+    assert seen == [(before + 1, 0)]  # counted when the last byte left
+    assert [line["route"] for line in logged] == ["/decide"]  # and logged once

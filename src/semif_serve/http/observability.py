@@ -226,7 +226,9 @@ def request_id_from(headers: RequestHeaders) -> str:
 
 
 class RequestContext:
-    """Names each request, stamps X-Request-ID, and logs and counts it once it is answered."""
+    """Names each request, stamps X-Request-ID, and logs and counts it once: just before the last
+    byte of its response is sent (so a count read after a reply includes it), or when it ends
+    without one."""
 
     def __init__(
         self,
@@ -255,20 +257,14 @@ class RequestContext:
         state["request_id"] = request_id
         state["record"] = None
         status = 0
+        counted = False
 
-        async def stamped(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                names = self.id_headers(scope["path"])
-                headers = [h for h in message.get("headers", []) if h[0].lower() not in names]
-                stamps = [(name, request_id.encode()) for name in names]
-                message = {**message, "headers": [*headers, *stamps]}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, stamped)
-        finally:
+        def count() -> None:
+            # Once per request: before its last byte is sent, so a client that read the reply sees it.
+            nonlocal counted
+            if counted:
+                return
+            counted = True
             seconds = time.perf_counter() - started
             path = scope["path"]
             route = path if path in self.routes else "other"
@@ -287,3 +283,20 @@ class RequestContext:
                         **fields,
                     },
                 )
+
+        async def stamped(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                names = self.id_headers(scope["path"])
+                headers = [h for h in message.get("headers", []) if h[0].lower() not in names]
+                stamps = [(name, request_id.encode()) for name in names]
+                message = {**message, "headers": [*headers, *stamps]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                count()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, stamped)
+        finally:
+            count()  # a request that ended without a whole response
