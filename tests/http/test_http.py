@@ -322,8 +322,13 @@ def test_health_answers_while_the_engine_thread_is_busy(client, service):
             queued = asyncio.create_task(
                 c.post("/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
             )
-            await asyncio.sleep(0.05)
-            health = await asyncio.wait_for(c.get("/health"), timeout=5)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 8  # the request reaches the engine's queue (slow on a loaded machine)
+            while True:
+                health = await asyncio.wait_for(c.get("/health"), timeout=5)
+                if health.json()["queue"]["engine_pending"] == 2 or loop.time() > deadline:
+                    break
+                await asyncio.sleep(0.02)
             gate.set()
             await busy
             return health, await queued
