@@ -69,6 +69,7 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))
+    metrics.identify(service)
     routers = [*(door.router() for door in all_doors), playground_router()]
     for router in routers:
         api.include_router(router)

@@ -8,20 +8,24 @@ never the state text, never the token).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
+from semif_serve import __version__
 from semif_serve.http.admission import Admission
 from semif_serve.http.headers import SINGLE_HEADERS, RequestHeaders, headers_of
 from semif_serve.service.core import RequestRecord
+from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot
 
 log = logging.getLogger("semif_serve.request")
@@ -68,6 +72,15 @@ class StatusCollector(Collector):
             "reserved memory after warm-up plus the state cache budget",
             value=now.baseline_bytes or 0,
         )
+        yield GaugeMetricFamily(
+            "semif_memory_release_margin_bytes",
+            "reserved memory above the baseline past which a request's end releases cached memory",
+            value=now.release_margin_bytes,
+        )
+        if now.cap_bytes is not None:  # a device with a hard cap (cuda); the CPU has none
+            yield GaugeMetricFamily(
+                "semif_memory_cap_bytes", "the device memory cap (SEMIF_VRAM_CAP_GIB)", value=now.cap_bytes
+            )
         yield from _batch_metrics(now)
         yield from _cache_metrics(now)
 
@@ -198,6 +211,17 @@ class Metrics:
         """Report the live status, read through `snapshot` at every scrape."""
         self.registry.register(StatusCollector(snapshot))
 
+    def identify(self, service: Service) -> None:
+        """`semif_build_info`: what this replica serves, as labels on a gauge of 1, so replicas
+        that differ in model or calibration show up as distinct label sets."""
+        info = Gauge(
+            "semif_build_info",
+            "what this process serves: version, model source and revision, dtype, calibration digest",
+            list(build_labels(service)),
+            registry=self.registry,
+        )
+        info.labels(**build_labels(service)).set(1)
+
     def observe(self, route: str, status: int, seconds: float, record: RequestRecord | None) -> None:
         """Count one answered request and what its route recorded."""
         self.requests.labels(route, str(status)).inc()
@@ -213,6 +237,25 @@ class Metrics:
             self.prefix.observe(record.prefix_tokens)
         if record.images:
             self.images.inc(record.images)
+
+
+def calibration_digest(workloads: dict[str, dict[str, float]]) -> str:
+    """The first 16 hex digits of the SHA-256 of the calibration table as canonical JSON (sorted
+    keys, no spaces): the same temperatures give the same digest whatever the file's layout."""
+    canonical = json.dumps(workloads, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def build_labels(service: Service) -> dict[str, str]:
+    """`semif_build_info`'s labels: no path, no token, only names and digests."""
+    identity = service.engine.identity
+    return {
+        "version": __version__,
+        "source": identity.source,
+        "revision": identity.revision,
+        "dtype": identity.dtype,
+        "calibration": calibration_digest(service.calibration.as_dict()),
+    }
 
 
 def request_id_from(headers: RequestHeaders) -> str:
