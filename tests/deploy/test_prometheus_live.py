@@ -14,7 +14,6 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from semif_serve.domain.numerics import GIB, MIB
 from semif_serve.service.startup import Service
 from tests.deploy.test_dashboard import DASHBOARD, panel_queries
 from tests.deploy.test_prometheus_rules import RULES, required_tool
-from tests.support import TOKEN, decision, make_settings
+from tests.support import TOKEN, decision, make_settings, open_post
 from tests.support.memory_sim import SimulatedMemory, cuda_oom
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -88,7 +87,8 @@ def target(engine, checkpoint, memory) -> Iterator[str]:
     """The real service on the simulated device behind a real uvicorn; its host:port."""
     from tests.http.test_hardening import HardenedServer
 
-    service = Service.start(make_settings(checkpoint), engine=engine.with_options(memory=memory))
+    # A queue of one, so one held request makes the next a 429.
+    service = Service.start(make_settings(checkpoint, max_queue=1), engine=engine.with_options(memory=memory))
     with HardenedServer(create_app(service)) as server:
         yield f"127.0.0.1:{server.port}"
 
@@ -128,8 +128,9 @@ def prometheus(target, tmp_path_factory) -> Iterator[Prometheus]:
 
 
 def scraped(prometheus: Prometheus, expr: str, value: float) -> bool:
+    """Whether the last scrape has `expr` at `value` or more."""
     result = prometheus.query(expr)
-    return bool(result) and float(result[0]["value"][1]) == value
+    return bool(result) and float(result[0]["value"][1]) >= value
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,7 @@ def loaded(prometheus, target, memory) -> Prometheus:
     """Prometheus after a short load on the service: answers on every decision route, refusals,
     and one forced out-of-memory once the counter's zero has been scraped."""
     wait_for(lambda: scraped(prometheus, f'up{{job="{JOB}"}}', 1), "the first scrape")
-    wait_for(lambda: scraped(prometheus, "semif_out_of_memory_total", 0), "the OOM counter at 0")
+    wait_for(lambda: prometheus.query("semif_out_of_memory_total == 0"), "the OOM counter at 0")
     base = f"http://{target}"
     sent = {"/decide": 0}
     with httpx.Client(base_url=base, headers=AUTH, timeout=60) as client:
@@ -162,11 +163,12 @@ def loaded(prometheus, target, memory) -> Prometheus:
         post("/decide", decision(), 401, headers={"Authorization": "Bearer wrong"})
         memory.fail_next = cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB")
         post("/decide", decision(id="oom"), 503)
-        threads = [threading.Thread(target=post, args=("/decide", decision(id=f"c{i}"), 200)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        held = open_post(int(target.rsplit(":", 1)[1]), json.dumps(decision()).encode(), send=10)
+        wait_for(lambda: client.get("/health").json()["queue"]["in_progress"] == 1, "the held request")
+        post("/decide", decision(id="busy"), 429)
+        held.close()
+        wait_for(lambda: client.get("/health").json()["queue"]["in_progress"] == 0, "the held request's end")
+        post("/decide", decision(id="after"), 200)
     wait_for(
         lambda: scraped(prometheus, 'sum(semif_requests_total{route="/decide"})', sent["/decide"]),
         "the load's requests in a scrape",
