@@ -33,6 +33,7 @@ from tests.support.memory_sim import SimulatedMemory, cuda_oom
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JOB = "semif-serve"
+STACK_CONFIG = Path(__file__).resolve().parents[2] / "stacks" / "monitoring" / "prometheus.yml"
 # A series selector: a metric name (not a function or keyword) and its optional matchers.
 SELECTOR = re.compile(r"(?<![\w:\"'])((?:semif_|semif:|up\b)[\w:]*)(\{[^}]*\})?(?!\s*\()")
 LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
@@ -99,11 +100,14 @@ def prometheus(target, tmp_path_factory) -> Iterator[Prometheus]:
     required_tool(binary is not None, "prometheus (Debian's prometheus package)")
     assert binary is not None
     home = tmp_path_factory.mktemp("prometheus")
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [target]}]}],
-    }
+    # The compose stack's own config, scraping and evaluating every second, the rules where it mounts
+    # them from, and the service on loopback for the stack's `semif:8032`.
+    config = yaml.safe_load(STACK_CONFIG.read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(RULES)]
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == JOB
+    job["static_configs"] = [{"targets": [target]}]
     (home / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = (home / "prometheus.log").open("w")
