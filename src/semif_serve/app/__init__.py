@@ -23,6 +23,7 @@ from semif_serve.http.admission import Admission
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.observability import REQUEST_ID_HEADER, Metrics, RequestContext
+from semif_serve.http.tracing import tracing_from_env
 from semif_serve.playground import playground_router
 from semif_serve.service.startup import Service
 from semif_serve.service.status import take_snapshot
@@ -75,13 +76,15 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
         api.include_router(router)
 
     add_error_handlers(api, render)
-    api.include_router(ops_router(service, admission, metrics))
+    ops = ops_router(service, admission, metrics)
+    api.include_router(ops)
     add_docs(api, [model for door in all_doors for model in door.request_models])
-    # Metric and log labels: every declared route of the app and its doors; any other path is "other".
-    declared = [*api.routes, *(route for router in routers for route in router.routes)]
+    # Metric and log labels: every declared route of the app, its doors and the ops routes (FastAPI
+    # keeps an included router's routes inside it); any other path is "other".
+    declared = [*api.routes, *(route for router in [*routers, ops] for route in router.routes)]
     routes = {route.path for route in declared if isinstance(route, APIRoute)}
 
     def id_headers(path: str) -> tuple[bytes, ...]:
         return (REQUEST_ID_HEADER, *door_of(all_doors, path).request_id_headers)
 
-    return RequestContext(admission, metrics, routes, id_headers)
+    return RequestContext(admission, metrics, routes, id_headers, tracing_from_env())

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from semif_serve import __version__
 from semif_serve.http.admission import Admission
 from semif_serve.http.headers import SINGLE_HEADERS, RequestHeaders, headers_of
+from semif_serve.http.tracing import RequestTracing
 from semif_serve.service.core import RequestRecord
 from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot
@@ -277,11 +278,13 @@ class RequestContext:
         metrics: Metrics,
         routes: Collection[str],
         id_headers: Callable[[str], Sequence[bytes]] = lambda path: (REQUEST_ID_HEADER,),
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = frozenset(routes)  # metric and log labels; any other path is "other"
         self.id_headers = id_headers  # the headers a path's responses carry the request id in
+        self.tracing = tracing  # OpenTelemetry spans per request (None: off)
 
     @property
     def admission(self) -> Admission:
@@ -298,11 +301,16 @@ class RequestContext:
         state["request_id"] = request_id
         state["record"] = None
         status = 0
+        trace = self.tracing.begin(scope) if self.tracing is not None else None
+        if trace is not None:
+            receive = trace.watch(receive)
 
         async def stamped(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if trace is not None:
+                    trace.respond()
                 names = self.id_headers(scope["path"])
                 headers = [h for h in message.get("headers", []) if h[0].lower() not in names]
                 stamps = [(name, request_id.encode()) for name in names]
@@ -317,6 +325,8 @@ class RequestContext:
             route = path if path in self.routes else "other"
             record: RequestRecord | None = state.get("record")
             self.metrics.observe(route, status, seconds, record)
+            if trace is not None:
+                trace.end(scope["method"], route, status, request_id, record)
             fields = record.log_fields() if record is not None else {}
             if route != "/metrics" and not (route == "/health" and status == 200):
                 log.info(
