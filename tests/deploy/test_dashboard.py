@@ -44,7 +44,9 @@ def test_the_file_is_what_the_sdk_builder_writes():
     assert spec and spec.loader
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
-    assert DASHBOARD.read_text() == builder.render(), "rerun: uv run python stacks/monitoring/build_dashboard.py"
+    assert DASHBOARD.read_text() == builder.render(), (
+        "rerun: uv run python stacks/monitoring/build_dashboard.py"
+    )
 
 
 def test_the_file_reads_back_through_the_sdk_model_unchanged():
@@ -53,7 +55,8 @@ def test_the_file_reads_back_through_the_sdk_model_unchanged():
 
 
 @pytest.mark.parametrize(
-    "where, misspelt", [((), "refersh"), (("panels", 1), "targtes"), (("panels", 1, "targets", 0), "legendFromat")]
+    "where, misspelt",
+    [((), "refersh"), (("panels", 1), "targtes"), (("panels", 1, "targets", 0), "legendFromat")],
 )
 def test_the_sdk_model_drops_a_misspelt_field_so_the_round_trip_catches_it(where, misspelt):
     board = json.loads(DASHBOARD.read_text())
@@ -88,4 +91,8 @@ def test_the_dashboard_shows_what_an_operator_needs():
     ):
         assert series in text, series
     assert board["uid"] == "semif-serve"
-    assert all(target["datasource"]["uid"] == "${datasource}" for p in board["panels"] for target in p.get("targets") or [])
+    assert all(
+        target["datasource"]["uid"] == "${datasource}"
+        for p in board["panels"]
+        for target in p.get("targets") or []
+    )

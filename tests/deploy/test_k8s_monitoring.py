@@ -58,7 +58,13 @@ def test_the_dashboard_config_map_carries_the_sidecar_label_and_the_file(objects
 
 
 def test_the_dashboard_goes_to_the_sidecar_s_namespace_with_its_annotations():
-    values = {"grafanaDashboard": {"enabled": True, "namespace": "monitoring", "annotations": {"grafana_folder": "AI"}}}
+    values = {
+        "grafanaDashboard": {
+            "enabled": True,
+            "namespace": "monitoring",
+            "annotations": {"grafana_folder": "AI"},
+        }
+    }
     config_map = one(render(values), "ConfigMap", f"{RELEASE}-semif-serve-dashboard")
     assert config_map["metadata"]["namespace"] == "monitoring"
     assert config_map["metadata"]["annotations"] == {"grafana_folder": "AI"}

@@ -77,7 +77,9 @@ def test_promtool_checks_the_stack_s_prometheus_config(tmp_path):
     config = yaml.safe_load((STACK / "prometheus.yml").read_text())
     config["rule_files"] = [str(RULES)]  # where the compose file mounts it from
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    run = subprocess.run([str(binary), "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True)
+    run = subprocess.run(
+        [str(binary), "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "SUCCESS" in run.stdout + run.stderr
 
@@ -128,6 +130,10 @@ def test_docker_compose_config_of_the_monitoring_stack(tmp_path):
         "CONF_HOST_DIR": str(tmp_path),
     }
     run = subprocess.run(
-        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True, env=env, timeout=60
+        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert run.returncode == 0, run.stderr

@@ -123,7 +123,9 @@ def prometheus(target, tmp_path_factory) -> Iterator[Prometheus]:
     )
     try:
         running = Prometheus(f"http://127.0.0.1:{port}")
-        wait_for(lambda: httpx.get(f"{running.url}/-/ready", timeout=2).status_code == 200, "Prometheus ready")
+        wait_for(
+            lambda: httpx.get(f"{running.url}/-/ready", timeout=2).status_code == 200, "Prometheus ready"
+        )
         yield running
     finally:
         process.terminate()
@@ -154,7 +156,10 @@ def loaded(prometheus, target, memory) -> Prometheus:
 
         for i in range(6):
             post("/decide", decision(id=f"q{i}", state=f"Zone {i} is healthy."), 200)
-        shared = {"state": "Two of three zones are healthy.", "decisions": [decision(id="a"), decision(id="b")]}
+        shared = {
+            "state": "Two of three zones are healthy.",
+            "decisions": [decision(id="a"), decision(id="b")],
+        }
         for _ in range(3):
             post("/decide/shared", shared, 200)
         systemone = {
@@ -201,7 +206,9 @@ def test_the_selector_reader_finds_every_series_of_an_expression():
 
 def rule_expressions() -> list[tuple[str, str]]:
     groups = yaml.safe_load(RULES.read_text())["groups"]
-    return [(rule.get("alert") or rule["record"], rule["expr"]) for group in groups for rule in group["rules"]]
+    return [
+        (rule.get("alert") or rule["record"], rule["expr"]) for group in groups for rule in group["rules"]
+    ]
 
 
 def test_every_rule_evaluates_without_error_and_every_series_it_names_has_data(loaded):

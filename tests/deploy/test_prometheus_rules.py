@@ -46,7 +46,10 @@ def alerts() -> dict[str, dict]:
 def test_promtool_checks_the_rules_file():
     run = promtool("check", "rules", str(RULES))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"SUCCESS: {sum(len(g['rules']) for g in yaml.safe_load(RULES.read_text())['groups'])} rules" in run.stdout
+    assert (
+        f"SUCCESS: {sum(len(g['rules']) for g in yaml.safe_load(RULES.read_text())['groups'])} rules"
+        in run.stdout
+    )
 
 
 def test_promtool_check_rejects_a_broken_expression(tmp_path):
@@ -64,7 +67,9 @@ def test_promtool_unit_tests_pass():
 
 
 def test_every_alert_has_a_firing_and_a_quiet_unit_test():
-    cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
+    cases = [
+        case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]
+    ]
     fires = {case["alertname"] for case in cases if case["exp_alerts"]}
     quiet = {case["alertname"] for case in cases if not case["exp_alerts"]}
     assert set(alerts()) <= fires, set(alerts()) - fires

@@ -66,7 +66,9 @@ def test_traces_are_off_unless_the_otel_variables_ask_for_them():
 
 def test_a_decision_is_one_server_span_under_the_callers_with_its_stages_in_order(traced, exporter):
     with request_log_lines() as lines:
-        reply = traced.post("/decide", json=decision(state=STATE, question=QUESTION), headers={"traceparent": TRACEPARENT})
+        reply = traced.post(
+            "/decide", json=decision(state=STATE, question=QUESTION), headers={"traceparent": TRACEPARENT}
+        )
     assert reply.status_code == 200
     spans = by_name(exporter.get_finished_spans())
     server = spans.pop("POST /decide")
@@ -116,7 +118,12 @@ def test_no_span_carries_the_token_a_header_or_any_text_of_the_request(traced, e
     shared = {"state": STATE, "decisions": [decision(id="a", question=QUESTION), decision(id="b")]}
     headers = {"traceparent": TRACEPARENT, "tracestate": "vendor=opaque", "X-Custom": "private-value"}
     assert traced.post("/decide/shared", json=shared, headers=headers).status_code == 200
-    assert traced.post("/decide", json=decision(state=STATE), headers={"Authorization": "Bearer wrong-token"}).status_code == 401
+    assert (
+        traced.post(
+            "/decide", json=decision(state=STATE), headers={"Authorization": "Bearer wrong-token"}
+        ).status_code
+        == 401
+    )
     text = spans_text(exporter.get_finished_spans())
     assert "POST /decide/shared" in text
     for secret in (TOKEN, "wrong-token", STATE, QUESTION, "It succeeded.", "private-value", "Bearer"):

@@ -130,17 +130,25 @@ class RequestTrace:
         """A `time.perf_counter()` moment as the epoch nanoseconds OTel records."""
         return self.started_ns + int((moment - self.started) * 1e9)
 
-    def end(self, method: str, route: str, status: int, request_id: str, record: RequestRecord | None) -> None:
+    def end(
+        self, method: str, route: str, status: int, request_id: str, record: RequestRecord | None
+    ) -> None:
         """Write the request's spans, ending now (never raises: a trace must not fail a request)."""
         if route in UNTRACED_ROUTES:
             return
         try:
             self._write(method, route, status, request_id, record, time.perf_counter())
-        except Exception:  # noqa: BLE001 - tracing is best effort
+        except Exception:  # tracing is best effort: never fail the request for it
             log.exception("could not record the request's trace")
 
     def _write(
-        self, method: str, route: str, status: int, request_id: str, record: RequestRecord | None, ended: float
+        self,
+        method: str,
+        route: str,
+        status: int,
+        request_id: str,
+        record: RequestRecord | None,
+        ended: float,
     ) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -172,7 +180,10 @@ class RequestTrace:
 
         def child(name: str, begin: float, finish: float, **extra: Any) -> None:
             span = tracer.start_span(
-                name, context=inside, attributes={"semif.request_id": request_id, **extra}, start_time=self._ns(begin)
+                name,
+                context=inside,
+                attributes={"semif.request_id": request_id, **extra},
+                start_time=self._ns(begin),
             )
             span.end(end_time=self._ns(max(finish, begin)))
 
