@@ -1,6 +1,8 @@
 """Builds semif-serve's Grafana dashboard with the Grafana Foundation SDK and writes its JSON.
 
-    uv run python stacks/monitoring/build_dashboard.py   # rewrites stacks/semif-k8s/files/grafana-dashboard.json
+    uv run python stacks/monitoring/build_dashboard.py
+
+rewrites stacks/semif-k8s/files/grafana-dashboard.json.
 
 The JSON is the artefact (a file for the compose stack's Grafana, a labelled ConfigMap in the
 chart); tests/deploy/test_dashboard.py checks that it is what this script builds, that it reads
@@ -15,7 +17,12 @@ from pathlib import Path
 
 from grafana_foundation_sdk.builders import common, dashboard, prometheus, table, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, SortOrder, TooltipDisplayMode
+from grafana_foundation_sdk.models.common import (
+    LegendDisplayMode,
+    LegendPlacement,
+    SortOrder,
+    TooltipDisplayMode,
+)
 from grafana_foundation_sdk.models.dashboard import DataSourceRef
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
@@ -79,7 +86,8 @@ def rate(series: str, by: str = "", selector: str = "") -> str:
 
 def decision_ratio(status: str) -> str:
     """The share of decision requests answered with `status` (a label matcher)."""
-    return f"{rate('semif_requests_total', '', f'{DECISIONS},{status}')} / {rate('semif_requests_total', '', DECISIONS)}"
+    answered = rate("semif_requests_total", "", f"{DECISIONS},{status}")
+    return f"{answered} / {rate('semif_requests_total', '', DECISIONS)}"
 
 
 def build() -> dict:
@@ -96,7 +104,10 @@ def build() -> dict:
                 graph(
                     "Refusals and errors by route and status",
                     "reqps",
-                    (rate("semif_requests_total", "route, status", 'status=~"4..|5.."'), "{{route}} {{status}}"),
+                    (
+                        rate("semif_requests_total", "route, status", 'status=~"4..|5.."'),
+                        "{{route}} {{status}}",
+                    ),
                     (rate("semif_busy_rejections_total"), "refused busy (429)"),
                 ),
                 graph(
@@ -124,9 +135,11 @@ def build() -> dict:
                     "Engine waits before the first forward",
                     "s",
                     *quantiles("semif_engine_wait_seconds", "behind"),
-                    description="behind=requests: other requests' work; behind=idle: idle (speculative) work.",
+                    description="behind=requests: other requests' work; behind=idle: speculative work.",
                 ),
-                graph("Shared state prefix tokens per request", "short", *quantiles("semif_prefix_tokens", "")),
+                graph(
+                    "Shared state prefix tokens per request", "short", *quantiles("semif_prefix_tokens", "")
+                ),
             ],
         ),
         (
@@ -135,14 +148,21 @@ def build() -> dict:
                 graph(
                     "Rows per forward",
                     "short",
-                    (f"{rate('semif_forward_rows_total')} / {rate('semif_forwards_total')}", "rows per forward"),
-                    (f"{rate('semif_merged_forwards_total')} / {rate('semif_forwards_total')}", "merged share"),
+                    (
+                        f"{rate('semif_forward_rows_total')} / {rate('semif_forwards_total')}",
+                        "rows per forward",
+                    ),
+                    (
+                        f"{rate('semif_merged_forwards_total')} / {rate('semif_forwards_total')}",
+                        "merged share",
+                    ),
                 ),
                 graph(
                     "Padding share of the forwards' suffix tokens",
                     "percentunit",
                     (
-                        f"1 - {rate('semif_forward_true_tokens_total')} / {rate('semif_forward_padded_tokens_total')}",
+                        f"1 - {rate('semif_forward_true_tokens_total')}"
+                        f" / {rate('semif_forward_padded_tokens_total')}",
                         "padding",
                     ),
                 ),
@@ -199,14 +219,21 @@ def build() -> dict:
                     "Out-of-memory events and releases",
                     "short",
                     (f"sum by (instance) (increase(semif_out_of_memory_total[{RATE}]))", "{{instance}} OOM"),
-                    (f"sum by (instance) (increase(semif_memory_releases_total[{RATE}]))", "{{instance}} releases"),
+                    (
+                        f"sum by (instance) (increase(semif_memory_releases_total[{RATE}]))",
+                        "{{instance}} releases",
+                    ),
                 ),
             ],
         ),
         (
             "Models and images",
             [
-                graph("Answered requests by model", "reqps", (rate("semif_model_requests_total", "model"), "{{model}}")),
+                graph(
+                    "Answered requests by model",
+                    "reqps",
+                    (rate("semif_model_requests_total", "model"), "{{model}}"),
+                ),
                 graph("Images shown to the model", "ops", (rate("semif_images_read_total"), "images")),
                 table.Panel()
                 .title("What each replica serves")
@@ -215,7 +242,10 @@ def build() -> dict:
                 .span(24)
                 .show_header(True)
                 .with_target(
-                    query("semif_build_info", "{{instance}}").ref_id("A").instant().format(PromQueryFormat.TABLE)
+                    query("semif_build_info", "{{instance}}")
+                    .ref_id("A")
+                    .instant()
+                    .format(PromQueryFormat.TABLE)
                 ),
             ],
         ),
@@ -223,7 +253,9 @@ def build() -> dict:
     board = (
         dashboard.Dashboard("semif-serve")
         .uid(UID)
-        .description("semif-serve: traffic, latency, batching, the state cache, memory, models (docs/runbook.md)")
+        .description(
+            "semif-serve: traffic, latency, batching, the state cache, memory, models (docs/runbook.md)"
+        )
         .tags(["semif-serve"])
         .refresh("30s")
         .time("now-1h", "now")
