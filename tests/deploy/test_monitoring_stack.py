@@ -1,17 +1,16 @@
 """stacks/monitoring: the single-GPU stack included as it is, plus Prometheus (the shipped rules)
 and Grafana (Prometheus and the shipped dashboard provisioned). Checked as tests/deploy/
 test_stacks.py checks the other stacks (parsed, variables known and documented, paths inside the
-checkout, read-only mounts), and Prometheus' config by the real `promtool check config`.
+checkout, read-only mounts), and Prometheus' config by the real `promtool check config`;
+`docker compose config` runs over it in test_stacks.py where docker compose is installed.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.deploy.test_dashboard import DASHBOARD
@@ -22,7 +21,6 @@ from tests.deploy.test_stacks import (
     SINGLE,
     STACK_VARS,
     check_logging,
-    docker_compose_available,
     load_compose,
     mounts,
     with_defaults,
@@ -116,24 +114,3 @@ def test_every_variable_has_a_default_is_documented_and_paths_stay_in_the_checko
             assert source.is_relative_to(ROOT) and source.exists(), source
     for secret in compose["secrets"].values():
         assert not with_defaults(secret["file"]).startswith("/")
-
-
-@pytest.mark.skipif(not docker_compose_available(), reason="docker compose is not installed")
-def test_docker_compose_config_of_the_monitoring_stack(tmp_path):
-    for name in ("api-token", "grafana-admin"):
-        (tmp_path / name).write_text("test-secret\n")
-    env = {
-        **os.environ,
-        "TOKEN_HOST_FILE": str(tmp_path / "api-token"),
-        "GRAFANA_ADMIN_PASSWORD_FILE": str(tmp_path / "grafana-admin"),
-        "MODEL_HOST_DIR": str(tmp_path),
-        "CONF_HOST_DIR": str(tmp_path),
-    }
-    run = subprocess.run(
-        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-    assert run.returncode == 0, run.stderr
