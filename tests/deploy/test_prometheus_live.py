@@ -88,8 +88,9 @@ def target(engine, checkpoint, memory) -> Iterator[str]:
     """The real service on the simulated device behind a real uvicorn; its host:port."""
     from tests.http.test_hardening import HardenedServer
 
-    # A queue of one, so one held request makes the next a 429.
-    service = Service.start(make_settings(checkpoint, max_queue=1), engine=engine.with_options(memory=memory))
+    # A queue of two, so two held requests make the next a 429 (one alone would race the last
+    # request's slot, freed just after its reply).
+    service = Service.start(make_settings(checkpoint, max_queue=2), engine=engine.with_options(memory=memory))
     with HardenedServer(create_app(service)) as server:
         yield f"127.0.0.1:{server.port}"
 
@@ -150,7 +151,8 @@ def loaded(prometheus, target, memory) -> Prometheus:
     with httpx.Client(base_url=base, headers=AUTH, timeout=60) as client:
 
         def post(path: str, body: dict, expect: int, **kw) -> None:
-            assert client.post(path, json=body, **kw).status_code == expect
+            reply = client.post(path, json=body, **kw)
+            assert reply.status_code == expect, (path, reply.status_code, reply.text)
             if path == "/decide":
                 sent["/decide"] += 1
 
@@ -172,11 +174,13 @@ def loaded(prometheus, target, memory) -> Prometheus:
         post("/decide", decision(), 401, headers={"Authorization": "Bearer wrong"})
         memory.fail_next = cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB")
         post("/decide", decision(id="oom"), 503)
-        held = open_post(int(target.rsplit(":", 1)[1]), json.dumps(decision()).encode(), send=10)
-        wait_for(lambda: client.get("/health").json()["queue"]["in_progress"] == 1, "the held request")
+        port = int(target.rsplit(":", 1)[1])
+        held = [open_post(port, json.dumps(decision()).encode(), send=10) for _ in range(2)]
+        wait_for(lambda: client.get("/health").json()["queue"]["in_progress"] == 2, "the held requests")
         post("/decide", decision(id="busy"), 429)
-        held.close()
-        wait_for(lambda: client.get("/health").json()["queue"]["in_progress"] == 0, "the held request's end")
+        for sock in held:
+            sock.close()
+        wait_for(lambda: client.get("/health").json()["queue"]["in_progress"] == 0, "the held requests' end")
         post("/decide", decision(id="after"), 200)
     wait_for(
         lambda: scraped(prometheus, 'sum(semif_requests_total{route="/decide"})', sent["/decide"]),

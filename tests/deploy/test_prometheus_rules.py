@@ -85,6 +85,12 @@ def test_the_unit_tests_fail_when_an_alert_stops_firing(tmp_path):
                 rule["expr"] = "increase(semif_out_of_memory_total[15m]) > 100"
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
     tests = yaml.safe_load(RULE_TESTS.read_text()) | {"rule_files": ["rules.yaml"]}
+    tests["tests"] = [  # only the OOM alert's tests, to keep this quick
+        test
+        for test in tests["tests"]
+        if any(c["alertname"] == "SemifOutOfMemory" for c in test["alert_rule_test"])
+    ]
+    assert tests["tests"]
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
     run = promtool("test", "rules", str(tmp_path / "tests.yaml"))
     assert run.returncode != 0 and "SemifOutOfMemory" in run.stdout + run.stderr
