@@ -59,7 +59,9 @@ def test_traces_are_off_unless_the_otel_variables_ask_for_them():
     assert tracing_from_env({}) is None
     assert tracing_from_env({"OTEL_TRACES_EXPORTER": "none"}) is None
     assert tracing_from_env({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}) is None
-    assert isinstance(tracing_from_env({"OTEL_TRACES_EXPORTER": "otlp"}), RequestTracing)
+    tracing = tracing_from_env({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert isinstance(tracing, RequestTracing)
+    tracing.provider.shutdown()
     with pytest.raises(ConfigurationError, match="OTEL_TRACES_EXPORTER: zipkin"):
         tracing_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
 
