@@ -114,3 +114,10 @@ def test_every_variable_has_a_default_is_documented_and_paths_stay_in_the_checko
             assert source.is_relative_to(ROOT) and source.exists(), source
     for secret in compose["secrets"].values():
         assert not with_defaults(secret["file"]).startswith("/")
+
+
+def test_the_runbook_and_the_readme_start_this_stack_with_one_command():
+    command = "docker compose -f stacks/monitoring/compose.yaml up -d"
+    assert command in (ROOT / "docs" / "runbook.md").read_text()
+    assert command in (STACK / "README.md").read_text()
+    assert command in COMPOSE.read_text()
