@@ -53,6 +53,10 @@ def traced_gateway(service, exporter, tmp_path_factory):
             replica.stop()
 
 
+def server_spans(exporter: InMemorySpanExporter) -> list:
+    return [span for span in exporter.get_finished_spans() if span.name == "POST /decide"]
+
+
 def test_the_replica_s_spans_continue_the_caller_s_trace_through_the_gateway(traced_gateway, exporter):
     exporter.clear()
     answered_by = set()
@@ -62,8 +66,9 @@ def test_the_replica_s_spans_continue_the_caller_s_trace_through_the_gateway(tra
         reply = httpx.post(f"{traced_gateway.url}/decide", json=body, headers=headers, timeout=60)
         assert reply.status_code == 200, reply.text
         answered_by.add(reply.headers[REPLICA_HEADER])
-    servers = [span for span in exporter.get_finished_spans() if span.name == "POST /decide"]
-    assert len(servers) == len(CALLERS)
+    # A replica writes its spans once the response is sent: wait for the last one.
+    wait_until(lambda: len(server_spans(exporter)) == len(CALLERS))
+    servers = sorted(server_spans(exporter), key=lambda span: span.start_time)
     assert len(answered_by) == 2, "the states spread over both replicas"
     for span, (trace_id, span_id) in zip(servers, CALLERS, strict=True):
         assert format(span.context.trace_id, "032x") == trace_id
