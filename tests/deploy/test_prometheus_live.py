@@ -250,3 +250,13 @@ def test_a_forced_out_of_memory_fires_its_alert_and_the_healthy_service_fires_no
     (alert,) = alerts
     assert alert["labels"]["job"] == JOB and alert["labels"]["severity"] == "warning"
     assert alert["annotations"]["runbook_url"] == "docs/runbook.md#semifoutofmemory"
+
+
+def test_the_data_check_fails_on_a_series_or_label_the_service_never_produces(loaded):
+    for wrong in (
+        'semif_engine_wait_seconds_bucket{behind="idel"}',
+        'semif_requests_total{route="/decid"}',
+        "semif_request_second_bucket",
+    ):
+        assert selectors(wrong) == [wrong]
+        assert not loaded.query(wrong), wrong
