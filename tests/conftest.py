@@ -29,6 +29,7 @@ NEEDS = {
     "test_k8s_controlplane": ("proxy", "slow"),
     "test_stacks": ("docker", "proxy", "slow"),
     "test_no_stalls": ("slow",),
+    "test_prometheus_live": ("slow",),
     "test_fuzz": ("slow",),
     "test_acceptance": ("slow",),
     "test_conformance": ("slow",),

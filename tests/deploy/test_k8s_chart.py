@@ -3,8 +3,8 @@
 Rendering: helm-python-sdk, which binds Helm's Go SDK (v4) and so runs Helm's template engine and
 values.schema.json check exactly as `helm template` does. Validation: kubernetes-validate (the
 official Kubernetes OpenAPI schemas, strict: an unknown field fails) for built-in kinds; for KEDA's
-ScaledObject and the Prometheus Operator's ServiceMonitor, schemas generated from their CRDs
-(tests/k8s_crds, npm). Security: checkov's Kubernetes policies. The CRD and checkov checks skip
+ScaledObject and the Prometheus Operator's ServiceMonitor and PrometheusRule, schemas generated from
+their CRDs (tests/k8s_crds, npm). Security: checkov's Kubernetes policies. The CRD and checkov checks skip
 where their tools are not installed, except in CI (.ci/run installs them), where they fail.
 """
 
@@ -38,7 +38,7 @@ VALUE_SETS = {
         (CHART / "ci" / "image-volume-monitored-values.yaml").read_text()
     ),
 }
-CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor"}
+CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
 IN_CI = bool(os.environ.get("CI"))
 
 

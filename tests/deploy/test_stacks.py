@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 SINGLE = ROOT / "stacks" / "semif" / "compose.yaml"
 MULTI = ROOT / "stacks" / "semif-multi" / "compose.yaml"
+MONITORING = ROOT / "stacks" / "monitoring" / "compose.yaml"  # tests/deploy/test_monitoring_stack.py
 NGINX_CONF = ROOT / "stacks" / "semif-multi" / "nginx.conf"
 CALIBRATION = ROOT / "conf" / "calibration.json"
 
@@ -510,11 +511,12 @@ def docker_compose_available() -> bool:
 
 
 @pytest.mark.skipif(not docker_compose_available(), reason="docker compose is not installed")
-@pytest.mark.parametrize("path", [SINGLE, MULTI], ids=["semif", "semif-multi"])
+@pytest.mark.parametrize("path", [SINGLE, MULTI, MONITORING], ids=["semif", "semif-multi", "monitoring"])
 def test_docker_compose_config(path, tmp_path):
     token = tmp_path / "api-token"
     token.write_text("test-token\n", encoding="utf-8")
     env = {**os.environ, "TOKEN_HOST_FILE": str(token), "MODEL_HOST_DIR": str(tmp_path)}
+    env["GRAFANA_ADMIN_PASSWORD_FILE"] = str(token)  # stacks/monitoring's one secret
     env["CONF_HOST_DIR"] = str(tmp_path)
     result = subprocess.run(
         ["docker", "compose", "-f", str(path), "config", "--quiet"],

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import cast
 
 from fastapi import FastAPI, Request
-from starlette.middleware.gzip import GZipMiddleware
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp
 
 from semif_serve import __version__
@@ -25,6 +25,7 @@ from semif_serve.http.admission import Admission
 from semif_serve.http.auth import Authenticator
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.observability import REQUEST_ID_HEADER, Metrics, RequestContext
+from semif_serve.http.tracing import tracing_from_env
 from semif_serve.playground import playground_router
 from semif_serve.service.startup import Service
 from semif_serve.service.status import take_snapshot
@@ -74,18 +75,21 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))
+    metrics.identify(service)
     routers = [*(door.router() for door in all_doors), playground_router()]
     for router in routers:
         api.include_router(router)
 
     add_error_handlers(api, render)
-    api.include_router(ops_router(service, admission, metrics))
+    ops = ops_router(service, admission, metrics)
+    api.include_router(ops)
     add_docs(api, [model for door in all_doors for model in door.request_models])
-    # Metric and log labels: every declared route of the app and its doors; any other path is "other".
-    declared = [*api.routes, *(route for router in routers for route in router.routes)]
+    # Metric and log labels: every declared route of the app, its doors and the ops routes (FastAPI
+    # keeps an included router's routes inside it); any other path is "other".
+    declared = [*api.routes, *(route for router in [*routers, ops] for route in router.routes)]
     routes = {route.path for route in declared if isinstance(route, APIRoute)}
 
     def id_headers(path: str) -> tuple[bytes, ...]:
         return (REQUEST_ID_HEADER, *door_of(all_doors, path).request_id_headers)
 
-    return RequestContext(admission, metrics, routes, id_headers)
+    return RequestContext(admission, metrics, routes, id_headers, tracing_from_env())

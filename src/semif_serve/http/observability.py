@@ -8,20 +8,25 @@ never the state text, never the token).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
+from semif_serve import __version__
 from semif_serve.http.admission import Admission
 from semif_serve.http.headers import SINGLE_HEADERS, RequestHeaders, headers_of
+from semif_serve.http.tracing import RequestTracing
 from semif_serve.service.core import RequestRecord
+from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot
 
 log = logging.getLogger("semif_serve.request")
@@ -68,6 +73,15 @@ class StatusCollector(Collector):
             "reserved memory after warm-up plus the state cache budget",
             value=now.baseline_bytes or 0,
         )
+        yield GaugeMetricFamily(
+            "semif_memory_release_margin_bytes",
+            "reserved memory above the baseline past which a request's end releases cached memory",
+            value=now.release_margin_bytes,
+        )
+        if now.cap_bytes is not None:  # a device with a hard cap (cuda); the CPU has none
+            yield GaugeMetricFamily(
+                "semif_memory_cap_bytes", "the device memory cap (SEMIF_VRAM_CAP_GIB)", value=now.cap_bytes
+            )
         yield from _batch_metrics(now)
         yield from _cache_metrics(now)
 
@@ -198,6 +212,17 @@ class Metrics:
         """Report the live status, read through `snapshot` at every scrape."""
         self.registry.register(StatusCollector(snapshot))
 
+    def identify(self, service: Service) -> None:
+        """`semif_build_info`: what this replica serves, as labels on a gauge of 1, so replicas
+        that differ in model or calibration show up as distinct label sets."""
+        info = Gauge(
+            "semif_build_info",
+            "what this process serves: version, model source and revision, dtype, calibration digest",
+            list(build_labels(service)),
+            registry=self.registry,
+        )
+        info.labels(**build_labels(service)).set(1)
+
     def observe(self, route: str, status: int, seconds: float, record: RequestRecord | None) -> None:
         """Count one answered request and what its route recorded."""
         self.requests.labels(route, str(status)).inc()
@@ -213,6 +238,25 @@ class Metrics:
             self.prefix.observe(record.prefix_tokens)
         if record.images:
             self.images.inc(record.images)
+
+
+def calibration_digest(workloads: dict[str, dict[str, float]]) -> str:
+    """The first 16 hex digits of the SHA-256 of the calibration table as canonical JSON (sorted
+    keys, no spaces): the same temperatures give the same digest whatever the file's layout."""
+    canonical = json.dumps(workloads, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def build_labels(service: Service) -> dict[str, str]:
+    """`semif_build_info`'s labels: no path, no token, only names and digests."""
+    identity = service.engine.identity
+    return {
+        "version": __version__,
+        "source": identity.source,
+        "revision": identity.revision,
+        "dtype": identity.dtype,
+        "calibration": calibration_digest(service.calibration.as_dict()),
+    }
 
 
 def request_id_from(headers: RequestHeaders) -> str:
@@ -236,11 +280,13 @@ class RequestContext:
         metrics: Metrics,
         routes: Collection[str],
         id_headers: Callable[[str], Sequence[bytes]] = lambda path: (REQUEST_ID_HEADER,),
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = frozenset(routes)  # metric and log labels; any other path is "other"
         self.id_headers = id_headers  # the headers a path's responses carry the request id in
+        self.tracing = tracing  # OpenTelemetry spans per request (None: off)
 
     @property
     def admission(self) -> Admission:
@@ -258,6 +304,9 @@ class RequestContext:
         state["record"] = None
         status = 0
         counted = False
+        trace = self.tracing.begin(scope) if self.tracing is not None else None
+        if trace is not None:
+            receive = trace.watch(receive)
 
         def count() -> None:
             # Once per request: before its last byte is sent, so a client that read the reply sees it.
@@ -270,6 +319,8 @@ class RequestContext:
             route = path if path in self.routes else "other"
             record: RequestRecord | None = state.get("record")
             self.metrics.observe(route, status, seconds, record)
+            if trace is not None:
+                trace.end(scope["method"], route, status, request_id, record)
             fields = record.log_fields() if record is not None else {}
             if route != "/metrics" and not (route == "/health" and status == 200):
                 log.info(
@@ -288,6 +339,8 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if trace is not None:
+                    trace.respond()
                 names = self.id_headers(scope["path"])
                 headers = [h for h in message.get("headers", []) if h[0].lower() not in names]
                 stamps = [(name, request_id.encode()) for name in names]

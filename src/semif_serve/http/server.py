@@ -1,16 +1,16 @@
 """Running the app under uvicorn: envelope answers from the HTTP layer, a header deadline, and a drain.
 
-The HTTP/1.1 protocol is uvicorn's h11 protocol with three changes: the parser is strict where
+The HTTP/1.1 protocol is uvicorn's h11 protocol with four changes: the parser is strict where
 h11 is lenient (a bare LF in the request head, a header folded onto a continuation line, or
 `Content-Length` together with `Transfer-Encoding`, is a protocol error: each lets a front proxy
-and this server disagree on where a request ends or what a header says); a request the parser refuses (those, a malformed request line or
-headers, a bad `Content-Length`, a header block over h11's 16 KiB) is answered with the error
-envelope (`400 invalid_http_request`) instead of uvicorn's plain text, and the connection is
-closed; headers that do not complete within SEMIF_HEADER_TIMEOUT_SECONDS of the
-connection opening (or of the previous response) get `408 header_timeout` and the connection
-is closed; and a response sent before the request's body was read whole (a refusal, a GET
-with a body) closes the connection at once, so no byte a client sends after it keeps the
-connection open.
+and this server disagree on where a request ends or what a header says); a request the parser
+refuses (those, a malformed request line or headers, a bad `Content-Length`, a header block
+over h11's 16 KiB) is answered with the error envelope (`400 invalid_http_request`) instead of
+uvicorn's plain text, and the connection is closed; headers that do not complete within
+SEMIF_HEADER_TIMEOUT_SECONDS of the connection opening (or of the previous response) get
+`408 header_timeout` and the connection is closed; and a response sent before the request's
+body was read whole (a refusal, a GET with a body) closes the connection at once, so no byte
+a client sends after it keeps the connection open.
 
 The first SIGTERM/SIGINT stops admitting (new POSTs get 503 draining, /health says
 draining so a load balancer takes the replica out) while the socket stays open; in-flight

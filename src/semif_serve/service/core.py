@@ -7,6 +7,7 @@ with its own limits and maps the `DecisionError`s it raises to its own status an
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -216,6 +217,30 @@ def _located(exc: DecisionError, planned: Sequence[PlannedQuestion]) -> Decision
 
 
 @dataclass(frozen=True)
+class EngineStages:
+    """The stages the engine measured for one call, in the order they ran, and when its outcome
+    reached the door (`time.perf_counter()`): what a trace lays out as spans, never logged."""
+
+    encode_seconds: float
+    wait_seconds: float
+    prefill_seconds: float
+    forward_seconds: float  # the forwards after the prefill (the state's copies and the suffixes)
+    finished: float
+
+    @classmethod
+    def of(cls, outcome: DecisionOutcome) -> EngineStages:
+        """The stages of `outcome`, finished now."""
+        prefill = outcome.timing.prefill_seconds
+        return cls(
+            encode_seconds=max(outcome.total_seconds - outcome.forward_seconds, 0.0),
+            wait_seconds=outcome.wait.behind_requests_seconds + outcome.wait.behind_idle_seconds,
+            prefill_seconds=prefill,
+            forward_seconds=max(outcome.forward_seconds - prefill, 0.0),
+            finished=time.perf_counter(),
+        )
+
+
+@dataclass(frozen=True)
 class RequestRecord:
     """What the request log line and the metrics keep of an answered call (no text, no token)."""
 
@@ -232,6 +257,7 @@ class RequestRecord:
     wait_seconds: float = 0.0  # its wait for the engine before its first forward
     wait_idle_seconds: float = 0.0  # the part of that wait spent behind idle (speculative) work
     model: str | None = None  # the adapter that read it (None: the base)
+    stages: EngineStages | None = None  # for traces; not a log field
 
     @classmethod
     def of(cls, outcome: DecisionOutcome, images: int = 0, model: str | None = None) -> RequestRecord:
@@ -253,11 +279,12 @@ class RequestRecord:
             wait_seconds=round(outcome.wait.behind_requests_seconds + outcome.wait.behind_idle_seconds, 6),
             wait_idle_seconds=round(outcome.wait.behind_idle_seconds, 6),
             model=model,
+            stages=EngineStages.of(outcome),
         )
 
     def log_fields(self) -> dict[str, Any]:
         """The fields of the request's JSON log line (those that apply to this call)."""
-        fields = {k: v for k, v in asdict(self).items() if v is not None and k != "workloads"}
+        fields = {k: v for k, v in asdict(self).items() if v is not None and k not in ("workloads", "stages")}
         if self.workloads:
             fields["workloads"] = list(self.workloads)
         return fields
