@@ -44,6 +44,14 @@ them on a second service importing SRC, an older checkout's src/, side by side):
    sent 0.5 s after them: each refusal's time, the tiny one's wait, /health worst (goal < 1 s);
 11. 200 questions over a ~29k-token state (--quick: ~8k tokens, SEMIF_MAX_BATCH_TOKENS=4096):
    the engine's forwards (from /metrics) and the request's seconds.
+
+Issue 38 (`--only progress`; `--before SRC` also runs it on a service importing SRC):
+
+12. two concurrent System One noul questions (`x_orderings: "none"`) over new states that each
+   fit the state cache alone but not together: ~2.2k and ~4.1k tokens at SEMIF_STATE_CACHE_MIB=1,
+   two ~15k-token states at 4 MiB: each answer's status and seconds (a client gives up after
+   --progress-timeout, 120 s), and the cache's evictions meanwhile (goal: both answered, each
+   about as fast as alone).
 """
 
 from __future__ import annotations
@@ -715,6 +723,63 @@ def rows_over_a_long_state(service: ServiceProcess, state: str, rows: int) -> di
     return {"status": status, "seconds": seconds, "forwards": forwards_run(service) - before}
 
 
+def metric_total(service: ServiceProcess, name: str) -> float:
+    text = httpx.get(f"{service.url}/metrics", timeout=30).text
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
+
+
+def post_within(service: ServiceProcess, body: bytes, seconds: float) -> tuple[int | str, float]:
+    """A POST that gives up after `seconds` (as a client would), its status or "gave up"."""
+    started = time.perf_counter()
+    try:
+        reply = httpx.post(
+            f"{service.url}/v1/systemone",
+            content=body,
+            headers={"Authorization": f"Bearer {service.token}"},
+            timeout=seconds,
+        )
+        return reply.status_code, time.perf_counter() - started
+    except httpx.TimeoutException:
+        return "gave up", time.perf_counter() - started
+
+
+# (SEMIF_STATE_CACHE_MIB, the two states' tokens): each fits the cache alone, not beside the other.
+PROGRESS_CASES = ((1, (2_200, 4_100)), (4, (15_000, 15_000)))
+
+
+def two_new_states_at_once(service: ServiceProcess, codec, tokens: tuple[int, int], seconds: float) -> dict:
+    tag = time.time_ns()
+    bodies = [systemone(f"Report {tag}-{n}. " + state_of(codec, count), 1) for n, count in enumerate(tokens)]
+    evictions = metric_total(service, "semif_state_cache_evictions_total")
+    results = in_parallel([lambda b=b: post_within(service, b, seconds) for b in bodies])
+    return {
+        "results": results,
+        "evictions": metric_total(service, "semif_state_cache_evictions_total") - evictions,
+    }
+
+
+def progress(model: Path, work: Path, codec, before: str | None, seconds: float) -> None:
+    """Phase 12 on this tree's service, and on one importing `before` when given."""
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    trees = {"now": None, **({"before": before} if before else {})}
+    lines = [("tree, cache, states", "answers (status, seconds)", "evictions meanwhile")]
+    for name, src in trees.items():
+        for mib, tokens in PROGRESS_CASES:
+            settings = {"device": "cpu", "demo": "true", "state_cache_mib": mib}
+            extra = {"PYTHONPATH": src} if src else None
+            with ServiceProcess(
+                model, DEMO_REVISION, settings, work / f"progress-{name}-{mib}", extra_env=extra
+            ) as service:
+                print(f"issue 38, {name}: two new states at once, {mib} MiB ...", flush=True)
+                got = two_new_states_at_once(service, codec, tokens, seconds)
+            answers = ", ".join(f"{status} in {t:.1f} s" for status, t in got["results"])
+            lines.append(
+                (f"{name}, {mib} MiB, {tokens[0]} + {tokens[1]} tokens", answers, f"{got['evictions']:.0f}")
+            )
+    print_table(lines)
+
+
 def issue30(model: Path, work: Path, codec, quick: bool, before: str | None) -> None:
     """Phases 5 and 6 on this tree's service, and on one importing `before` when given."""
     from semif_serve.tools.demo import DEMO_REVISION
@@ -752,7 +817,10 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--only", choices=["images", "calibrate", "tower", "tokens"], help="run one phase alone"
+        "--only", choices=["images", "calibrate", "tower", "tokens", "progress"], help="run one phase alone"
+    )
+    parser.add_argument(
+        "--progress-timeout", type=float, default=120.0, help="phase 12: a client gives up after"
     )
     parser.add_argument("--before", help="also run the tokenising phases on a service importing this src/")
     args = parser.parse_args()
@@ -774,6 +842,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="semif-stalls-"))
     model = write_checkpoint(work / "model")
     codec = PromptCodec(AutoTokenizer.from_pretrained(str(model)))
+    if args.only == "progress":
+        progress(model, work, codec, args.before, args.progress_timeout)
+        return
     if args.only == "tokens" or args.before:
         issue30(model, work, codec, args.quick, args.before)
         if args.only == "tokens":

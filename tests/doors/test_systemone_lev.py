@@ -196,6 +196,10 @@ def test_each_type_equals_lev_read_by_hand_in_both_prompt_styles(model, style, c
     assert abs(got["noul"] - sum(i / 8 * p for i, p in enumerate(rating))) < TOL
     close(list(got["x_lev"]["distribution"].values()), rating)
     assert (got["x_lev"]["bucket"], got["x_lev"]["orders"]) == ("noul:A", 1)
+    # lev's server's noul extras: its nine levels, and its normalised Gini of them
+    assert list(got["probabilities"]) == [str(i) for i in range(9)]
+    close(list(got["probabilities"].values()), rating)
+    assert abs(got["confidence"] - (9 * sum(p * p for p in rating) - 1) / 8) < TOL
 
     suffixes = [*CHOICE_SUFFIXES[style], score_suffix(style, [0, 1, 2]), RATING[style]]
     assert reply["usage"] == {
@@ -217,6 +221,9 @@ def test_the_entrys_lev_options_binary_noul_and_cyclic_score_orders(client, refe
     binary = expected(references, tokenizer, "plain", "urgent", noul="binary")
     assert abs(answers["urgent"]["noul"] - binary[0]) < TOL
     assert answers["urgent"]["x_lev"]["distribution"].keys() == {"yes", "no"}
+    assert answers["urgent"]["probabilities"] is None  # a binary noul has no levels, as lev sends it
+    yes, no = answers["urgent"]["x_lev"]["distribution"].values()
+    assert abs(answers["urgent"]["confidence"] - (2 * (yes * yes + no * no) - 1)) < TOL
     assert answers["urgent"]["x_lev"]["bucket"] == "noul_binary:A"
     cyclic = expected(
         references, tokenizer, "plain", "frustration", score_orders=((0, 1, 2), (1, 2, 0), (2, 0, 1))

@@ -14,7 +14,15 @@ import asyncio
 from fastapi import Request
 
 from semif_serve.domain.answers import choice_confidence, score_confidence
-from semif_serve.domain.lev import LevAnswer, LevChoice, LevNoul, LevQuestion, LevScore, ModeBUnavailable
+from semif_serve.domain.lev import (
+    RATING_TEXTS,
+    LevAnswer,
+    LevChoice,
+    LevNoul,
+    LevQuestion,
+    LevScore,
+    ModeBUnavailable,
+)
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.types import DecisionError, ReplyTooLarge
 from semif_serve.doors.base import ErrorRule, refusal_of
@@ -121,10 +129,19 @@ def lev_answer(
     body: NoulQuestion | ChoiceQuestion | ScoreQuestion, answer: LevAnswer
 ) -> LevNoulAnswer | LevChoiceAnswer | LevScoreAnswer:
     """One System One answer from lev's: its value, and System One's confidence of its
-    distribution (`domain.answers`, as the SemIf path computes it)."""
+    distribution (`domain.answers`, as the SemIf path computes it); a noul, which System One
+    gives no confidence, carries lev's own and its rating levels, as lev's server sends them."""
     probs = answer.distribution
     if isinstance(body, NoulQuestion):
-        return LevNoulAnswer(type="noul", noul=float(answer.value), x_lev=lev_block(answer))
+        rated = answer.probabilities
+        levels = None if rated is None else dict(zip(RATING_TEXTS, rated, strict=True))
+        return LevNoulAnswer(
+            type="noul",
+            noul=float(answer.value),
+            probabilities=levels,
+            confidence=answer.lev_confidence,
+            x_lev=lev_block(answer),
+        )
     if isinstance(body, ChoiceQuestion):
         return LevChoiceAnswer(
             type="choice",

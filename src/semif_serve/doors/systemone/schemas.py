@@ -370,10 +370,14 @@ class LevBlock(BaseModel):
 
 
 class LevNoulAnswer(BaseModel):
-    """A lev model's noul: P(true) as lev reads it."""
+    """A lev model's noul: P(true) as lev reads it, and the two fields lev's own server adds to
+    System One's noul (`lev/types.py`): `probabilities` over the nine rating levels ("0".."8";
+    null for a binary noul) and lev's `confidence` (its normalised Gini of the distribution)."""
 
     type: Literal["noul"]
     noul: float
+    probabilities: dict[str, float] | None
+    confidence: float
     x_lev: LevBlock
 
 

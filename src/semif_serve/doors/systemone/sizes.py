@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from semif_serve.domain.boxes import EDGES
+from semif_serve.domain.lev import RATING_TEXTS
 from semif_serve.domain.orderings import (
     NO_ORDERINGS,
     order_count,
@@ -119,14 +120,13 @@ LEV_BUCKET_BYTES = max(
     for mode in ("A", "B")
     for band in ("small", "mid", "large")
 )
-LEV_NOUL_LEVELS = [str(level) for level in range(9)]  # a rating noul's levels (a binary one: yes, no)
 
 
 def lev_answer_bytes(body: wire.NoulQuestion | wire.ChoiceQuestion | wire.ScoreQuestion) -> int:
     """At least the bytes of a lev model's answer to `body`: its value, the probabilities and
     `x_lev`'s distribution by name (a noul by its rating levels, the larger of lev's readouts)."""
     if isinstance(body, wire.NoulQuestion):
-        names = [text_bytes(level) for level in LEV_NOUL_LEVELS]
+        names = [text_bytes(level) for level in RATING_TEXTS]  # a binary noul's yes, no are fewer
     elif isinstance(body, wire.ChoiceQuestion):
         names = [text_bytes(name) for name in body.criteria]
     else:
@@ -143,10 +143,14 @@ def lev_answer_bytes(body: wire.NoulQuestion | wire.ChoiceQuestion | wire.ScoreQ
             "distribution": by_name,
         },
     )
-    sizes = {"type": text_bytes(body.type), "x_lev": block}
+    sizes = {
+        "type": text_bytes(body.type),
+        "x_lev": block,
+        "probabilities": by_name,
+        "confidence": FLOAT_BYTES,
+    }
     if isinstance(body, wire.NoulQuestion):
         return object_bytes(wire.LevNoulAnswer, sizes | {"noul": FLOAT_BYTES})
-    sizes |= {"probabilities": by_name, "confidence": FLOAT_BYTES}
     if isinstance(body, wire.ChoiceQuestion):
         return object_bytes(wire.LevChoiceAnswer, sizes | {"choice": max(names)})
     legend = map_bytes(sum(names), sum(text_bytes(as_text(level)) for level in body.criteria), len(names))
