@@ -9,7 +9,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
@@ -86,27 +86,26 @@ def plan(path: Path, files: BatchFiles) -> Plan:
 
 
 def score_file(
-    start: Callable[[], Service],
+    start: Callable[[], AbstractContextManager[Service]],
     files: BatchFiles,
     pacing: Pacing,
     stream: TextIO = sys.stderr,
     bar: bool | None = None,
 ) -> Summary:
-    """The whole local job: check, start the service (`start`), score what is left, count.
+    """The whole local job: check, start the service (`start`, held while the job runs), score
+    what is left, count.
 
     Raises DuplicateCustomId (before the service starts) or KeyboardInterrupt (what was
     written stays written: the same command continues from there).
     """
     with files.readable_input() as path:
         checked = plan(path, files)
-        service = start()
-        progress = Progress(checked.summary(), stream, bar=bar)
-        try:
-            with files.appendable_output() as out:
+        with start() as service, files.appendable_output() as out:
+            progress = Progress(checked.summary(), stream, bar=bar)
+            try:
                 scorer = BatchScorer(service)
                 windows = windows_of(pending_lines(path, checked.finished), pacing.window)
                 asyncio.run(scorer.score(windows, ResultWriter(out), pacing, progress))
-        finally:
-            progress.close()
-            service.worker.shutdown()
+            finally:
+                progress.close()
     return progress.summary

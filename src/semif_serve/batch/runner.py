@@ -72,9 +72,8 @@ class BatchScorer:
             )
         elif line.url not in BATCH_URLS:
             known = ", ".join(BATCH_URLS)
-            status, body = self.refusal(
-                line, ServiceError(404, "not_found", f"no batch route {line.url}: a line's url is one of {known}")
-            )
+            message = f"no batch route {line.url}: a line's url is one of {known}"
+            status, body = self.refusal(line, ServiceError(404, "not_found", message))
         elif line.method != "POST":
             status, body = self.refusal(
                 line, ServiceError(405, "method_not_allowed", f"{line.url} takes POST, not {line.method}")
@@ -117,7 +116,7 @@ class BatchScorer:
             in_flight: list[list[asyncio.Task[dict[str, Any]]]] = []
             try:
                 for window in windows:
-                    # Sent group by group: the semaphore admits waiters in order, so a state's lines fly together.
+                    # Group by group: the semaphore admits waiters in order, so a state's lines fly together.
                     tasks = {line.number: asyncio.ensure_future(one(line)) for line in grouped(window)}
                     in_flight.append([tasks[line.number] for line in window])
                     if len(in_flight) > 1:  # the next window is queued: finish and write the oldest

@@ -1,4 +1,5 @@
-"""The `semif-serve` command: serve, demo, demo-model, run-batch, calibrate, env-template, check-model, manifest.
+"""The `semif-serve` command: serve, demo, demo-model, run-batch, calibrate, env-template, check-model,
+manifest.
 
 The entry point forces HF_HUB_OFFLINE=1 before anything imports transformers: the service
 never downloads weights or data.
@@ -13,6 +14,8 @@ import os
 import secrets
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -198,11 +201,15 @@ def run_batch(args: argparse.Namespace) -> int:
         else:
             from semif_serve.batch.job import score_file
 
-            def started() -> Service:
+            @contextmanager
+            def started() -> Iterator[Service]:
                 service = start_service(settings)
                 if isinstance(service, int):
                     raise SystemExit(service)
-                return service
+                try:
+                    yield service
+                finally:
+                    service.worker.shutdown()
 
             score_file(started, files, pacing, bar=bar)
     except DuplicateCustomId as exc:
