@@ -23,7 +23,8 @@ from semif_serve.batch.lines import DuplicateCustomId, parse_line
 from semif_serve.batch.progress import Progress, Summary
 from semif_serve.batch.runner import Pacing, grouped
 from semif_serve.service.startup import Service
-from tests.batch.conftest import (
+from tests.support import make_settings
+from tests.support.batch import (
     LIMITS,
     STATES,
     answered_lines,
@@ -35,7 +36,6 @@ from tests.batch.conftest import (
     results,
     run_batch,
 )
-from tests.support import make_settings
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,10 @@ def service(batch_settings, vision_engine) -> Service:
     return Service.start(batch_settings, engine=vision_engine)
 
 
-def score(service: Service, source, out, pacing: Pacing = Pacing(), stream=None):
+def score(service: Service, source, out, pacing: Pacing | None = None, stream=None):
     stream = stream or io.StringIO()
-    return score_file(lambda: nullcontext(service), BatchFiles(str(source), str(out)), pacing, stream)
+    files = BatchFiles(str(source), str(out))
+    return score_file(lambda: nullcontext(service), files, pacing or Pacing(), stream)
 
 
 def never_started():
@@ -84,6 +85,9 @@ def test_a_half_written_last_line_is_cut_and_its_line_scored_again(service, tmp_
     assert summary.skipped == 6 and summary.done == summary.lines - 6
     assert_same_results(results(resumed), results(whole))
     assert f"{summary.lines} lines, 6 already in the output" in stream.getvalue()
+    finished = score_file(never_started, BatchFiles(str(source), str(resumed)), Pacing(), io.StringIO())
+    assert finished.skipped == finished.lines == summary.lines  # run again: nothing to load
+    assert_same_results(results(resumed), results(whole))
 
 
 def test_stdin_to_stdout(service, tmp_path, monkeypatch):
@@ -104,7 +108,9 @@ def test_pacing_is_held_to_the_queue_cap_so_no_line_is_answered_busy(demo_models
     narrow = Service.start(
         make_settings(checkpoint, models=models, dtype="float32", max_queue=2, **LIMITS), engine=vision_engine
     )
-    lines = [line(f"c{i}", "/decide", decide(f"{STATES[i % 3]} Case {i}.", "Is it fixed?", i)) for i in range(40)]
+    lines = [
+        line(f"c{i}", "/decide", decide(f"{STATES[i % 3]} Case {i}.", "Is it fixed?", i)) for i in range(40)
+    ]
     out = tmp_path / "out.jsonl"
     summary = score(narrow, batch_file(tmp_path / "in.jsonl", lines), out, Pacing(window=40, concurrency=64))
     statuses = Counter(r["response"]["status_code"] for r in results(out))

@@ -18,7 +18,8 @@ import pytest
 from semif_serve.batch.job import BatchFiles, score_file
 from semif_serve.batch.runner import Pacing
 from semif_serve.service.startup import Service
-from tests.batch.conftest import (
+from tests.docs.test_readme import free_port
+from tests.support.batch import (
     UNROUTED,
     answered_lines,
     assert_same_results,
@@ -27,7 +28,6 @@ from tests.batch.conftest import (
     results,
     run_batch,
 )
-from tests.docs.test_readme import free_port
 
 pytest.importorskip("ray")
 

@@ -20,7 +20,9 @@ import pytest
 from semif_serve.batch.job import BatchFiles, score_file
 from semif_serve.batch.runner import Pacing
 from semif_serve.service.startup import Service
-from tests.batch.conftest import (
+from tests.docs.test_readme import free_port, stop, wait_ready
+from tests.support import TOKEN
+from tests.support.batch import (
     STATES,
     UNROUTED,
     answered_lines,
@@ -34,8 +36,6 @@ from tests.batch.conftest import (
     results,
     run_batch,
 )
-from tests.docs.test_readme import free_port, stop, wait_ready
-from tests.support import TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,8 @@ def score_file(
     """
     with files.readable_input() as path:
         checked = plan(path, files)
+        if checked.lines == checked.skipped:  # a finished job run again: nothing to load
+            return Progress(checked.summary(), stream, bar=False).close()
         with start() as service, files.appendable_output() as out:
             progress = Progress(checked.summary(), stream, bar=bar)
             try:
