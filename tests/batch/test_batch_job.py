@@ -16,12 +16,13 @@ from collections import Counter
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from semif_serve.batch.job import BatchFiles, score_file
 from semif_serve.batch.lines import DuplicateCustomId, parse_line
 from semif_serve.batch.progress import Progress, Summary
-from semif_serve.batch.runner import Pacing, grouped
+from semif_serve.batch.runner import MAX_RETRY_WAIT_SECONDS, Pacing, grouped, retry_after
 from semif_serve.service.startup import Service
 from tests.support import make_settings
 from tests.support.batch import (
@@ -187,3 +188,10 @@ def test_the_bar_is_chosen_by_whether_stderr_is_a_terminal(tmp_path):
     finally:
         os.close(terminal)
         os.close(other_end)
+
+
+def test_a_refusal_that_asks_for_a_retry_is_retried_after_the_delay_it_names():
+    assert retry_after(httpx.Response(503, headers={"Retry-After": "1"})) == 1.0  # out of memory, released
+    assert retry_after(httpx.Response(429, headers={"Retry-After": "600"})) == MAX_RETRY_WAIT_SECONDS
+    assert retry_after(httpx.Response(503)) is None
+    assert retry_after(httpx.Response(422, headers={"Retry-After": "1"})) is None

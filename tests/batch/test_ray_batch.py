@@ -4,9 +4,7 @@ lines the local run writes (images, the lev release and refusals included)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -18,7 +16,7 @@ import pytest
 from semif_serve.batch.job import BatchFiles, score_file
 from semif_serve.batch.runner import Pacing
 from semif_serve.service.startup import Service
-from tests.docs.test_readme import free_port
+from tests.docs.test_readme import free_port, stop
 from tests.support.batch import (
     UNROUTED,
     answered_lines,
@@ -63,12 +61,7 @@ def ray_address(batch_env):
             time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop(process, grace=10)  # the head's own shutdown takes ~35 s here; its group is killed after 10
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 

@@ -120,11 +120,12 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 180) -> dic
     raise AssertionError("the demo did not become ready")
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen, grace: float = 60) -> None:
+    """SIGTERM to the process's group, SIGKILL after `grace` seconds."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()

@@ -27,6 +27,8 @@ from semif_serve.http.errors import ServiceError
 from semif_serve.service.startup import Service
 
 DEFAULT_WINDOW = 256
+RETRIES = 3  # a line refused for a moment (429, 503 with Retry-After) is sent again this often
+MAX_RETRY_WAIT_SECONDS = 10.0
 #: Called with each answered line's output (progress, counts).
 OnAnswer = Callable[[dict[str, Any]], None]
 
@@ -79,7 +81,16 @@ class BatchScorer:
                 line, ServiceError(405, "method_not_allowed", f"{line.url} takes POST, not {line.method}")
             )
         else:
-            assert line.body_text is not None and line.url is not None
+            reply = await self.post(client, line)
+            status, body = reply.status_code, _body_of(reply)
+        return result_line(line, status, body)
+
+    async def post(self, client: httpx.AsyncClient, line: BatchLine) -> httpx.Response:
+        """The line's body POSTed to its route; a refusal that asks to be retried (429, 503 with
+        Retry-After: out of device memory, released) is sent again after the delay it names, up
+        to RETRIES times, as a client of the service would."""
+        assert line.body_text is not None and line.url is not None
+        for attempt in range(RETRIES + 1):
             reply = await client.post(
                 line.url,
                 content=line.body_text.encode("utf-8", "surrogatepass"),
@@ -89,8 +100,11 @@ class BatchScorer:
                     "X-Request-ID": line.request_id,
                 },
             )
-            status, body = reply.status_code, _body_of(reply)
-        return result_line(line, status, body)
+            wait = retry_after(reply)
+            if wait is None or attempt == RETRIES:
+                return reply
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable")  # the loop returns on its last attempt
 
     async def score(
         self,
@@ -101,7 +115,7 @@ class BatchScorer:
     ) -> None:
         """Answer every window's lines and `write` each window's results, in input order."""
         gate = asyncio.Semaphore(pacing.in_flight(self.service.settings.max_queue))
-        transport = httpx.ASGITransport(app=self.app)
+        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)  # a 500, as over HTTP
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(
             transport=transport, base_url="http://batch", timeout=None, limits=limits
@@ -126,6 +140,16 @@ class BatchScorer:
             finally:
                 for task in (task for tasks in in_flight for task in tasks):
                     task.cancel()
+
+
+def retry_after(reply: httpx.Response) -> float | None:
+    """Seconds to wait before sending a refused line again, or None when it is not to be retried."""
+    if reply.status_code not in (429, 503):
+        return None
+    try:
+        return min(MAX_RETRY_WAIT_SECONDS, max(0.0, float(reply.headers["Retry-After"])))
+    except (KeyError, ValueError):
+        return None
 
 
 def _body_of(reply: httpx.Response) -> Any:
