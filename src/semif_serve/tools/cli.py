@@ -227,6 +227,14 @@ def run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
+    return value
+
+
 def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `semif-serve run-batch` (docs/batch.md)."""
     parser.add_argument("-i", "--input", required=True, metavar="IN", help="the batch file (- for stdin)")
@@ -241,11 +249,11 @@ def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
         "--demo", action="store_true", help="score with the demo's model and lev release (as `demo` serves)"
     )
     parser.add_argument(
-        "--window", type=int, default=256, metavar="N", help="lines read ahead and grouped by state [256]"
+        "--window", type=positive, default=256, metavar="N", help="lines read ahead, grouped by state [256]"
     )
     parser.add_argument(
         "--concurrency",
-        type=int,
+        type=positive,
         default=None,
         metavar="N",
         help="lines in flight at once (at most SEMIF_MAX_QUEUE) [SEMIF_MAX_QUEUE]",
@@ -265,10 +273,10 @@ def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
         help="the cluster to join (default: RAY_ADDRESS, else a local one started for the job)",
     )
     ray.add_argument(
-        "--num-actors", type=int, default=1, metavar="N", help="engines (Ray actors), one model each [1]"
+        "--num-actors", type=positive, default=1, metavar="N", help="engines (Ray actors), one model each [1]"
     )
     ray.add_argument(
-        "--ray-batch-size", type=int, default=64, metavar="N", help="lines handed to an actor at once [64]"
+        "--ray-batch-size", type=positive, default=64, metavar="N", help="lines per actor call [64]"
     )
     ray.add_argument(
         "--ray-gpus",
