@@ -61,7 +61,7 @@ def ray_address(batch_env):
             time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        stop(process, grace=10)  # the head's own shutdown takes ~35 s here; its group is killed after 10
+        stop(process, grace=5)  # the head takes ~35 s to stop itself here; its group is killed after 5
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 
