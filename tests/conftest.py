@@ -18,7 +18,7 @@ from semif_serve.service.startup import Service, load_engine  # noqa: E402
 from semif_serve.tools.demo import write_checkpoint  # noqa: E402
 from tests.support import in_process_client, make_settings  # noqa: E402
 
-LAYERS = ("domain", "engine", "http", "doors", "service", "deploy", "docs")
+LAYERS = ("domain", "engine", "http", "doors", "service", "batch", "deploy", "docs")
 # What a module needs beyond Python, so `-m "not browser"` (or `-m proxy`) picks by it.
 NEEDS = {
     "test_playground": ("browser",),
@@ -33,6 +33,8 @@ NEEDS = {
     "test_fuzz": ("slow",),
     "test_acceptance": ("slow",),
     "test_conformance": ("slow",),
+    "test_run_batch": ("slow",),
+    "test_ray_batch": ("slow",),
 }
 
 

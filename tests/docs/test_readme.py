@@ -71,6 +71,7 @@ RUNS = {
     "TYPESAFE_DEFAULT_MODEL=local": "test_the_sdk_reaches_the_demos_lev_release_by_its_alias",
     "CUDA_ONLY=": "test_the_cpu_only_sync_leaves_torch_and_the_cuda_libraries_out",
     "uv run semif-serve check-model ": "test_check_model_on_the_demo_checkpoint_says_complete",
+    "cat > tickets.jsonl": "test_the_batch_block_scores_its_file_as_the_demo_answers_each_line",
     "uv run semif-serve manifest ": "test_the_manifest_block_pins_and_verifies_the_demo_checkpoint",
 }
 
@@ -119,11 +120,12 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 180) -> dic
     raise AssertionError("the demo did not become ready")
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen, grace: float = 60) -> None:
+    """SIGTERM to the process's group, SIGKILL after `grace` seconds."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
@@ -466,6 +468,30 @@ def test_check_model_on_the_demo_checkpoint_says_complete(checkpoint):
     )
     assert result.returncode == 0, result.stderr
     assert f"{checkpoint}: complete" in result.stdout
+
+
+def test_the_batch_block_scores_its_file_as_the_demo_answers_each_line(demo, vision_checkpoint, tmp_path):
+    from tests.support.batch import assert_close, comparable
+
+    url, _ = demo
+    result = subprocess.run(
+        ["bash", "-c", here(block("cat > tickets.jsonl"))],
+        cwd=tmp_path,
+        env=clean_env(SEMIF_DEMO_DIR=str(vision_checkpoint)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "run-batch: 3 lines, 0 already in the output, 3 answered, 0 refused" in result.stderr
+    asked = [json.loads(text) for text in (tmp_path / "tickets.jsonl").read_text().splitlines()]
+    answered = [json.loads(text) for text in (tmp_path / "results.jsonl").read_text().splitlines()]
+    for line, got in zip(asked, answered, strict=True):
+        auth = {"Authorization": f"Bearer {DEMO_TOKEN}"}
+        reply = httpx.post(url + line["url"], json=line["body"], headers=auth, timeout=60)
+        assert got["custom_id"] == line["custom_id"] and got["error"] is None
+        assert got["response"]["status_code"] == reply.status_code == 200
+        assert_close(comparable(got["response"]["body"]), comparable(reply.json()), line["custom_id"])
 
 
 def test_the_manifest_block_pins_and_verifies_the_demo_checkpoint(checkpoint, tmp_path):

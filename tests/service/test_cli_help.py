@@ -9,7 +9,16 @@ import pytest
 from semif_serve.service.settings import Settings, env_name
 from semif_serve.tools.cli import build_parser, main
 
-DOCUMENTED = ["serve", "demo", "demo-model", "calibrate", "env-template", "check-model", "manifest"]
+DOCUMENTED = [
+    "serve",
+    "demo",
+    "demo-model",
+    "run-batch",
+    "calibrate",
+    "env-template",
+    "check-model",
+    "manifest",
+]
 
 
 def help_text(capsys, *argv: str) -> str:

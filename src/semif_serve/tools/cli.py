@@ -1,4 +1,5 @@
-"""The `semif-serve` command: serve, demo, demo-model, calibrate, env-template, check-model, manifest.
+"""The `semif-serve` command: serve, demo, demo-model, run-batch, calibrate, env-template, check-model,
+manifest.
 
 The entry point forces HF_HUB_OFFLINE=1 before anything imports transformers: the service
 never downloads weights or data.
@@ -13,7 +14,14 @@ import os
 import secrets
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from semif_serve.service.settings import Settings
+    from semif_serve.service.startup import Service
 
 EXIT_CONFIG = 2
 EXIT_STARTUP = 3
@@ -41,7 +49,8 @@ def ensure_demo_checkpoint(directory: Path) -> Path:
 
     marker = directory / "DEMO.json"
     if not marker.exists() or json.loads(marker.read_text()).get("revision") != DEMO_REVISION:
-        print(f"building the random-weight demo checkpoint in {directory} ...", flush=True)
+        # stderr: run-batch may be writing its results to stdout
+        print(f"building the random-weight demo checkpoint in {directory} ...", file=sys.stderr, flush=True)
         write_checkpoint(directory, multimodal=True)  # the demo reads images, as Qwen3.5 does
     return directory
 
@@ -67,26 +76,15 @@ def demo_banner(host: str, port: int, made_token: str | None, lev_model: str | N
     )
 
 
-def serve(overrides: dict | None = None, demo: bool = False, made_token: str | None = None) -> int:
-    """Validate everything, load and warm up the engine, then bind the port; fail closed."""
-    from semif_serve.app import create_app
+def start_service(settings: Settings) -> Service | int:
+    """Load and warm up the service of `settings`, or the exit code of why it cannot start."""
     from semif_serve.domain.calibration import CalibrationFileError
     from semif_serve.domain.types import ConfigurationError, DecisionError
     from semif_serve.engine.loader import CheckpointError
-    from semif_serve.http.logs import configure_logging
-    from semif_serve.service.settings import load_settings
     from semif_serve.service.startup import Service
 
-    configure_logging()
     try:
-        settings = load_settings(**(overrides or {}))
-        settings.require_model()
-        settings.token()
-    except ConfigurationError as exc:
-        log.error("invalid configuration: %s", exc)
-        return EXIT_CONFIG
-    try:
-        service = Service.start(settings)
+        return Service.start(settings)
     except (ConfigurationError, CalibrationFileError) as exc:
         log.error("invalid configuration: %s", exc)
         return EXIT_CONFIG
@@ -96,6 +94,35 @@ def serve(overrides: dict | None = None, demo: bool = False, made_token: str | N
     except Exception as exc:  # noqa: BLE001 - any warm-up failure must stop startup, clearly
         log.error("startup failed during load or warm-up: %s: %s", type(exc).__name__, exc)
         return EXIT_STARTUP
+
+
+def checked_settings(overrides: dict | None) -> Settings | int:
+    """The settings (environment, then `overrides`) with a model and a token, or EXIT_CONFIG."""
+    from semif_serve.domain.types import ConfigurationError
+    from semif_serve.service.settings import load_settings
+
+    try:
+        settings = load_settings(**(overrides or {}))
+        settings.require_model()
+        settings.token()
+    except ConfigurationError as exc:
+        log.error("invalid configuration: %s", exc)
+        return EXIT_CONFIG
+    return settings
+
+
+def serve(overrides: dict | None = None, demo: bool = False, made_token: str | None = None) -> int:
+    """Validate everything, load and warm up the engine, then bind the port; fail closed."""
+    from semif_serve.app import create_app
+    from semif_serve.http.logs import configure_logging
+
+    configure_logging()
+    settings = checked_settings(overrides)
+    if isinstance(settings, int):
+        return settings
+    service = start_service(settings)
+    if isinstance(service, int):
+        return service
     if demo:
         lev = next((name for name in service.lev.releases), None)
         print(demo_banner(settings.host, settings.port, made_token, lev), flush=True)
@@ -119,6 +146,145 @@ def serve(overrides: dict | None = None, demo: bool = False, made_token: str | N
     )
     service.worker.shutdown()
     return 0
+
+
+def demo_overrides() -> dict:
+    """The settings `semif-serve demo` serves: its checkpoint (built once), on the CPU in float32,
+    and its lev release unless SEMIF_MODELS names the operator's own models file."""
+    from semif_serve.tools.demo import DEMO_REVISION, ensure_demo_models
+
+    checkpoint = ensure_demo_checkpoint(demo_directory())
+    overrides: dict = {
+        "model_path": checkpoint,
+        "model_revision": DEMO_REVISION,
+        "device": "cpu",
+        "dtype": "float32",
+        "demo": True,
+    }
+    if not os.environ.get("SEMIF_MODELS"):  # the operator's own models file wins
+        overrides["models"] = ensure_demo_models(checkpoint)
+    return overrides
+
+
+def token_configured() -> bool:
+    """Whether SEMIF_API_TOKEN or SEMIF_API_TOKEN_FILE is set."""
+    return bool(os.environ.get("SEMIF_API_TOKEN") or os.environ.get("SEMIF_API_TOKEN_FILE"))
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """`semif-serve run-batch`: score a batch file with the service's settings, in this process
+    (or on Ray with --ray); 0 when every line has its result, 2 on bad input or settings,
+    3 when the model cannot start, 130 when interrupted (the same command continues)."""
+    from semif_serve.batch.job import BatchFiles
+    from semif_serve.batch.lines import DuplicateCustomId
+    from semif_serve.batch.runner import Pacing
+    from semif_serve.http.logs import configure_logging
+
+    configure_logging()
+    for chatty in ("semif_serve.request", "httpx"):  # a line per request: too many for a batch
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    overrides = demo_overrides() if args.demo else {}
+    if not token_configured():  # no port is bound: the token only guards the batch's own calls
+        overrides["api_token"] = "batch-" + secrets.token_urlsafe(18)
+    settings = checked_settings(overrides)
+    if isinstance(settings, int):
+        return settings
+    files = BatchFiles(args.input, args.output)
+    pacing = Pacing(window=args.window, concurrency=args.concurrency)
+    bar = {"auto": None, "bar": True, "plain": False}[args.progress]
+    try:
+        if args.ray:
+            from semif_serve.batch.ray_job import RayPlan, score_on_ray
+
+            ray_plan = RayPlan(args.ray_address, args.num_actors, args.ray_batch_size, args.ray_gpus)
+            score_on_ray(settings, files, pacing, ray_plan, bar=bar)
+        else:
+            from semif_serve.batch.job import score_file
+
+            @contextmanager
+            def started() -> Iterator[Service]:
+                service = start_service(settings)
+                if isinstance(service, int):
+                    raise SystemExit(service)
+                try:
+                    yield service
+                finally:
+                    service.worker.shutdown()
+
+            score_file(started, files, pacing, bar=bar)
+    except DuplicateCustomId as exc:
+        print(f"run-batch: {args.input}: {exc}; nothing was scored", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as exc:
+        print(f"run-batch: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print(
+            "run-batch: interrupted; every line written stays, and the same command continues from there",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
+    return value
+
+
+def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `semif-serve run-batch` (docs/batch.md)."""
+    parser.add_argument("-i", "--input", required=True, metavar="IN", help="the batch file (- for stdin)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="the results file (- for stdout); lines already in it are skipped, so a rerun continues",
+    )
+    parser.add_argument(
+        "--demo", action="store_true", help="score with the demo's model and lev release (as `demo` serves)"
+    )
+    parser.add_argument(
+        "--window", type=positive, default=256, metavar="N", help="lines read ahead, grouped by state [256]"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="lines in flight at once (at most SEMIF_MAX_QUEUE) [SEMIF_MAX_QUEUE]",
+    )
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "plain"),
+        default="auto",
+        help="a bar on a terminal, else a line every 5 s (auto); or force one [auto]",
+    )
+    ray = parser.add_argument_group("Ray (pip install 'semif-serve[ray]')")
+    ray.add_argument("--ray", action="store_true", help="score on a Ray cluster through Ray Data")
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the cluster to join (default: RAY_ADDRESS, else a local one started for the job)",
+    )
+    ray.add_argument(
+        "--num-actors", type=positive, default=1, metavar="N", help="engines (Ray actors), one model each [1]"
+    )
+    ray.add_argument(
+        "--ray-batch-size", type=positive, default=64, metavar="N", help="lines per actor call [64]"
+    )
+    ray.add_argument(
+        "--ray-gpus",
+        type=float,
+        default=None,
+        metavar="G",
+        help="GPUs per actor (default: 1 when SEMIF_DEVICE is cuda, else 0)",
+    )
 
 
 ENV_TEMPLATE_POINTER = (
@@ -237,6 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(--mode rotations/all needs predictions scored with those orderings).",
     )
     add_calibrate_arguments(calibrate)
+    batch = command(
+        "run-batch",
+        "score a file of requests (OpenAI's Batch file format) with the configured model, in this process",
+        "Each input line is {custom_id, method, url, body} with url /v1/systemone, /decide or "
+        "/decide/shared; each output line is {id, custom_id, response: {status_code, request_id, "
+        "body}, error}, the body the route answers. Settings are the service's (SEMIF_*); no port "
+        "is bound. A rerun skips the lines already in OUT. Exits 0 when done, 2 on a repeated "
+        "custom_id or bad settings, 3 when the model cannot start, 130 when interrupted.",
+    )
+    add_run_batch_arguments(batch)
     command("env-template", "print every SEMIF_* variable with its default, as a commented env file")
     check = command(
         "check-model",
@@ -293,23 +469,14 @@ def main(argv: list[str] | None = None) -> int:
         return check_model(args.directory, args.manifest)
     if args.command == "manifest":
         return write_manifest(args.directory, args.write)
+    if args.command == "run-batch":
+        return run_batch(args)
     if args.command == "demo":
-        from semif_serve.tools.demo import DEMO_REVISION, ensure_demo_models
-
-        checkpoint = ensure_demo_checkpoint(demo_directory())
-        overrides = {
-            "model_path": checkpoint,
-            "model_revision": DEMO_REVISION,
-            "device": "cpu",
-            "dtype": "float32",
-            "demo": True,
-        }
-        if not os.environ.get("SEMIF_MODELS"):  # the operator's own models file wins
-            overrides["models"] = ensure_demo_models(checkpoint)
+        overrides = demo_overrides()
         if args.port is not None:
             overrides["port"] = args.port
         made_token = None
-        if not (os.environ.get("SEMIF_API_TOKEN") or os.environ.get("SEMIF_API_TOKEN_FILE")):
+        if not token_configured():
             made_token = overrides["api_token"] = "demo-" + secrets.token_urlsafe(18)
         return serve(overrides, demo=True, made_token=made_token)
     return serve()

@@ -1,0 +1,189 @@
+"""run-batch against the service itself: every line's result equals what a running service
+(`semif-serve serve` in a child process, uvicorn on loopback) answers for that body (images and
+the demo's lev release included; numbers within 1e-6); and `semif-serve run-batch` in a child
+process killed by SIGKILL, run again and interrupted by SIGINT, then run again with the same
+command, ends with the output an uninterrupted run writes."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import httpx
+import pytest
+
+from semif_serve.batch.job import BatchFiles, score_file
+from semif_serve.batch.runner import Pacing
+from semif_serve.service.startup import Service
+from tests.docs.test_readme import free_port, stop, wait_ready
+from tests.support import TOKEN
+from tests.support.batch import (
+    STATES,
+    UNROUTED,
+    answered_lines,
+    assert_close,
+    assert_same_results,
+    batch_file,
+    comparable,
+    decide,
+    line,
+    refused_lines,
+    results,
+    run_batch,
+)
+
+
+@pytest.fixture(scope="module")
+def service_url(batch_env, tmp_path_factory):
+    """The service with the batch's settings: `semif-serve serve` on a loopback port."""
+    port = free_port()
+    env = {**batch_env, "SEMIF_HOST": "127.0.0.1", "SEMIF_PORT": str(port)}
+    log = (tmp_path_factory.mktemp("service") / "service.log").open("w")
+    process = subprocess.Popen(
+        ["semif-serve", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process)
+        yield url
+    finally:
+        stop(process)
+        log.close()
+
+
+def body_bytes(text: str) -> bytes:
+    """The body of a line as the line holds it (`line` writes it last), byte for byte."""
+    return text[text.index('"body": ') + len('"body": ') : -1].encode()
+
+
+def without_messages(body):
+    """An error body without its prose (the batch says why a line never reached a route)."""
+    if isinstance(body, dict):
+        return {k: without_messages(v) for k, v in body.items() if k not in ("message", "msg")}
+    if isinstance(body, list):
+        return [without_messages(v) for v in body]
+    return body
+
+
+@pytest.fixture(scope="module")
+def batch_service(batch_settings, vision_engine) -> Service:
+    """The service the batch starts, started here (over the session's engine) with the same settings."""
+    return Service.start(batch_settings, engine=vision_engine)
+
+
+def test_every_line_is_answered_as_the_running_service_answers_its_body(service_url, batch_service, tmp_path):
+    routed = answered_lines() + refused_lines()
+    source = batch_file(tmp_path / "in.jsonl", routed + [text for text, _, _ in UNROUTED])
+    out = tmp_path / "out.jsonl"
+    stderr = io.StringIO()
+    score_file(lambda: nullcontext(batch_service), BatchFiles(str(source), str(out)), Pacing(), stderr)
+    got = results(out)
+    assert len(got) == len(routed) + len(UNROUTED)
+    assert [r["custom_id"] for r in got[: len(routed)]] == [json.loads(t)["custom_id"] for t in routed]
+
+    answered = 0
+    with httpx.Client(base_url=service_url, timeout=120) as client:
+        for text, result in zip(routed, got, strict=False):
+            envelope = json.loads(text)
+            response = result["response"]
+            reply = client.post(
+                envelope["url"],
+                content=body_bytes(text),
+                headers={
+                    "Authorization": f"Bearer {TOKEN}",
+                    "Content-Type": "application/json",
+                    "X-Request-ID": response["request_id"],
+                },
+            )
+            where = envelope["custom_id"]
+            assert response["status_code"] == reply.status_code, (where, response, reply.text)
+            assert_close(comparable(response["body"]), comparable(reply.json()), where)
+            assert result["error"] == (None if reply.status_code == 200 else response["body"]), where
+            answered += reply.status_code == 200
+        for (_, path, body), result in zip(UNROUTED, got[len(routed) :], strict=True):
+            response = result["response"]
+            headers = {"Authorization": f"Bearer {TOKEN}", "X-Request-ID": response["request_id"]}
+            if body is None:
+                reply = client.get(path, headers=headers)
+            else:
+                reply = client.post(path, content=body, headers=headers)
+            assert response["status_code"] == reply.status_code, (path, response, reply.text)
+            assert without_messages(response["body"]) == without_messages(reply.json()), path
+            assert result["error"] == response["body"]
+    assert answered == len(answered_lines())
+    refused = len(got) - answered
+    assert f"{answered} answered, {refused} refused" in stderr.getvalue()
+
+
+# -- killed, then run again -------------------------------------------------------------------
+
+KILL_LINES = 160
+
+
+@pytest.fixture(scope="module")
+def long_file(tmp_path_factory) -> Path:
+    """Enough lines that a run is still going when it is killed (states repeat, in groups)."""
+    lines = [
+        line(f"k{i}", "/decide", decide(f"{STATES[i % 3]} Ticket {i // 4}.", f"Question {i}?", i))
+        for i in range(KILL_LINES)
+    ]
+    return batch_file(tmp_path_factory.mktemp("kill") / "in.jsonl", lines)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(long_file, batch_service, tmp_path_factory) -> list[dict]:
+    """The file scored in one go (in this process, over the same settings)."""
+    service = batch_service
+    out = tmp_path_factory.mktemp("whole") / "out.jsonl"
+    score_file(lambda: nullcontext(service), BatchFiles(str(long_file), str(out)), Pacing(window=8))
+    return results(out)
+
+
+ARGS = ("--window", "4", "--concurrency", "2", "--progress", "plain")
+
+
+def killed_midway(env: dict, source: Path, out: Path, sig: int, after: int) -> subprocess.CompletedProcess:
+    """Start the batch, send `sig` once `after` lines of the output are written, wait for its end."""
+    process = subprocess.Popen(
+        ["semif-serve", "run-batch", "-i", str(source), "-o", str(out), *ARGS],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while not (out.exists() and out.read_bytes().count(b"\n") >= after):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no line was written"
+        time.sleep(0.005)
+    process.send_signal(sig)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def test_a_run_killed_by_sigkill_then_by_sigint_continues_to_the_uninterrupted_output(
+    batch_env, long_file, uninterrupted, tmp_path
+):
+    out = tmp_path / "out.jsonl"
+    killed = killed_midway(batch_env, long_file, out, signal.SIGKILL, after=8)
+    assert killed.returncode == -signal.SIGKILL
+    kept = out.read_bytes().count(b"\n")
+    assert 8 <= kept < KILL_LINES, "the kill came after the run had finished"
+
+    interrupted = killed_midway(batch_env, long_file, out, signal.SIGINT, after=kept + 8)
+    assert interrupted.returncode == 130, interrupted.stderr
+    assert f"{KILL_LINES} lines, {kept} already in the output" in interrupted.stderr
+    assert "the same command continues" in interrupted.stderr
+    assert out.read_bytes().endswith(b"\n"), "an interrupted run writes whole lines"
+    kept = out.read_bytes().count(b"\n")
+    assert kept < KILL_LINES, "the interrupt came after the run had finished"
+
+    again = run_batch(batch_env, "-i", str(long_file), "-o", str(out), *ARGS)
+    assert again.returncode == 0, again.stderr
+    assert f"{KILL_LINES} lines, {kept} already in the output" in again.stderr
+    assert_same_results(results(out), uninterrupted)
