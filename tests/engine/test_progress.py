@@ -160,3 +160,55 @@ def test_a_pinned_slice_is_never_evicted_by_a_put_but_memory_pressure_drops_it(e
     assert cache.has(cache.put(ids[1], prefill(engine.model, ids[1])).ids) and not cache.has(ids[0])
     cache.pin(cache.put(ids[0], prefill(engine.model, ids[0])).digest)
     assert cache.clear() > 0 and cache.stats().entries == 0
+
+
+def test_two_lone_questions_in_one_group_over_long_states_that_fit_one_at_a_time_both_finish(engine):
+    """Lone rows (one question, no orderings) of several requests share one planned group; each
+    of its states takes a turn per call, and the rows that finish go back at once."""
+    from semif_serve.engine.batching import Bounds, Unfinished, plan_groups
+
+    states = [long_state(10, 200), long_state(11, 204)]
+    budget = int(1.02 * max(state_bytes(engine, s) for s in states))
+    lone = engine.with_options(cache=StateCache(budget), prefill_chunk_tokens=CHUNK, keep_state_tokens=64)
+    prepared = [lone.prepare(RowsRequest.of(s, [ROW], shared=False, max_input_tokens=8192)) for s in states]
+    (group,) = plan_groups([p.job(n) for n, p in enumerate(prepared)], Bounds())
+    got: dict = {}
+    for _ in range(400):
+        scored = lone.run_group(group)
+        done = scored.done if isinstance(scored, Unfinished) else scored
+        got.update(done)
+        group = group.keeping({i for i in group.job_ids if i not in got})  # as the batcher drops them
+        if group is None:
+            break
+    assert sorted(got) == [0, 1], "a lone question over a long state never finished"
+    plain = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None)
+    for n, state in enumerate(states):
+        want = plain.score(state, [ROW], shared=False, max_input_tokens=8192).rows[0]
+        close = zip(got[n][0].option_logits, want.option_logits, strict=True)
+        assert max(abs(x - y) for x, y in close) <= 1e-5
+
+
+def test_the_batcher_delivers_the_jobs_an_unfinished_group_finished_and_runs_the_rest():
+    from semif_serve.engine.batching import Batcher, Bounds, Job, Unfinished
+
+    calls: list[tuple] = []
+
+    def run_group(group):
+        calls.append(group.job_ids)
+        if len(calls) == 1:
+            return Unfinished({"a": ["A"]})  # a finished, b still stepping
+        return {job: [job.upper()] for job in group.job_ids}
+
+    batcher: Batcher = Batcher(run_group, Bounds())
+
+    async def main():
+        jobs = [Job(name, None, 0, (3,), payload=None) for name in ("a", "b")]
+        first = asyncio.ensure_future(batcher.submit(jobs[0]))
+        second = asyncio.ensure_future(batcher.submit(jobs[1]))
+        answers = await asyncio.gather(first, second)
+        await batcher.close()
+        return answers
+
+    assert asyncio.run(main()) == [["A"], ["B"]]
+    assert calls == [("a", "b"), ("b",)]  # b's next turn ran without a
+    assert batcher.stats().forwards == 2

@@ -158,10 +158,15 @@ def _slices(job: Job[P], bounds: Bounds) -> list[Group[P]]:
 
 
 class Unfinished:
-    """What `run_group` returns when it did one slice of a group's work: run it again later."""
+    """What `run_group` returns when it did one slice of a group's work: run it again later.
+    `done` holds the results of the jobs it finished meanwhile: they are delivered now and left
+    out of the group's next turn."""
+
+    def __init__(self, done: Mapping[Hashable, Sequence[Any]] | None = None) -> None:
+        self.done: dict[Hashable, Sequence[Any]] = dict(done or {})
 
     def __repr__(self) -> str:
-        return "UNFINISHED"
+        return f"UNFINISHED({len(self.done)} done)" if self.done else "UNFINISHED"
 
 
 UNFINISHED = Unfinished()
@@ -387,20 +392,34 @@ class Batcher(Generic[P, R]):
                     pass
             return True
         if isinstance(results, Unfinished):
+            self._deliver([p for p in group.parts if p.job.id in results.done], results.done, live)
             return False
-        for part in group.parts:
+        self._deliver(group.parts, results, live)
+        return True
+
+    @staticmethod
+    def _deliver(
+        parts: Sequence[Part[P]], results: Mapping[Hashable, Sequence[R]], live: dict[Hashable, _Pending[P]]
+    ) -> None:
+        for part in parts:
             pending = live[part.job.id]
             try:
                 pending.deliver(part, results[part.job.id])
             except (KeyError, RuntimeError) as exc:
                 pending.fail(RuntimeError(f"run_group gave no usable results for job {part.job.id!r}: {exc}"))
-        return True
 
     async def _forward(self, group: Group[P]) -> Mapping[Hashable, Sequence[R]] | Unfinished:
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self.executor, self.run_group, group)
-        if results is UNFINISHED:
+        if isinstance(results, Unfinished):
+            finished = group.keeping(set(results.done))
+            if finished is not None:
+                self._count(finished)  # the forward of the jobs it finished
             return results
+        self._count(group)
+        return results
+
+    def _count(self, group: Group[P]) -> None:
         with self._stats_lock:
             s = self._stats
             s.forwards += 1
@@ -408,4 +427,3 @@ class Batcher(Generic[P, R]):
             s.true_tokens += group.true_tokens
             s.padded_tokens += group.padded_tokens
             s.merged_forwards += len(set(group.job_ids)) > 1
-        return results

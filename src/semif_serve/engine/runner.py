@@ -578,18 +578,22 @@ class TorchEngine:
         follow-up sent at once finds it. Every other (short) state's row runs as SemIf's plain
         forward of its whole prompt (several right-padded together), and nothing is kept or
         queued for later. Either way a row equals the plain forward within 1e-5 (float32) and
-        keeps its `prompt_sha256` and `input_tokens`.
+        keeps its `prompt_sha256` and `input_tokens`. Every state takes its turn in each call (a
+        prefill step, or a wait for the prefills ahead of it); while any is unfinished the rows
+        that are done go back at once (`Unfinished.done`) and the rest run again next turn.
         """
         by_state: dict[tuple[tuple[int, ...], int], list[Part[PreparedRows]]] = {}
         for part in group.parts:
             by_state.setdefault((part.job.payload.state_ids, part.job.payload.model), []).append(part)
         results: Results = {}
         plain: list[Part[PreparedRows]] = []
+        stepping = False
         for (ids, model), parts in by_state.items():
             if ids and self.lone.reuses(ids, [p.job.payload.demand_key for p in parts], model):
                 over = self._run_planned(_over_state(ids, parts))
                 if isinstance(over, Unfinished):
-                    return UNFINISHED  # a long state's prefill step: the group runs again next turn
+                    stepping = True  # its prefill's step ran, or it waits its turn: again next turn
+                    continue
                 results.update(over)
             else:
                 plain.extend(parts)
@@ -599,7 +603,7 @@ class TorchEngine:
             results.update(
                 self._expect_done(self._run_planned(Group(None, 0, tuple(_as_rows(p) for p in plain))))
             )
-        return results
+        return Unfinished(results) if stepping else results
 
     @staticmethod
     def _expect_done(results: Results | Unfinished) -> Results:
