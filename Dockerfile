@@ -2,12 +2,13 @@
 #
 # semif-serve: one image, one GPU (see stacks/semif/ and stacks/semif-multi/).
 #
-#   docker build -t semif-serve:0.2.0 .                        # with the fast kernels
-#   docker build -t semif-serve:0.2.0 --build-arg EXTRAS="" .  # without them
+#   docker build -t semif-serve:0.2.0 .                        # with the fast kernels and the OpenTelemetry SDK
+#   docker build -t semif-serve:0.2.0 --build-arg EXTRAS="" .  # without either
 #
 # Everything Python comes from uv.lock (`uv sync --frozen`): nothing is resolved here.
 #
-# The fast kernels (EXTRAS="--extra kernels"): flash-linear-attention is pure triton, but
+# The extras: the OpenTelemetry SDK (otel: traces stay off until OTEL_TRACES_EXPORTER=otlp) and
+# the fast kernels (kernels): flash-linear-attention is pure triton, but
 # causal-conv1d 1.7.0 is an sdist whose setup.py imports torch and runs nvcc -V at import time,
 # even when it then only downloads a prebuilt wheel. So:
 #   * the builder is the CUDA 12.8 *devel* image (nvcc matching torch's cu128 build);
@@ -62,7 +63,7 @@ WORKDIR /app
 RUN mkdir -p /opt/python \
  && if [ "${UV_PYTHON_PREFERENCE}" != only-system ]; then uv python install "${PYTHON_VERSION}"; fi
 
-ARG EXTRAS="--extra kernels"
+ARG EXTRAS="--extra kernels --extra otel"
 ARG CAUSAL_CONV1D_FORCE_BUILD=FALSE
 ARG MAX_JOBS=4
 

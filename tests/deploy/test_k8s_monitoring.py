@@ -82,3 +82,34 @@ def test_the_dashboard_goes_to_the_sidecar_s_namespace_with_its_annotations():
 def test_a_broken_monitoring_value_fails_to_render_naming_it(broken, named):
     with pytest.raises(Exception, match=named):
         render(broken)
+
+
+def container_env(objects) -> dict[str, str]:
+    deployment = one(objects, "Deployment", f"{RELEASE}-semif-serve")
+    (container,) = [
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "semif-serve"
+    ]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_traces_are_off_by_default_and_on_by_one_value_with_the_standard_otel_variables():
+    assert not any(name.startswith("OTEL_") for name in container_env(render({})))
+    env = container_env(
+        render({"tracing": {"enabled": True, "endpoint": "http://collector.monitoring:4318"}})
+    )
+    assert env["OTEL_TRACES_EXPORTER"] == "otlp"  # what http.tracing turns traces on by
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.monitoring:4318"
+    assert (env["OTEL_SERVICE_NAME"], env["OTEL_TRACES_SAMPLER"]) == ("semif-serve", "parentbased_always_on")
+
+
+@pytest.mark.parametrize(
+    ("broken", "named"),
+    [
+        ({"tracing": {"enabled": True}}, "endpoint"),
+        ({"tracing": {"enabled": True, "endpoint": "collector:4318"}}, "endpoint"),
+        ({"tracing": {"enabled": True, "endpoint": "http://c:4318", "sampler": "sometimes"}}, "sampler"),
+    ],
+)
+def test_a_broken_tracing_value_fails_to_render_naming_it(broken, named):
+    with pytest.raises(Exception, match=named):
+        render(broken)

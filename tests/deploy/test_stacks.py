@@ -450,7 +450,7 @@ def test_dockerfile_layers_and_runtime():
     assert copy_lock < first_sync < copy_src
     assert "--no-install-project" in first_args
     assert "pyproject.toml" in instructions[copy_lock][1]
-    assert re.search(r'^ARG EXTRAS="--extra kernels"$', text, re.M)
+    assert re.search(r'^ARG EXTRAS="--extra kernels --extra otel"$', text, re.M)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
         "optional-dependencies"
     ]
