@@ -215,6 +215,11 @@ def test_server_side_apply_stores_every_value_sets_rendering(plane, namespace, s
     for original, changed in zip(installed, objects, strict=True):
         if f"{original['kind']} {original['metadata']['name']}" not in noted:
             assert changed == original
+    for other in {o["metadata"].get("namespace") for o in objects} - {namespace, None}:
+        # The namespace Grafana's sidecar watches (`grafanaDashboard.namespace`) exists where
+        # kube-prometheus-stack runs; 409: an earlier value set made it.
+        made = plane.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}})
+        assert made.status_code in (201, 409), made.text
     for obj in objects:
         response = plane.apply(obj)
         assert response.status_code in (200, 201), (obj["kind"], obj["metadata"]["name"], response.text)

@@ -52,6 +52,7 @@ RESOURCES = {
     "APIService": ("apis/apiregistration.k8s.io/v1", "apiservices", False),
     "ScaledObject": ("apis/keda.sh/v1alpha1", "scaledobjects", True),
     "ServiceMonitor": ("apis/monitoring.coreos.com/v1", "servicemonitors", True),
+    "PrometheusRule": ("apis/monitoring.coreos.com/v1", "prometheusrules", True),
 }
 
 
@@ -561,7 +562,8 @@ class ExternalMetrics:
 
 
 def custom_resource_definitions() -> Iterator[dict]:
-    """KEDA's ScaledObject and the Prometheus Operator's ServiceMonitor CRDs, schema left open.
+    """KEDA's ScaledObject and the Prometheus Operator's ServiceMonitor and PrometheusRule CRDs,
+    schema left open.
 
     Their real schemas are checked against the chart by tests/k8s_crds; 1.20 would drop their CEL
     rules anyway. Installing the kinds lets the API server store the chart's objects.
@@ -569,6 +571,7 @@ def custom_resource_definitions() -> Iterator[dict]:
     for group, kind, plural, version in (
         ("keda.sh", "ScaledObject", "scaledobjects", "v1alpha1"),
         ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors", "v1"),
+        ("monitoring.coreos.com", "PrometheusRule", "prometheusrules", "v1"),
     ):
         yield {
             "apiVersion": "apiextensions.k8s.io/v1",
