@@ -197,7 +197,6 @@ def build() -> dict:
                     "Stored prefixes by tier",
                     "short",
                     ("sum by (kind) (semif_state_cache_kind_entries)", "{{kind}}"),
-                    ("sum (semif_state_cache_deferred_prefills)", "deferred prefills"),
                 ),
             ],
         ),

@@ -118,7 +118,6 @@ class StateCacheBody(BaseModel):
     misses: int
     evictions: int
     by_kind: dict[str, dict[str, int]]  # {kind: {hits, misses, entries, bytes}}
-    deferred_prefills: int  # states of lone questions waiting for an idle prefill
 
 
 class HealthBody(BaseModel):
@@ -187,9 +186,7 @@ def health_body(service: Service, now: StatusSnapshot) -> HealthBody:
             merged_forwards=now.batches.merged_forwards,
         ),
         # CacheStats' own fields by name (its `refused` is the metrics', not /health's).
-        state_cache=StateCacheBody.model_validate(
-            asdict(now.cache) | {"deferred_prefills": now.deferred_prefills}
-        ),
+        state_cache=StateCacheBody.model_validate(asdict(now.cache)),
     )
 
 

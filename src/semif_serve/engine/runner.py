@@ -237,12 +237,6 @@ class TorchEngine:
         """The adapter bank's index of the model `name` (None: the base)."""
         return BASE if name is None else self.adapters.index(name)
 
-    @property
-    def deferred_prefills(self) -> int:
-        """States queued for an idle prefill: none, ever (a state is kept by the request that
-        brings it); kept for /health and the metrics."""
-        return 0
-
     # -- reading ------------------------------------------------------------------------------
 
     def score(self, state: Any, rows: Sequence[PromptRow], **limits: Any) -> Readout:
@@ -603,7 +597,9 @@ class TorchEngine:
             results.update(
                 self._expect_done(self._run_planned(Group(None, 0, tuple(_as_rows(p) for p in plain))))
             )
-        return Unfinished(results) if stepping else results
+        if stepping:
+            return Unfinished(results) if results else UNFINISHED
+        return results
 
     @staticmethod
     def _expect_done(results: Results | Unfinished) -> Results:

@@ -154,9 +154,6 @@ def _cache_metrics(now: StatusSnapshot) -> Iterator[Metric]:
     yield hits
     yield misses
     yield entries
-    yield GaugeMetricFamily(
-        "semif_state_cache_deferred_prefills", "states queued for idle prefill", value=now.deferred_prefills
-    )
 
 
 class Metrics:

@@ -41,7 +41,6 @@ class StatusSnapshot:
     prefill_chunk_tokens: int | None
     batches: BatchStats
     cache: CacheStats
-    deferred_prefills: int = 0  # states waiting for an idle prefill
     cap_bytes: int | None = None  # the device's hard memory cap (None: none, the CPU)
     release_margin_bytes: int = 0  # reserved memory above baseline that triggers a release
 
@@ -72,7 +71,6 @@ def take_snapshot(service: Service, admission: QueueState | None) -> StatusSnaps
         prefill_chunk_tokens=service.engine.prefill_chunk_tokens,
         batches=service.worker.batcher.stats(),
         cache=service.engine.cache.stats(),
-        deferred_prefills=service.engine.deferred_prefills,
         cap_bytes=policy.memory.cap_bytes(),
         release_margin_bytes=policy.margin_bytes,
     )
