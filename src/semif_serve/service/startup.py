@@ -21,6 +21,7 @@ from semif_serve.engine.loader import CheckpointSpec, load_model
 from semif_serve.engine.memory import DeviceMemory, ReleasePolicy
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
+from semif_serve.engine.threads import ThreadPolicy
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.core import DecisionCore
 from semif_serve.service.lev_core import LevCore, load_lev_releases
@@ -89,6 +90,7 @@ class Service:
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             direct_path=settings.direct_path,
             keep_state_tokens=settings.keep_state_tokens,
+            threads=ThreadPolicy.of_machine(settings.torch_threads),
         )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
         bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens)
