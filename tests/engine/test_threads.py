@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -91,8 +92,25 @@ def test_the_engine_sets_its_threads_per_forward_and_reads_the_same_numbers(engi
     assert adaptive.threads.switches == 2  # set only when the wanted count changes
 
 
-def test_a_pinned_policy_sets_its_count_once_and_never_again(restore_threads):
+def test_a_pinned_policy_sets_its_count_once_per_thread_and_never_again(restore_threads):
     torch.set_num_threads(1)
     threads = EngineThreads(ThreadPolicy(cores=4, pinned=2), torch, FixedLoad(0.0))
-    assert torch.get_num_threads() == 2 and threads.switches == 1
-    assert threads.use(10**6) == 2 and threads.use(1) == 2 and threads.switches == 1
+    assert threads.use(10**6) == 2 and torch.get_num_threads() == 2 and threads.switches == 1
+    assert threads.use(1) == 2 and threads.switches == 1
+
+
+def test_the_count_is_set_on_the_thread_that_runs_the_forward(restore_threads):
+    torch.set_num_threads(2)
+    threads = EngineThreads(ThreadPolicy(cores=2, parallel_tokens=100), torch, FixedLoad(0.0))
+    seen = []
+
+    def engine_thread():
+        seen.append(torch.get_num_threads())  # a new thread starts from the last count set anywhere
+        threads.use(1)
+        seen.append(torch.get_num_threads())
+
+    runner = threading.Thread(target=engine_thread)
+    runner.start()
+    runner.join()
+    assert seen == [2, 1]
+    assert threads.use(10**4) == 2 and torch.get_num_threads() == 2  # each thread's own count

@@ -138,28 +138,28 @@ class EngineThreads:
         self._lock = threading.Lock()
         self._sampled = -float("inf")
         self._others = 0.0
-        self.current = torch.get_num_threads()
         self.switches = 0
-        if policy.pinned is not None and self.current != policy.pinned:
-            self._set(policy.pinned)
 
     def use(self, tokens: int) -> int:
-        """Set the intra-op threads for a forward computing `tokens` tokens; the count set."""
+        """Set the intra-op threads of the calling thread for a forward computing `tokens`
+        tokens (a pinned count once per thread); the count set."""
         if self.policy.pinned is not None:
-            return self.current
+            if self.torch.get_num_threads() != self.policy.pinned:
+                self._set(self.policy.pinned)
+            return self.policy.pinned
         with self._lock:
             now = self.clock()
             if now - self._sampled >= SAMPLE_SECONDS:
                 self._others = self.load.busy_cores()
                 self._sampled = now
             wanted = self.policy.wanted(tokens, self._others)
-            if wanted != self.current:
+            # OpenMP's count is the calling thread's own: read it here, not from another thread.
+            if wanted != self.torch.get_num_threads():
                 self._set(wanted)
             return wanted
 
     def _set(self, count: int) -> None:
         self.torch.set_num_threads(count)
-        self.current = count
         self.switches += 1
 
 

@@ -84,7 +84,8 @@ class Service:
         # lev releases: read over the base before warm-up, so the baseline counts their adapters.
         releases = load_lev_releases(models, engine, settings.model_source, settings.require_model())
         for name, release in releases.items():  # lev's rows read its adapter through the engine's bank
-            engine.adapters.add(name, release.directory, multiplier=release.adapter_scale)
+            if not release.frozen_base:
+                engine.adapters.add(name, release.directory, multiplier=release.adapter_scale)
         engine = engine.with_options(
             cache=StateCache(settings.state_cache_mib * MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
