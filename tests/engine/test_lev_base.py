@@ -82,3 +82,20 @@ def test_a_lev_entry_without_a_release_serves_the_base_by_lev_method(
     outcome = asyncio.run(service.lev.decide("lev-base", STATE, {"urgent": URGENT}))
     want = expected(fresh_base, engine.codec.tokenizer, BINARY["plain"], [[0, 1], [1, 0]], [" A", " B"])
     close(outcome.reply.answers["urgent"].distribution, want)
+
+
+@pytest.mark.parametrize(
+    "table, named",
+    [
+        ('method = "semif"', "models.lev-base.method"),  # only lev reads the base alone
+        ('method = "lev"\nscale = 2', "models.lev-base.scale"),  # no adapter to scale
+        ('method = "lev"\nnoul_readout = "both"', "models.lev-base.noul_readout"),
+    ],
+)
+def test_a_bad_lev_base_entry_is_refused_naming_its_key(tmp_path, table, named):
+    from semif_serve.domain.types import ConfigurationError
+
+    models = tmp_path / "models.toml"
+    models.write_text(f"[models.lev-base]\n{table}\n", encoding="utf-8")
+    with pytest.raises(ConfigurationError, match=named.replace(".", r"\.")):
+        load_models(models, "base@x")

@@ -398,29 +398,15 @@ def load_lev_release(
 
 
 def base_release(
-    directory: Path,
-    base_tokenizer: Any,
-    *,
-    base_name: str,
-    prompt_style: str | None = None,
-    noul_readout: str | None = None,
-    score_order_average: str = "off",
-    max_label_options: int | None = None,
-    settings_source: str = "settings",
+    directory: Path, base_tokenizer: Any, *, base_name: str, settings_source: str = "settings", **flags: Any
 ) -> LevRelease:
     """The frozen base read with lev's method, as lev's server reads it without a checkpoint
     (`lev serve --model`): lev's prompt, label codes and orders over the base's own weights and
     tokenizer, no adapter, no candidate head, every temperature 1.0. `directory` is the base
-    checkpoint; the options are lev's server flags (as for a release)."""
+    checkpoint; `flags` are lev's server flags, as `load_lev_release` takes them (`prompt_style`,
+    `noul_readout`, `score_order_average`, `max_label_options`)."""
     manifest = LevManifest(base_name, None, None, None, None, False, False, None, None)
-    options = serving_options(
-        manifest,
-        prompt_style=prompt_style,
-        noul_readout=noul_readout,
-        score_order_average=score_order_average,
-        max_label_options=max_label_options,
-        source=settings_source,
-    )
+    options = serving_options(manifest, source=settings_source, **flags)
     return LevRelease(
         directory=Path(directory),
         manifest=manifest,

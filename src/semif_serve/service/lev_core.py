@@ -50,31 +50,26 @@ def load_lev_releases(
         key = f"models.{entry.name}"
         where = f"SEMIF_MODELS: {models.source}: {key}"
         options = entry.lev_options
+        flags: dict[str, Any] = {
+            "prompt_style": options.get("prompt_style"),
+            "noul_readout": options.get("noul_readout"),
+            "score_order_average": options.get("score_order_average", "off"),
+            "max_label_options": entry.max_label_options,
+            "settings_source": where,
+        }
         try:
             if entry.release is None:  # the frozen base, read with lev's method
-                releases[entry.name] = base_release(
-                    base_directory,
-                    engine.codec.tokenizer,
-                    base_name=base_name,
-                    prompt_style=options.get("prompt_style"),
-                    noul_readout=options.get("noul_readout"),
-                    score_order_average=options.get("score_order_average", "off"),
-                    max_label_options=entry.max_label_options,
-                    settings_source=where,
-                )
+                tokenizer = engine.codec.tokenizer
+                releases[entry.name] = base_release(base_directory, tokenizer, base_name=base_name, **flags)
                 continue
             release = load_lev_release(
                 entry.release,
                 engine.model,
                 engine.codec.tokenizer,
                 base_name=entry.base_model or base_name,
-                prompt_style=options.get("prompt_style"),
-                noul_readout=options.get("noul_readout"),
-                score_order_average=options.get("score_order_average", "off"),
-                max_label_options=entry.max_label_options,
-                settings_source=where,
                 base_directory=base_directory,
                 adapter_scale=entry.scale,
+                **flags,
             )
         except LevReleaseError as exc:
             # A setting of the entry names its own key; a release file names the release key too.
