@@ -30,9 +30,12 @@ from typing import Any
 
 log = logging.getLogger("semif_serve.engine")
 
-# Tokens computed per forward that pay for one more intra-op thread on an idle core (the bench
-# checkpoint, float32: `bench/threads.py --only crossover`, bench/RESULTS.md "Threads").
-PARALLEL_TOKENS = 512
+# Tokens computed per forward for each intra-op thread: 8 choices over a ~1k-token state (~1,950
+# tokens computed) run on one thread, a forward past 3,072 tokens (a long state's prefill: what is
+# left of it to compute) on two. Measured on this 2-core machine (bench/RESULTS.md "Threads"):
+# one thread beat two at every forward size up to 2,000 tokens under load (`bench/threads.py
+# --only crossover`), and 8 choices ran 1.46x faster pinned to one than at two (issue 39).
+PARALLEL_TOKENS = 1536
 # How often the free cores are read again (a read costs two small /proc reads).
 SAMPLE_SECONDS = 0.5
 # A core counts as free when others use less than this much of it over the last sample.
