@@ -298,10 +298,8 @@ class TorchEngine:
         if shared is None:
             shared = self.shares_prefix(prefix, model, len(suffixes), width)
         suffix_tokens = sum(len(s) for s in suffixes)
-        if shared:  # the prefix past what the cache holds, once, then the suffixes
-            self._threads_for(
-                len(prefix) - len(self.cache.longest_prefix(prefix, model) or ()) + suffix_tokens
-            )
+        if shared:  # the prefix once unless it is cached as it is, then the suffixes
+            self._threads_for((0 if self.cache.has(prefix, model=model) else len(prefix)) + suffix_tokens)
         else:
             self._threads_for(len(prefix) * len(suffixes) + suffix_tokens)
         if not shared:
@@ -419,13 +417,23 @@ class TorchEngine:
         them from a state where one is cached or wanted by several requests; everything else
         through `_run_planned`. An image whose tower costs more than a prefill chunk first goes
         through the tower one step per call (`_tower_step`), each returning UNFINISHED."""
-        payloads = {id(p.job.payload): p.job.payload for p in group.parts}.values()
-        self._threads_for(sum(len(ids) for ids in self._ids_to_compute(payloads)))
+        self._threads_for(self._tokens_to_compute(group))
         if self._tower_step(group):
             return UNFINISHED
         if group.prefix_key is None and self.direct_path == "reuse" and group.parts[0].job.payload.direct:
             return self._run_direct(group)
         return self._run_planned(group)
+
+    def _tokens_to_compute(self, group: Group[PreparedRows]) -> int:
+        """About the tokens this group's forwards compute: each state unless it is cached as it is
+        (a hash lookup that counts nothing and moves nothing), and every row after its state."""
+        tokens = 0
+        for prepared in {id(p.job.payload): p.job.payload for p in group.parts}.values():
+            state = prepared.prefix or prepared.state_ids
+            if state and not self.cache.has(state, model=prepared.model):
+                tokens += len(state)
+            tokens += sum(len(p.ids) - len(state) for p in prepared.prompts)
+        return tokens
 
     def _threads_for(self, tokens: int) -> None:
         """The intra-op threads of the forwards that compute `tokens` tokens (`engine.threads`)."""
