@@ -37,7 +37,12 @@ rewritten after every phase, so an error or the deadline loses only the phase it
 9. adapters (issue 26): 4 random BF16 rank-32 LoRA adapters on lev's targets over the run's
    model (`bench/adapters.py`): a row's cost vs the base's (suffix forward over a ~1,000-token
    state, its prefill, a lone row, 8 lone rows), a forward mixing the 4 vs one, the device bytes;
-10. gates: every phase's pass/fail in one table.
+10. keep (issue 39): where keeping a lone question's state pays on this device: at several state
+   lengths, a new state's plain forward, the keeping pass (prefill, store, suffix) and the
+   follow-up from the cache, interleaved; the shortest length at which one follow-up repays the
+   keeping pass (`SEMIF_KEEP_STATE_TOKENS` for this device), and three visits under the
+   return-visit policy (plain, kept, cached) against three plain forwards;
+11. gates: every phase's pass/fail in one table.
 
 `--only images` (or any comma-separated phases) runs just those, after environment and service.
 
@@ -58,6 +63,7 @@ import math
 import os
 import platform
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,7 +139,15 @@ PREFLIGHT_TIMEOUT_S = 240.0  # the first triton compile and autotune of the fla 
 KERNEL_CHECK_TOKENS = 1024
 GIB = 1024**3
 MIB = 1024**2
-OPTIONAL_PHASES = ("kernel", "parity", "memory", "latency", "capacity", "images", "batching", "adapters")
+OPTIONAL_PHASES = (
+    "kernel", "parity", "memory", "latency", "capacity", "images", "batching", "adapters", "keep"
+)  # fmt: skip
+KEEP_LENGTHS = (
+    256,
+    768,
+    1536,
+    3072,
+)  # state tokens the keep phase measures (a simulated card: the first two)
 
 
 # -- the device -------------------------------------------------------------------------------
@@ -830,6 +844,70 @@ class GpuRun:
         print_table(["adapters"], [[line] for line in table(measured)], title="adapters (4 x rank 32, BF16)")
         return measured, adapter_gates(measured, self.device.simulated)
 
+    def keep(self) -> tuple[dict[str, Any], list[Gate]]:
+        """Issue 39 on the card: where a lone question's state is worth keeping (`bench.reuse`'s
+        question, through the service's engine with a cache of its own)."""
+        self.needs("service")
+        from semif_serve.domain.types import PromptRow
+        from semif_serve.engine.state_cache import StateCache
+
+        engine = self.service.engine
+        engine.cache.clear()  # the phase's states have the budget the baseline counted
+        budget = engine.cache.budget_bytes
+        kept = engine.with_options(cache=StateCache(budget), keep_state_tokens=1)
+        plain = engine.with_options(direct_path="plain")
+        returning = engine.with_options(cache=StateCache(budget))
+        row = PromptRow("Did the deployment succeed?", ("It succeeded.", "It failed."))
+        sentence = "Deploy {n} finished in zone {z} after the canary passed its checks. "
+        per = len(engine.codec.encode(sentence.format(n=0, z=0)))
+        lengths = KEEP_LENGTHS[:2] if self.device.simulated else KEEP_LENGTHS
+        reps = 1 if self.device.simulated else 3
+        rows, serial = [], 0
+
+        def state(tokens: int) -> str:
+            nonlocal serial
+            serial += 1
+            return f"[keep {serial}] " + "".join(sentence.format(n=i, z=i % 5) for i in range(tokens // per))
+
+        def ms(eng: Any, text: str) -> tuple[float, str]:
+            readout = eng.score(text, [row], shared=False, max_input_tokens=8192)
+            return 1000 * readout.total_seconds, readout.timing.prefill
+
+        for tokens in lengths:
+            ms(plain, state(tokens))  # warm this length's kernels
+            cells: dict[str, list[float]] = {"plain": [], "keep": [], "cached": []}
+            for _ in range(reps):
+                cells["plain"].append(ms(plain, state(tokens))[0])
+                text = state(tokens)
+                cells["keep"].append(ms(kept, text)[0])
+                cells["cached"].append(ms(kept, text)[0])
+            med = {k: statistics.median(v) for k, v in cells.items()}
+            pays = med["keep"] - med["plain"] < med["plain"] - med["cached"]
+            rows.append({"state_tokens": tokens, **{f"{k}_ms": v for k, v in med.items()}, "pays": pays})
+        visits = [ms(returning, text) for text in [state(lengths[0])] * 3]
+        threshold = next((r["state_tokens"] for r in rows if r["pays"]), None)
+        print_table(
+            ["state tokens", "plain ms", "keeping pass ms", "follow-up ms", "one follow-up repays"],
+            [
+                [r["state_tokens"], *(f"{r[k]:.1f}" for k in ("plain_ms", "keep_ms", "cached_ms")), r["pays"]]
+                for r in rows
+            ],
+            title=f"keep: the shortest state one follow-up repays: {threshold}",
+        )  # fmt: skip
+        measured = {
+            "rows": rows,
+            "keep_pays_from_tokens": threshold,
+            "return_visits": [{"ms": t, "prefill": p} for t, p in visits],
+        }
+        gates = [
+            Gate(
+                "third visit from the cache",
+                [p for _, p in visits] == ["none", "fresh", "cached"],
+                " -> ".join(p for _, p in visits),
+            )
+        ]
+        return measured, gates
+
     # -- the whole run
 
     def _client(self) -> Client:
@@ -855,6 +933,7 @@ class GpuRun:
                 ("images", 30, self.images),
                 ("batching", 25, self.batching),
                 ("adapters", 30, self.adapters),
+                ("keep", 20, self.keep),
             ]
             only = self.options.only
             for name, need_s, run in steps:

@@ -39,12 +39,14 @@ Workloads, one client that sends the next request as soon as the answer arrives:
 (a) eight choices (3 options each) over a NEW ~1,000-token state every request;
 (b) one short noul over a NEW short state every request.
 Cells are interleaved A, B, A, B; while one server is measured the other is stopped
-(SIGSTOP), so neither steals the two cores with idle work. Every server runs with the same
-intra-op thread count (--threads, default 1, as OMP_NUM_THREADS and MKL_NUM_THREADS): on this
-shared machine another process usually holds a core, and a server whose torch runs two OpenMP
-threads then waits at every parallel op's barrier for the descheduled one (measured: upstream's
-short noul at 350-900 ms a request with two threads, 130-165 ms with one, under a load of 5,
-with or without the other server stopped; that, not the stopping, was the BEFORE run's 3.6 s).
+(SIGSTOP), so neither steals the two cores with idle work. Each thread setting of --settings
+(default `defaults,1`) is measured in the same run: `defaults` starts every server as users
+run it (no OMP_NUM_THREADS or MKL_NUM_THREADS: torch's own count for the peers, semif-serve's
+thread policy, engine/threads.py), a number pins every server to that many intra-op threads
+(OMP_NUM_THREADS and MKL_NUM_THREADS). On this shared machine another process usually holds a
+core, and a server whose torch runs two OpenMP threads then waits at every parallel op's barrier
+for the descheduled one (measured: upstream's short noul at 350-900 ms a request with two
+threads, 130-165 ms with one, under a load of 5).
 Reported: req/s, semif-serve/peer, the median request, and, since lev reads a shorter prompt,
 ms per 1,000 input tokens as each server counts them.
 """
@@ -240,20 +242,38 @@ class PeerProcess:
         self._log.close()
 
 
-def thread_env(threads: int) -> dict[str, str]:
-    """The intra-op thread settings every server gets, ours and the peers' alike."""
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+DEFAULTS = "defaults"  # the --settings entry that pins nothing
 
 
-def _peer_env(extra: Mapping[str, str], threads: int) -> dict[str, str]:
+def thread_env(threads: int | None) -> dict[str, str]:
+    """The intra-op thread settings every server gets, ours and the peers' alike (None: none,
+    each server's own defaults)."""
+    if threads is None:
+        return {}
+    return dict.fromkeys(THREAD_VARIABLES, str(threads))
+
+
+def parse_settings(text: str) -> list[int | None]:
+    """`defaults,1,2` -> [None, 1, 2]."""
+    return [None if item == DEFAULTS else int(item) for item in (p.strip() for p in text.split(",")) if item]
+
+
+def setting_name(threads: int | None) -> str:
+    return DEFAULTS if threads is None else f"{threads} thread" + ("s" if threads > 1 else "")
+
+
+def _peer_env(extra: Mapping[str, str], threads: int | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SEMIF_", "DECISION_"))}
+    for name in THREAD_VARIABLES:
+        env.pop(name, None)
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(thread_env(threads))
     env.update(extra)
     return env
 
 
-def semif_api_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
+def semif_api_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
     """Upstream SemIf's `semif_api`, started as PEERS.md says (torch, CPU, float32)."""
     port = free_port()
     env = _peer_env(
@@ -282,7 +302,7 @@ def semif_api_peer(directory: Path, model: Path, work: Path, threads: int) -> Pe
     return peer
 
 
-def jev_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
+def jev_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
     """jev-compatible-server 0.1.1, transformers backend, the causal_options readout."""
     port = free_port()
     config = work / "jev-decision.json"
@@ -302,7 +322,7 @@ def jev_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProc
     return peer
 
 
-def lev_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
+def lev_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
     """lev's own server over the frozen base (`lev serve --model`), bfloat16, two orders."""
     port = free_port()
     argv = [str(directory / ".venv/bin/lev"), "serve", "--model", str(model)]
@@ -312,7 +332,7 @@ def lev_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProc
     return peer
 
 
-def lev_release_peer(directory: Path, model: Path, work: Path, threads: int) -> PeerProcess:
+def lev_release_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
     """lev's own server over the bench's lev release (`lev serve --checkpoint`), bfloat16."""
     port = free_port()
     argv = [str(directory / ".venv/bin/lev"), "serve", "--model", str(model)]
@@ -510,8 +530,6 @@ def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from semif_serve.tools.demo import DEMO_REVISION
-
     model = ensure_checkpoint(args.model.resolve())  # the peers run in their own directories
     words = fit_state_words(model, STATE_TOKENS)
     counts = {"eight": args.requests_eight, "noul": args.requests_noul}
@@ -520,59 +538,81 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "counts": counts,
         "cell_seconds": args.cell_seconds,
-        "threads": args.threads,
+        "settings": [setting_name(t) for t in args.settings],
         "environment": environment(),
         "load_average_before": os.getloadavg(),
         "peers": {},
         "skipped": {},
     }
     wanted = [p for p in peers_from(args) if p.name in args.only]
+    for name in THREAD_VARIABLES:  # semif-serve's process inherits this one's environment
+        os.environ.pop(name, None)
     work = Path(tempfile.mkdtemp(prefix="semif-bench-peers-"))
     try:
-        groups: dict[tuple[str, str, bool], list[Peer]] = {}
-        for peer in wanted:
-            if peer.directory is None or not (peer.directory / peer.marker).exists():
-                line = f"{peer.name}: no scratch environment at {peer.directory} (see bench/README.md, Peers)"
-                print(f"SKIPPED {line}")
-                results["skipped"][peer.name] = line
-                continue
-            groups.setdefault((peer.dtype, peer.orderings, peer.release), []).append(peer)
-        for (dtype, orderings, release), group in groups.items():
-            settings = {"device": "cpu", "dtype": dtype, "systemone_orderings": orderings}
-            extra = thread_env(args.threads)
-            where = f"semif-{dtype}"
-            if release:
-                models = work / "models.toml"
-                models.write_text(release_models_toml(ensure_release(model), str(model)), encoding="utf-8")
-                extra["SEMIF_MODELS"] = str(models)
-                where += "-release"
-            served = ", the lev release" if release else ""
-            log(f"peers: semif-serve ({dtype}, orderings {orderings}{served}) ...")
-            with ServiceProcess(model, DEMO_REVISION, settings, work / where, extra_env=extra) as ours:
-                for peer in group:
-                    log(f"peers: {peer.name} ...")
-                    assert peer.directory is not None
-                    with ExitStack() as stack:
-                        theirs = stack.enter_context(peer.build(peer.directory, model, work, args.threads))
-                        measured = side_by_side(
-                            (ours.url, ours.token, ours.pid),
-                            (theirs.url, theirs.pid),
-                            words,
-                            counts,
-                            args.rounds,
-                            args.cell_seconds,
-                            peer.served,
-                        )
-                    results["peers"][peer.name] = {
-                        "dtype": dtype,
-                        "semif_orderings": orderings,
-                        "model": peer.served,
-                        **measured,
-                    }
+        for threads in args.settings:
+            _run_setting(args, model, words, counts, wanted, threads, work, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["load_average_after"] = os.getloadavg()
     return results
+
+
+def _run_setting(
+    args: argparse.Namespace,
+    model: Path,
+    words: int,
+    counts: Mapping[str, int],
+    wanted: list[Peer],
+    threads: int | None,
+    work: Path,
+    results: dict[str, Any],
+) -> None:
+    """Every wanted peer beside semif-serve, every server under one thread setting."""
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    setting = setting_name(threads)
+    groups: dict[tuple[str, str, bool], list[Peer]] = {}
+    for peer in wanted:
+        if peer.directory is None or not (peer.directory / peer.marker).exists():
+            line = f"{peer.name}: no scratch environment at {peer.directory} (see bench/README.md, Peers)"
+            print(f"SKIPPED {line}")
+            results["skipped"][peer.name] = line
+            continue
+        groups.setdefault((peer.dtype, peer.orderings, peer.release), []).append(peer)
+    for (dtype, orderings, release), group in groups.items():
+        settings = {"device": "cpu", "dtype": dtype, "systemone_orderings": orderings}
+        extra = thread_env(threads)
+        where = f"semif-{dtype}-{setting.replace(' ', '-')}"
+        if release:
+            models = work / "models.toml"
+            models.write_text(release_models_toml(ensure_release(model), str(model)), encoding="utf-8")
+            extra["SEMIF_MODELS"] = str(models)
+            where += "-release"
+        served = ", the lev release" if release else ""
+        log(f"peers: {setting}: semif-serve ({dtype}, orderings {orderings}{served}) ...")
+        with ServiceProcess(model, DEMO_REVISION, settings, work / where, extra_env=extra) as ours:
+            for peer in group:
+                log(f"peers: {peer.name} ...")
+                assert peer.directory is not None
+                with ExitStack() as stack:
+                    theirs = stack.enter_context(peer.build(peer.directory, model, work, threads))
+                    measured = side_by_side(
+                        (ours.url, ours.token, ours.pid),
+                        (theirs.url, theirs.pid),
+                        words,
+                        counts,
+                        args.rounds,
+                        args.cell_seconds,
+                        peer.served,
+                    )
+                results["peers"][f"{peer.name} @ {setting}"] = {
+                    "peer": peer.name,
+                    "setting": setting,
+                    "dtype": dtype,
+                    "semif_orderings": orderings,
+                    "model": peer.served,
+                    **measured,
+                }
 
 
 def _ms(value: float | None) -> str:
@@ -581,12 +621,13 @@ def _ms(value: float | None) -> str:
 
 def table_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for name, peer in results["peers"].items():
+    for peer in results["peers"].values():
         for workload, label in WORKLOADS.items():
             r = peer[workload]
             rows.append(
                 [
-                    f"{name} ({peer['dtype']})",
+                    f"{peer['peer']} ({peer['dtype']})",
+                    peer["setting"],
                     label,
                     f"{r['semif_rps']:.2f}",
                     f"{r['peer_rps']:.2f}",
@@ -603,6 +644,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
 
 HEADERS = [
     "peer",
+    "threads",
     "workload",
     "semif-serve req/s",
     "peer req/s",
@@ -642,18 +684,21 @@ def main(argv: list[str] | None = None) -> int:
         "--cell-seconds", type=float, default=10.0, help="stop a cell after this long (at least one request)"
     )
     parser.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads of every server (OMP_NUM_THREADS)"
+        "--settings",
+        default="defaults,1",
+        help="thread settings, each measured in turn: defaults (nothing pinned) or N (OMP_NUM_THREADS=N)",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
     args = parser.parse_args(argv)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
+    args.settings = parse_settings(args.settings)
     wall = time.perf_counter()
     results = run(args)
     results["wall_seconds"] = time.perf_counter() - wall
     env_ = results["environment"]
     print(
         f"semif-serve vs peers: hidden 256, 8 layers, vocab 248,320; CPU ({env_['cpus']} CPUs, torch "
-        f"{env_['torch']}); {args.threads} thread(s) per server; {args.rounds} rounds; "
+        f"{env_['torch']}); settings {', '.join(results['settings'])}; {args.rounds} rounds; "
         f"{results['wall_seconds']:.0f} s; load average "
         f"{results['load_average_before'][0]:.2f}/{results['load_average_after'][0]:.2f}"
     )

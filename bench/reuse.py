@@ -14,7 +14,11 @@ follow-ups from the cache on every door, what the cache keeps, and where the tim
 3. 8 concurrent `/decide` clients about one new state vs one cold call (goal < 2x, one prefill);
 4. S states x Q questions (with orderings) in a random interleaving under a budget of S/2 states:
    state hits vs an ideal LRU of states over the same sequence (goal >= 0.9 of it);
-5. the per-stage breakdown of a short noul and of 8 choices over a ~1,000-token state.
+5. the per-stage breakdown of a short noul and of 8 choices over a ~1,000-token state;
+6. (`--only back`, issue 39) three lone questions in a row about a new ~1,100-word state (under
+   `SEMIF_KEEP_STATE_TOKENS`): the first runs the plain forward and remembers the state's key, the
+   second keeps it, the third reads it from the cache (goal: third >= 3x cheaper than the first);
+   and a state asked about once against `SEMIF_DIRECT_PATH=plain` (goal: no dearer), interleaved.
 """
 
 from __future__ import annotations
@@ -100,6 +104,61 @@ def lone_question(engine, tokens: int, rounds: int) -> dict[str, Any]:
         "fastest_reuse_vs_plain": min(seconds["reuse"]) / min(seconds["plain"]),
         "fastest_shared_vs_plain": min(seconds["shared"]) / min(seconds["plain"]),
         "max_abs_diff_vs_plain": max(diffs),
+    }
+
+
+# -- 6. a client that comes back ---------------------------------------------------------------
+
+
+def words_state(words: int, tag: str) -> str:
+    """A new state (unique by `tag`) of `words` words."""
+    sentence = SENTENCE.format(n=0, z=0)
+    per = len(sentence.split())
+    return f"[{tag}] " + "".join(SENTENCE.format(n=i, z=i % 5) for i in range(max(1, words // per)))
+
+
+def comes_back(engine, words: int, rounds: int) -> dict[str, Any]:
+    """Engine seconds of three lone questions in a row about one new state, and of a one-off
+    state on the default path against the plain forward (each round a new state, interleaved)."""
+    kept = engine.with_options(cache=StateCache(1 << 32), prefill_chunk_tokens=2048)
+    plain = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=2048, direct_path="plain")
+    questions = [
+        PromptRow(q, ("It succeeded.", "It failed."))
+        for q in ("Did the deployment succeed?", "Was it rolled back?", "Did it page anyone?")
+    ]
+    visits: list[list[float]] = [[], [], []]
+    one_off: dict[str, list[float]] = {"default": [], "plain": []}
+    prefills: list[str] = []
+    tokens = 0
+    for r in range(rounds + 1):
+        state = words_state(words, f"back {r}")
+        for i, row in enumerate(questions):
+            readout = kept.score(state, [row], shared=False, max_input_tokens=8192)
+            tokens = readout.rows[0].input_tokens
+            if r:
+                visits[i].append(readout.total_seconds)
+                prefills.append(readout.timing.prefill)
+        other = words_state(words, f"once {r}")
+        for name, eng in (
+            (("plain", plain), ("default", kept)) if r % 2 else (("default", kept), ("plain", plain))
+        ):
+            readout = eng.score(other, [questions[0]], shared=False, max_input_tokens=8192)
+            if r:
+                one_off[name].append(readout.total_seconds)
+    first, second, third = (statistics.median(v) for v in visits)
+    return {
+        "words": words,
+        "prompt_tokens": tokens,
+        "first_ms": 1000 * first,
+        "second_ms": 1000 * second,
+        "third_ms": 1000 * third,
+        "first_over_third": first / third,
+        "per_round_first_over_third": [a / b for a, b in zip(visits[0], visits[2], strict=True)],
+        "prefills": prefills[:3],
+        "one_off_default_ms": med_ms(one_off["default"]),
+        "one_off_plain_ms": med_ms(one_off["plain"]),
+        "one_off_default_over_plain": statistics.median(one_off["default"])
+        / statistics.median(one_off["plain"]),
     }
 
 
@@ -401,6 +460,9 @@ def main() -> int:
             if "eight" in only:
                 results["eight"] = concurrent_eight(client, server.url, engine, 2000, max(2, rounds // 2 + 1))
                 print("eight", results["eight"], flush=True)
+    if "back" in only:
+        results["back"] = comes_back(engine, 1100, rounds)
+        print("back", results["back"], flush=True)
     if "interleaved" in only:
         results["interleaved"] = interleaved(engine, 6, 4, 300)
         print("interleaved", results["interleaved"], flush=True)

@@ -80,6 +80,7 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
         "images",
         "batching",
         "adapters",
+        "keep",
     ]
     assert result["simulated_device"] is True and result["environment"]["gpu"] == "Simulated NVIDIA H200"
     assert set(result["environment"]["kernels_bound"].values()) == {"reference"}
@@ -127,7 +128,12 @@ def test_the_gpu_run_goes_end_to_end_on_a_simulated_device(tmp_path, capsys):
     adapters = phases["adapters"]
     assert adapters["adapters"] == 4 and len(adapters["works"]) == 4
     assert all(ms["adapter"] > 0 and ms["base"] > 0 for ms in adapters["works"].values())
+    keep = phases["keep"]
+    assert [r["state_tokens"] for r in keep["rows"]] == [256, 768]
+    assert all(r["keep_ms"] > 0 and r["cached_ms"] > 0 and r["plain_ms"] > 0 for r in keep["rows"])
+    assert keep["keep_pays_from_tokens"] in (None, 256, 768)
     gates = {(g["phase"], g["name"]): g["passed"] for g in result["gates"]}
+    assert gates[("keep", "third visit from the cache")] is True
     assert gates[("capacity", "boundary is an OOM")] is True
     assert gates[("capacity", "estimate never OOMs")] is not any(
         r["estimate_rows"] > r["max_rows"] for r in rows.values()

@@ -20,7 +20,7 @@ from semif_serve.domain.requests import DecisionRequest, Limits, RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.batching import UNFINISHED, Batcher, Bounds, Group, Job, Wait
 from semif_serve.engine.forwards import prefill
-from semif_serve.engine.lone import DIRECT_MAX_TOKENS
+from semif_serve.engine.lone import DIRECT_MAX_TOKENS, ReturnVisits
 from semif_serve.engine.runner import DIRECT_READOUT
 from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, state_digest
 from semif_serve.service.startup import Service
@@ -147,17 +147,49 @@ def test_a_lone_question_whose_short_state_another_request_in_flight_wants_prefi
 def test_a_lone_question_over_a_short_state_runs_the_plain_forward_and_keeps_nothing(short_kept, engine):
     state = long_state("short")
     base = short_kept.engine.cache.stats()
-    for text in ("Did it succeed?", "Was it rolled back?"):
-        outcome = asyncio.run(
-            short_kept.core.decide(DecisionRequest(state, [_question(text)], False, Limits(**LIMITS)))
-        )
-        assert not outcome.shared and outcome.timing.prefill == "none"
-        logits, sha, tokens = plain_forward(engine, state, text, [o["description"] for o in OPTIONS])
-        readout = outcome.questions[0].readouts[0]
-        assert max(abs(a - b) for a, b in zip(readout.option_logits, logits, strict=True)) <= TOL
-        assert (readout.prompt_sha256, readout.input_tokens) == (sha, tokens)
+    outcome = asyncio.run(
+        short_kept.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS)))
+    )
+    assert not outcome.shared and outcome.timing.prefill == "none"
+    _assert_plain_outcome(outcome, engine, state, "Did it succeed?")
     stats = short_kept.engine.cache.stats()
     assert (stats.hits, stats.misses, stats.entries) == (base.hits, base.misses, base.entries)
+    assert len(short_kept.engine.lone.visits) >= 1  # remembered by its key alone
+
+
+def test_a_client_coming_back_to_a_short_state_keeps_it_the_second_time_and_reads_the_third_from_the_cache(
+    short_kept, engine
+):
+    state = long_state("comes-back")
+    base = short_kept.engine.cache.stats().by_kind[STATE]
+    texts = ("Did it succeed?", "Was it rolled back?", "Did it page anyone?")
+    outcomes = [
+        asyncio.run(short_kept.core.decide(DecisionRequest(state, [_question(t)], False, Limits(**LIMITS))))
+        for t in texts
+    ]
+    assert [o.timing.prefill for o in outcomes] == ["none", "fresh", "cached"]
+    after = short_kept.engine.cache.stats().by_kind[STATE]
+    assert (after.misses, after.hits, after.entries) == (base.misses + 1, base.hits + 1, base.entries + 1)
+    for outcome, text in zip(outcomes, texts, strict=True):
+        _assert_plain_outcome(outcome, engine, state, text)
+
+
+def test_the_remembered_states_are_bounded_and_forgotten_after_their_window():
+    clock = [0.0]
+    visits = ReturnVisits(capacity=3, window=10.0, clock=lambda: clock[0])
+    assert [visits.returned(k) for k in "abcd"] == [False] * 4
+    assert len(visits) == 3  # "a", the oldest, is forgotten
+    assert not visits.returned("a") and visits.returned("d")
+    clock[0] = 11.0
+    assert not visits.returned("c")  # seen 11 s ago: past the window, remembered afresh
+    assert visits.returned("c")
+
+
+def _assert_plain_outcome(outcome, engine, state, text: str) -> None:
+    logits, sha, tokens = plain_forward(engine, state, text, [o["description"] for o in OPTIONS])
+    readout = outcome.questions[0].readouts[0]
+    assert max(abs(a - b) for a, b in zip(readout.option_logits, logits, strict=True)) <= TOL
+    assert (readout.prompt_sha256, readout.input_tokens) == (sha, tokens)
 
 
 LIMITS = dict(max_input_tokens=4096, max_options=16, max_rows=64)

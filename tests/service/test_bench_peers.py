@@ -64,3 +64,12 @@ def test_no_two_workloads_of_one_run_ask_about_the_same_state():
     first = [peers.Workload(name, 5).next()["state"] for name in ("eight", "noul") for _ in range(3)]
     again = [peers.Workload(name, 5).next()["state"] for name in ("eight", "noul") for _ in range(3)]
     assert len(set(first + again)) == 12
+
+
+def test_the_defaults_setting_pins_no_thread_count_and_a_number_pins_every_server(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the caller's own pin never reaches a server
+    assert peers.parse_settings("defaults, 1,2") == [None, 1, 2]
+    defaults = peers._peer_env({}, None)
+    assert "OMP_NUM_THREADS" not in defaults and "MKL_NUM_THREADS" not in defaults
+    assert peers._peer_env({}, 1)["OMP_NUM_THREADS"] == peers._peer_env({}, 1)["MKL_NUM_THREADS"] == "1"
+    assert peers.thread_env(None) == {}

@@ -89,6 +89,11 @@ class LevRelease:
         """The release's name from its manifest (its directory's name when absent)."""
         return self.manifest.name or self.directory.name
 
+    @property
+    def frozen_base(self) -> bool:
+        """lev's method over the base alone (`base_release`): no adapter, no head, no calibration."""
+        return not self.adapter_config
+
 
 def _head_class() -> Any:
     import torch
@@ -389,6 +394,31 @@ def load_lev_release(
         calibration=calibration,
         tokenizer=tokenizer,
         codes=label_codes_for(tokenizer, options.label_prefix),
+    )
+
+
+def base_release(
+    directory: Path, base_tokenizer: Any, *, base_name: str, settings_source: str = "settings", **flags: Any
+) -> LevRelease:
+    """The frozen base read with lev's method, as lev's server reads it without a checkpoint
+    (`lev serve --model`): lev's prompt, label codes and orders over the base's own weights and
+    tokenizer, no adapter, no candidate head, every temperature 1.0. `directory` is the base
+    checkpoint; `flags` are lev's server flags, as `load_lev_release` takes them (`prompt_style`,
+    `noul_readout`, `score_order_average`, `max_label_options`)."""
+    manifest = LevManifest(base_name, None, None, None, None, False, False, None, None)
+    options = serving_options(manifest, source=settings_source, **flags)
+    return LevRelease(
+        directory=Path(directory),
+        manifest=manifest,
+        options=options,
+        adapter_config={},
+        adapter_weights={},
+        adapter_scale=1.0,
+        modules=(),
+        head=None,
+        calibration=UNCALIBRATED,
+        tokenizer=base_tokenizer,
+        codes=label_codes_for(base_tokenizer, options.label_prefix),
     )
 
 

@@ -34,6 +34,7 @@ from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
 from semif_serve.engine.sharing import prefill_pays
 from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, StoredState, prefix_digest
 from semif_serve.engine.stepped import SteppedPrefill
+from semif_serve.engine.threads import EngineThreads, ThreadPolicy
 from semif_serve.engine.vision import ImageSet, VisionTower, text_chunk_flops
 
 log = logging.getLogger("semif_serve.engine")
@@ -65,6 +66,7 @@ class EngineOptions:
     prefill_chunk_tokens: int | None = None
     direct_path: DirectPath = "reuse"
     keep_state_tokens: int = KEEP_STATE_TOKENS  # a lone row's state this long is kept by its own pass
+    threads: ThreadPolicy = field(default_factory=ThreadPolicy.of_machine)  # a CPU's threads per forward
 
     def __post_init__(self) -> None:
         if self.direct_path not in DIRECT_PATHS:
@@ -185,6 +187,8 @@ class TorchEngine:
         self.model_info = identity.as_dict()
         self.stepped = SteppedPrefill(self.cache, self.estimate, self.memory, chunk, self._prefill)
         self.lone = LoneRowPolicy(self.cache, options.keep_state_tokens)
+        # On a CPU every forward sets its intra-op threads from its size (a GPU's forward runs on the device).
+        self.threads = EngineThreads(options.threads, torch) if self.device.type == "cpu" else None
 
     @classmethod
     def over(cls, loaded: LoadedModel, adapters: AdapterBank | None = None) -> TorchEngine:
@@ -287,6 +291,11 @@ class TorchEngine:
         started = time.perf_counter()
         if shared is None:
             shared = self.shares_prefix(prefix, model, len(suffixes), width)
+        suffix_tokens = sum(len(s) for s in suffixes)
+        if shared:  # the prefix once unless it is cached as it is, then the suffixes
+            self._threads_for((0 if self.cache.has(prefix, model=model) else len(prefix)) + suffix_tokens)
+        else:
+            self._threads_for(len(prefix) * len(suffixes) + suffix_tokens)
         if not shared:
             rows = [[*prefix, *suffix] for suffix in suffixes]
             with torch.inference_mode(), self.adapters.rows(model):
@@ -402,11 +411,28 @@ class TorchEngine:
         them from a state where one is cached or wanted by several requests; everything else
         through `_run_planned`. An image whose tower costs more than a prefill chunk first goes
         through the tower one step per call (`_tower_step`), each returning UNFINISHED."""
+        self._threads_for(self._tokens_to_compute(group))
         if self._tower_step(group):
             return UNFINISHED
         if group.prefix_key is None and self.direct_path == "reuse" and group.parts[0].job.payload.direct:
             return self._run_direct(group)
         return self._run_planned(group)
+
+    def _tokens_to_compute(self, group: Group[PreparedRows]) -> int:
+        """About the tokens this group's forwards compute: each state unless it is cached as it is
+        (a hash lookup that counts nothing and moves nothing), and every row after its state."""
+        tokens = 0
+        for prepared in {id(p.job.payload): p.job.payload for p in group.parts}.values():
+            state = prepared.prefix or prepared.state_ids
+            if state and not self.cache.has(state, model=prepared.model):
+                tokens += len(state)
+            tokens += sum(len(p.ids) - len(state) for p in prepared.prompts)
+        return tokens
+
+    def _threads_for(self, tokens: int) -> None:
+        """The intra-op threads of the forwards that compute `tokens` tokens (`engine.threads`)."""
+        if self.threads is not None:
+            self.threads.use(tokens)
 
     def _tower_step(self, group: Group[PreparedRows]) -> bool:
         """One step of the vision tower for an image whose features this group's forward needs

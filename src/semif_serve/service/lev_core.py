@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 from semif_serve.domain.lev import LevPlan, LevQuestion, LevReleaseError, plan_request
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.types import ConfigurationError, TooManyRows, TooManyTokens
+from semif_serve.engine.adapters import BASE
 from semif_serve.engine.lev_release import (
     LevRelease,
     LevReply,
+    base_release,
     load_lev_release,
     score_lev_on,
     served_release,
@@ -43,24 +45,31 @@ def load_lev_releases(
     release's `base_model` must give unless its entry vouches for another with `base_model`)."""
     releases: dict[str, LevRelease] = {}
     for entry in models.models.values():
-        if entry.method != LEV or entry.release is None:
+        if entry.method != LEV:
             continue
         key = f"models.{entry.name}"
         where = f"SEMIF_MODELS: {models.source}: {key}"
         options = entry.lev_options
+        flags: dict[str, Any] = {
+            "prompt_style": options.get("prompt_style"),
+            "noul_readout": options.get("noul_readout"),
+            "score_order_average": options.get("score_order_average", "off"),
+            "max_label_options": entry.max_label_options,
+            "settings_source": where,
+        }
         try:
+            if entry.release is None:  # the frozen base, read with lev's method
+                tokenizer = engine.codec.tokenizer
+                releases[entry.name] = base_release(base_directory, tokenizer, base_name=base_name, **flags)
+                continue
             release = load_lev_release(
                 entry.release,
                 engine.model,
                 engine.codec.tokenizer,
                 base_name=entry.base_model or base_name,
-                prompt_style=options.get("prompt_style"),
-                noul_readout=options.get("noul_readout"),
-                score_order_average=options.get("score_order_average", "off"),
-                max_label_options=entry.max_label_options,
-                settings_source=where,
                 base_directory=base_directory,
                 adapter_scale=entry.scale,
+                **flags,
             )
         except LevReleaseError as exc:
             # A setting of the entry names its own key; a release file names the release key too.
@@ -143,7 +152,8 @@ class LevCore:
 
         def job() -> tuple[LevReply, float, float]:
             started = time.perf_counter()
-            reply = score_lev_on(release, engine, engine.adapters.index(model_name), state, questions)
+            model = BASE if release.frozen_base else engine.adapters.index(model_name)
+            reply = score_lev_on(release, engine, model, state, questions)
             return reply, time.perf_counter() - started, started - submitted
 
         reply, seconds, waited = await self.worker.run(job)

@@ -8,6 +8,8 @@ prompt_style = "plain"           # optional, as lev's server flags (max_label_op
 [models.triage]
 adapter = "/models/triage-lora"  # a PEFT LoRA adapter, read with SemIf's method
 scale = 0.5                      # optional serving multiplier on the adapter
+[models.lev-base]
+method = "lev"                   # lev's prompt and readout over the frozen base (no adapter)
 [aliases]
 local = "lev-4b"
 ```
@@ -46,6 +48,10 @@ COMMON_KEYS = ("scale", "base_model")
 LABEL_CAP = "max_label_options"  # lev's label cap: a question with more candidates reads its head
 RELEASE_KEYS = ("release", *LEV_OPTIONS, LABEL_CAP, *COMMON_KEYS)
 ADAPTER_KEYS = ("adapter", *COMMON_KEYS)
+# The base read with lev's method (lev's `serve --model` without a checkpoint): lev's flags only.
+LEV_BASE_KEYS = ("method", *LEV_OPTIONS, LABEL_CAP)
+# What lev's server reads the frozen base with: a binary noul in two orders (a release reads a rating).
+LEV_BASE_OPTIONS = {"noul_readout": "binary"}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
@@ -55,7 +61,8 @@ class ModelEntry:
 
     `method` is the seam for the readout: "semif" (SemIf's prompt; `adapter` a PEFT LoRA
     directory, or None for the base itself) or "lev" (`release` a lev release directory,
-    read with lev's prompt, labels and calibration; `lev_options` its server flags).
+    read with lev's prompt, labels and calibration; `lev_options` its server flags; `release`
+    None: the frozen base read with lev's method, `lev_base`).
     `scale` is the serving multiplier on the adapter (None: 1.0, or the release's own
     `adapter_scale`); `base_model` is a base name the operator vouches for, accepted where
     the adapter's `base_model_name_or_path` names the base otherwise."""
@@ -73,6 +80,11 @@ class ModelEntry:
     def is_base(self) -> bool:
         """The base itself (no adapter, SemIf's method)."""
         return self.method == SEMIF and self.adapter is None
+
+    @property
+    def lev_base(self) -> bool:
+        """The base itself read with lev's method (no release, no adapter)."""
+        return self.method == LEV and self.release is None
 
     @property
     def path(self) -> Path | None:
@@ -178,6 +190,8 @@ def _table(value: Any, where: str, key: str) -> dict[str, Any]:
 
 
 def _entry(name: str, table: dict[str, Any], where: str, key: str, root: Path) -> ModelEntry:
+    if "method" in table and not {"release", "adapter"} & set(table):
+        return _lev_base(name, table, where, key)
     kinds = [k for k in ("release", "adapter") if k in table]
     if len(kinds) != 1:
         what = "both release and adapter" if kinds else "neither release nor adapter"
@@ -206,6 +220,39 @@ def _entry(name: str, table: dict[str, Any], where: str, key: str, root: Path) -
     base_model = table.get("base_model")
     if base_model is not None and (not isinstance(base_model, str) or not base_model):
         raise ConfigurationError(f"{where}: {key}.base_model: must be a non-empty string")
+    options = _lev_options(table, where, key)
+    scale_value = float(scale) if scale is not None else None
+    if kind == "release":
+        return ModelEntry(
+            name,
+            LEV,
+            release=directory,
+            scale=scale_value,
+            base_model=base_model,
+            lev_options=options,
+            max_label_options=_label_cap(table, where, key),
+        )
+    return ModelEntry(name, SEMIF, adapter=directory, scale=scale_value, base_model=base_model)
+
+
+def _lev_base(name: str, table: dict[str, Any], where: str, key: str) -> ModelEntry:
+    """`method = "lev"` without a release: the frozen base read with lev's method."""
+    if table["method"] != LEV:
+        raise ConfigurationError(
+            f"{where}: {key}.method: {table['method']!r} needs a release or adapter "
+            '(only "lev" reads the base alone)'
+        )
+    for k in table:
+        if k not in LEV_BASE_KEYS:
+            raise ConfigurationError(
+                f"{where}: {key}.{k}: unknown key for the base read with lev's method "
+                f"(keys: {', '.join(LEV_BASE_KEYS)})"
+            )
+    options = {**LEV_BASE_OPTIONS, **_lev_options(table, where, key)}
+    return ModelEntry(name, LEV, lev_options=options, max_label_options=_label_cap(table, where, key))
+
+
+def _lev_options(table: dict[str, Any], where: str, key: str) -> dict[str, str]:
     options: dict[str, str] = {}
     for option, values in LEV_OPTIONS.items():
         if option in table:
@@ -215,21 +262,14 @@ def _entry(name: str, table: dict[str, Any], where: str, key: str, root: Path) -
                     f"{where}: {key}.{option}: {value!r} is not one of {', '.join(repr(v) for v in values)}"
                 )
             options[option] = value
-    scale_value = float(scale) if scale is not None else None
-    if kind == "release":
-        cap = table.get(LABEL_CAP)
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ConfigurationError(f"{where}: {key}.{LABEL_CAP}: must be an integer >= 1, not {cap!r}")
-        return ModelEntry(
-            name,
-            LEV,
-            release=directory,
-            scale=scale_value,
-            base_model=base_model,
-            lev_options=options,
-            max_label_options=cap,
-        )
-    return ModelEntry(name, SEMIF, adapter=directory, scale=scale_value, base_model=base_model)
+    return options
+
+
+def _label_cap(table: dict[str, Any], where: str, key: str) -> int | None:
+    cap = table.get(LABEL_CAP)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ConfigurationError(f"{where}: {key}.{LABEL_CAP}: must be an integer >= 1, not {cap!r}")
+    return cap
 
 
 def _directory(value: Any, where: str, key: str, root: Path) -> Path:

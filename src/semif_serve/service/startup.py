@@ -21,6 +21,7 @@ from semif_serve.engine.loader import CheckpointSpec, load_model
 from semif_serve.engine.memory import DeviceMemory, ReleasePolicy
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
+from semif_serve.engine.threads import ThreadPolicy
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.core import DecisionCore
 from semif_serve.service.lev_core import LevCore, load_lev_releases
@@ -83,12 +84,14 @@ class Service:
         # lev releases: read over the base before warm-up, so the baseline counts their adapters.
         releases = load_lev_releases(models, engine, settings.model_source, settings.require_model())
         for name, release in releases.items():  # lev's rows read its adapter through the engine's bank
-            engine.adapters.add(name, release.directory, multiplier=release.adapter_scale)
+            if not release.frozen_base:
+                engine.adapters.add(name, release.directory, multiplier=release.adapter_scale)
         engine = engine.with_options(
             cache=StateCache(settings.state_cache_mib * MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             direct_path=settings.direct_path,
             keep_state_tokens=settings.keep_state_tokens,
+            threads=ThreadPolicy.of_machine(settings.torch_threads),
         )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
         bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens)

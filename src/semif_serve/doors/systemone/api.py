@@ -230,6 +230,9 @@ class SystemOneDoor(DecisionDoor):
 
     def model_over_base(self, entry: ServedModel) -> ModelEntry:
         """`/v1/models`' entry of a model over the base: its method, adapter, scale, calibration."""
+        if entry.lev_base:  # the base read with lev's method: no adapter
+            release = self.service.lev.release(entry.name)
+            return lev_listing(release, None, entry.name, self.model_name, self.release_date)
         bank = self.service.engine.adapters
         served = bank.adapters[bank.index(entry.name)]
         adapter = AdapterInfo(

@@ -209,14 +209,15 @@ async def answer_lev(
 
 
 def lev_listing(
-    release: LevRelease, adapter: AdapterInfo, name: str, base: str, release_date: str
+    release: LevRelease, adapter: AdapterInfo | None, name: str, base: str, release_date: str
 ) -> ModelListing:
     """`/v1/models`' entry of a lev release: method `lev`, its adapter as the engine serves it
-    (the factor on B(A(x)) with the serving scale in it), the serving scale, and its calibration
-    buckets."""
+    (the factor on B(A(x)) with the serving scale in it; None for the frozen base), the serving
+    scale, and its calibration buckets."""
+    what = "the frozen base" if release.frozen_base else f"the lev release {release.name!r} over {base}"
     return ModelListing(
         name=name,
-        description=f"{name}: the lev release {release.name!r} over {base}, read by lev's method (its "
+        description=f"{name}: {what}, read by lev's method (its "
         f"{release.options.prompt_style} prompt, label codes, orders and calibration; docs/lev.md); "
         f"candidate head: {'yes' if release.head is not None else 'no'}.",
         release_date=release_date,

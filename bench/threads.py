@@ -1,0 +1,212 @@
+"""Issue 39's thread measurements, side by side in one run.
+
+    PYTHONPATH=src:. python bench/threads.py                      # both parts, ~8 min here
+    PYTHONPATH=src:. python bench/threads.py --only crossover     # forwards at 1, 2, ... threads
+    PYTHONPATH=src:. python bench/threads.py --only servers --rounds 3
+
+1. `crossover`: one forward (the engine's `logits_over`, no cache) of R rows x T tokens on the
+   peers' checkpoint (hidden 256, 8 layers, float32), at each fixed thread count (1, 2 and every
+   core where the machine has more), interleaved per round; the median per cell and the ratio to
+   one thread; and what `torch.set_num_threads` costs per call. `engine.threads.PARALLEL_TOKENS`
+   is the smallest R x T at which two threads beat one here on free cores.
+2. `servers`: semif-serve at its defaults (nothing pinned: `engine.threads` chooses) against the
+   same server pinned (`OMP_NUM_THREADS` = 1, 2, ...), each a process of its own, on the work of
+   `bench/peers.py` (8 choices over a new ~1k-token state; one short noul over a new state), the
+   cells interleaved, the others stopped (SIGSTOP) while one is measured. Reported: req/s per
+   setting, defaults / pinned per round, median and spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+
+from acceptance.common import format_table, log  # noqa: E402
+from acceptance.server import ServiceProcess  # noqa: E402
+from bench.peers import (  # noqa: E402
+    DEFAULT_MODEL_DIR,
+    MATCH_NONE,
+    STATE_TOKENS,
+    Workload,
+    ensure_checkpoint,
+    fit_state_words,
+    measure,
+    only_running,
+    thread_env,
+)
+
+SHAPES = ((1, 40), (1, 150), (1, 300), (1, 600), (1, 1100), (8, 40), (8, 150), (1, 2000))
+
+
+def thread_counts() -> list[int]:
+    """1, 2 and every core (where the machine has more)."""
+    from semif_serve.engine.threads import usable_cores
+
+    cores = usable_cores()
+    return sorted({1, min(2, cores), cores})
+
+
+def crossover(model_dir: Path, rounds: int) -> dict[str, Any]:
+    """Each shape's forward at each fixed thread count, interleaved; medians in ms."""
+    import torch
+
+    from semif_serve.engine.forwards import logits_over
+    from semif_serve.engine.loader import CheckpointSpec, load_model
+
+    loaded = load_model(CheckpointSpec(model_dir, "bench", "bench", "float32", "cpu"))
+    columns = torch.tensor(loaded.codec.slots[:3])
+    calls = 20_000
+    t0 = time.perf_counter()
+    for i in range(calls):
+        torch.set_num_threads(1 + i % 2)
+    switch_us = (time.perf_counter() - t0) / calls * 1e6
+
+    def forward(rows: int, tokens: int) -> float:
+        ids = [[(7 * i + 13 * r) % 50_000 + 100 for i in range(tokens)] for r in range(rows)]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            logits_over(loaded.model, None, 0, ids, 0, None, columns=columns)
+        return time.perf_counter() - started
+
+    counts = thread_counts()
+    cells: dict[str, Any] = {}
+    for rows, tokens in SHAPES:
+        times: dict[int, list[float]] = {n: [] for n in counts}
+        for n in counts:  # warm each count's pool on this shape
+            torch.set_num_threads(n)
+            forward(rows, tokens)
+        for _ in range(rounds):
+            for n in counts:
+                torch.set_num_threads(n)
+                times[n].append(forward(rows, tokens))
+        ms = {n: 1000 * statistics.median(v) for n, v in times.items()}
+        cells[f"{rows}x{tokens}"] = {"rows": rows, "tokens": tokens, "ms": ms}
+        log("threads: " + f"{rows} x {tokens}: " + ", ".join(f"{n}t {m:.1f} ms" for n, m in ms.items()))
+    return {"threads": counts, "set_num_threads_us": switch_us, "cells": cells}
+
+
+def servers(model_dir: Path, rounds: int, counts: dict[str, int], budget: float) -> dict[str, Any]:
+    """semif-serve at its defaults and pinned to each fixed count, interleaved per round."""
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.pop(name, None)  # the defaults cell inherits nothing pinned
+    words = fit_state_words(model_dir, STATE_TOKENS)
+    settings = {"device": "cpu", "dtype": "float32", "systemone_orderings": MATCH_NONE}
+    setups = {"defaults": {}} | {f"pinned {n}": thread_env(n) for n in thread_counts()}
+    work = Path(tempfile.mkdtemp(prefix="semif-bench-threads-"))
+    out: dict[str, Any] = {}
+    with ExitStack() as stack:
+        procs = {
+            name: stack.enter_context(
+                ServiceProcess(
+                    model_dir, DEMO_REVISION, settings, work / name.replace(" ", "-"), extra_env=env
+                )
+            )
+            for name, env in setups.items()
+        }
+        pids = {name: p.pid for name, p in procs.items()}
+        clients = {
+            name: stack.enter_context(
+                httpx.Client(timeout=600.0, headers={"authorization": f"Bearer {p.token}"})
+            )
+            for name, p in procs.items()
+        }
+        for workload, n in counts.items():
+            load = Workload(workload, words)
+            cells: dict[str, list[float]] = {name: [] for name in procs}
+            for name, proc in procs.items():
+                with only_running(pids[name], [pid for other, pid in pids.items() if other != name]):
+                    measure(clients[name], proc.url, load, 1)  # warm-up, not counted
+            for r in range(rounds):
+                order = list(procs) if r % 2 == 0 else list(reversed(procs))
+                for name in order:
+                    with only_running(pids[name], [pid for other, pid in pids.items() if other != name]):
+                        cells[name].append(measure(clients[name], procs[name].url, load, n, budget)["rps"])
+                log(
+                    f"threads: {workload} round {r + 1}: "
+                    + ", ".join(f"{k} {v[-1]:.2f}" for k, v in cells.items())
+                )
+            out[workload] = {
+                name: {
+                    "rps": statistics.median(v),
+                    "per_round": v,
+                    "defaults_over": None
+                    if name == "defaults"
+                    else [a / b for a, b in zip(cells["defaults"], v, strict=True)],
+                }
+                for name, v in cells.items()
+            }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint (built if absent)")
+    parser.add_argument("--only", default="crossover,servers")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests-eight", type=int, default=10)
+    parser.add_argument("--requests-noul", type=int, default=30)
+    parser.add_argument("--cell-seconds", type=float, default=8.0)
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    model = ensure_checkpoint(args.model.resolve())
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    if "crossover" in only:
+        result = crossover(model, args.rounds)
+        counts = result["threads"]
+        rows = []
+        for name, cell in result["cells"].items():
+            ms = cell["ms"]
+            rows.append(
+                [name, str(cell["rows"] * cell["tokens"])]
+                + [f"{ms[n]:.1f}" for n in counts]
+                + [f"{ms[1] / ms[n]:.2f}x" for n in counts[1:]]
+            )
+        headers = ["rows x tokens", "tokens"] + [f"{n} thr ms" for n in counts]
+        headers += [f"{n} thr speed-up" for n in counts[1:]]
+        print(
+            f"\nforwards, median of {args.rounds}; set_num_threads {result['set_num_threads_us']:.2f} us/call"
+        )
+        print(format_table(headers, rows))
+    if "servers" in only:
+        measured = servers(
+            model, args.rounds, {"eight": args.requests_eight, "noul": args.requests_noul}, args.cell_seconds
+        )
+        rows = []
+        for workload, by_setting in measured.items():
+            for name, cell in by_setting.items():
+                over = cell["defaults_over"]
+                rows.append(
+                    [workload, name, f"{cell['rps']:.2f}", " ".join(f"{x:.2f}" for x in cell["per_round"])]
+                    + (
+                        ["-", "-"]
+                        if over is None
+                        else [f"{statistics.median(over):.2f}x", " ".join(f"{x:.2f}" for x in over)]
+                    )
+                )
+        print(format_table(["workload", "setting", "req/s", "per round", "defaults/this", "per round"], rows))
+    print(
+        f"\n{os.cpu_count()} CPUs; {time.perf_counter() - started:.0f} s; load average "
+        f"{load:.2f}/{os.getloadavg()[0]:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""How many CPU threads a forward uses: chosen per forward from the machine and the work.
+
+torch's intra-op threads run every parallel op of a forward; on a CPU a small forward cannot
+use two (each op's work is too small to split) and, on a machine where another process holds
+a core, a second OpenMP thread makes every op wait at its barrier for the descheduled one
+(`bench/threads.py` measures both). So the engine thread asks `EngineThreads.use(tokens)` before
+each forward: one thread below `PARALLEL_TOKENS` tokens computed per added thread, and never
+more threads than cores other processes leave free (read from /proc/stat, at most every
+`SAMPLE_SECONDS`); a long prefill on an idle machine uses every core. `torch.set_num_threads`
+is called only when the count changes (it costs well under a microsecond, but resizing
+OpenMP's pool does not).
+
+The operator pins the count with `SEMIF_TORCH_THREADS`, or with `OMP_NUM_THREADS` /
+`MKL_NUM_THREADS` in the environment (the engine then never changes it). Inter-op threads are
+set once at load (`set_interop_threads`): the engine runs no inter-op parallel work, so one.
+The tokenizer encodes one text per call (its Rust pool runs only for batch encodes, which the
+engine never makes) and Pillow decodes an image on one thread: neither needs a setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("semif_serve.engine")
+
+# Tokens computed per forward for each intra-op thread: 8 choices over a ~1k-token state (~1,950
+# tokens computed) run on one thread, a forward past 3,072 tokens (a long state's prefill: what is
+# left of it to compute) on two. Measured on this 2-core machine (bench/RESULTS.md "Threads"):
+# one thread beat two at every forward size up to 2,000 tokens under load (`bench/threads.py
+# --only crossover`), and 8 choices ran 1.46x faster pinned to one than at two (issue 39).
+PARALLEL_TOKENS = 1536
+# How often the free cores are read again (a read costs two small /proc reads).
+SAMPLE_SECONDS = 0.5
+# A core counts as free when others use less than this much of it over the last sample.
+BUSY_CORE = 0.25
+PIN_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def pinned_threads(setting: int | None, environ: Mapping[str, str] = os.environ) -> int | None:
+    """The operator's pin: `SEMIF_TORCH_THREADS` (`setting`), else a positive `OMP_NUM_THREADS`
+    or `MKL_NUM_THREADS`; None when nothing pins the count."""
+    if setting is not None:
+        return setting
+    for name in PIN_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+class OtherLoad:
+    """The cores other processes keep busy, from /proc/stat less this process's own CPU time
+    (/proc/self/stat), over the interval since the last reading."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._last: tuple[float, int, int] | None = None
+        self._busy = 0.0
+        self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def busy_cores(self) -> float:
+        """Cores others used since the previous call (0.0 the first time, or off Linux)."""
+        reading = self._read()
+        if reading is None:
+            return 0.0
+        if self._last is not None:
+            wall = (reading[0] - self._last[0]) * self._ticks
+            if wall > 0:
+                others = (reading[1] - self._last[1]) - (reading[2] - self._last[2])
+                self._busy = max(0.0, others / wall)
+        self._last = reading
+        return self._busy
+
+    def _read(self) -> tuple[float, int, int] | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as stat:
+                fields = stat.readline().split()[1:]
+            with open("/proc/self/stat", encoding="ascii") as own:
+                mine = own.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        # user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+        values = [int(v) for v in fields[:8]]
+        busy = sum(values) - values[3] - values[4]
+        return self.clock(), busy, int(mine[11]) + int(mine[12])  # utime + stime
+
+
+@dataclass(frozen=True)
+class ThreadPolicy:
+    """The intra-op thread count for a forward: `pinned` where the operator pinned it, else one
+    per `parallel_tokens` tokens computed, at most the cores others leave free."""
+
+    cores: int
+    pinned: int | None = None
+    parallel_tokens: int = PARALLEL_TOKENS
+
+    @classmethod
+    def of_machine(cls, setting: int | None = None) -> ThreadPolicy:
+        """The policy for this machine under the operator's pin (`SEMIF_TORCH_THREADS`)."""
+        return cls(usable_cores(), pinned_threads(setting))
+
+    def wanted(self, tokens: int, others_busy: float = 0.0) -> int:
+        """Threads for a forward computing `tokens` tokens while others keep `others_busy` cores busy."""
+        if self.pinned is not None:
+            return self.pinned
+        by_work = max(1, tokens // self.parallel_tokens)
+        held = max(0, math.ceil(others_busy - BUSY_CORE))  # cores others hold, a sliver of one not counted
+        return max(1, min(by_work, self.cores - held))
+
+
+class EngineThreads:
+    """Applies a `ThreadPolicy` on the thread that runs the forwards (torch's count is per
+    process; only the engine thread calls `use`)."""
+
+    def __init__(
+        self,
+        policy: ThreadPolicy,
+        torch: Any,
+        load: OtherLoad | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.torch = torch
+        self.load = load if load is not None else OtherLoad()
+        self.clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._sampled = -float("inf")
+        self._others = 0.0
+        self.switches = 0
+
+    def use(self, tokens: int) -> int:
+        """Set the intra-op threads of the calling thread for a forward computing `tokens`
+        tokens (a pinned count once per thread); the count set."""
+        if self.policy.pinned is not None:
+            if self.torch.get_num_threads() != self.policy.pinned:
+                self._set(self.policy.pinned)
+            return self.policy.pinned
+        with self._lock:
+            now = self.clock()
+            if now - self._sampled >= SAMPLE_SECONDS:
+                self._others = self.load.busy_cores()
+                self._sampled = now
+            wanted = self.policy.wanted(tokens, self._others)
+            # OpenMP's count is the calling thread's own: read it here, not from another thread.
+            if wanted != self.torch.get_num_threads():
+                self._set(wanted)
+            return wanted
+
+    def _set(self, count: int) -> None:
+        self.torch.set_num_threads(count)
+        self.switches += 1
+
+
+def set_interop_threads(torch: Any, count: int = 1) -> None:
+    """Inter-op threads, once per process before any inter-op work (torch refuses a second call;
+    a process that loads a second model keeps the first setting)."""
+    try:
+        torch.set_num_interop_threads(count)
+    except RuntimeError:
+        log.debug("inter-op threads already set (%d)", torch.get_num_interop_threads())

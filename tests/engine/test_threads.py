@@ -1,0 +1,116 @@
+"""The thread policy (engine.threads): a forward's intra-op threads from its size and the free
+cores, the operator's pin respected, over the real engine and the tiny checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from semif_serve.domain.requests import RowsRequest
+from semif_serve.domain.types import PromptRow
+from semif_serve.engine.threads import EngineThreads, OtherLoad, ThreadPolicy, pinned_threads
+
+TOL = 1e-5
+ROWS = [PromptRow(f"Which team owns step {i}?", ("platform", "payments", "search")) for i in range(4)]
+
+
+class FixedLoad(OtherLoad):
+    """Others keep `busy` cores busy, whatever /proc says."""
+
+    def __init__(self, busy: float) -> None:
+        super().__init__()
+        self.busy = busy
+
+    def busy_cores(self) -> float:
+        return self.busy
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_operator_pins_with_the_setting_or_the_openmp_variables():
+    assert pinned_threads(3, {"OMP_NUM_THREADS": "1"}) == 3  # SEMIF_TORCH_THREADS first
+    assert pinned_threads(None, {"OMP_NUM_THREADS": "2"}) == 2
+    assert pinned_threads(None, {"MKL_NUM_THREADS": "4"}) == 4
+    assert pinned_threads(None, {"OMP_NUM_THREADS": "", "MKL_NUM_THREADS": "x"}) is None
+    assert pinned_threads(None, {}) is None
+
+
+def test_small_forwards_take_one_thread_long_ones_every_free_core():
+    policy = ThreadPolicy(cores=8, parallel_tokens=100)
+    assert policy.wanted(60) == 1
+    assert policy.wanted(250) == 2  # one thread per 100 tokens computed
+    assert policy.wanted(10_000) == 8  # never more than the cores
+    assert policy.wanted(10_000, others_busy=2.9) == 5  # what others hold is not ours
+    assert policy.wanted(10_000, others_busy=0.2) == 8  # a sliver of a core is not held
+    assert policy.wanted(10_000, others_busy=50.0) == 1
+    assert ThreadPolicy(cores=8, pinned=3).wanted(10) == 3
+
+
+def test_another_process_burning_a_core_counts_as_busy():
+    load = OtherLoad()
+    load.busy_cores()
+    burner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"]
+    )
+    try:
+        time.sleep(1.2)
+        others = load.busy_cores()
+    finally:
+        burner.wait()
+    assert others >= 0.3  # the burner's share of a core (the machine is shared: not a whole one)
+
+
+def test_the_engine_sets_its_threads_per_forward_and_reads_the_same_numbers(engine, restore_threads):
+    torch.set_num_threads(1)
+    request = RowsRequest.of({"log": "deploy 7 finished"}, ROWS, shared=True, max_input_tokens=4096)
+    pinned = engine.with_options(threads=ThreadPolicy(cores=2, pinned=1))
+    reference = pinned.read(request)
+    assert pinned.threads is not None and pinned.threads.switches == 0 and torch.get_num_threads() == 1
+    adaptive = engine.with_options(threads=ThreadPolicy(cores=2, parallel_tokens=8))
+    assert adaptive.threads is not None
+    adaptive.threads.load = FixedLoad(0.0)
+    wide = adaptive.read(request)
+    assert torch.get_num_threads() == 2 and adaptive.threads.switches == 1  # its rows are many tokens
+    for a, b in zip(reference.rows, wide.rows, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.option_logits, b.option_logits, strict=True)) <= TOL
+    narrow = dataclasses.replace(adaptive.options.threads, parallel_tokens=10**9)
+    adaptive.threads.policy = narrow
+    adaptive.read(request)
+    assert torch.get_num_threads() == 1 and adaptive.threads.switches == 2
+    adaptive.read(request)
+    assert adaptive.threads.switches == 2  # set only when the wanted count changes
+
+
+def test_a_pinned_policy_sets_its_count_once_per_thread_and_never_again(restore_threads):
+    torch.set_num_threads(1)
+    threads = EngineThreads(ThreadPolicy(cores=4, pinned=2), torch, FixedLoad(0.0))
+    assert threads.use(10**6) == 2 and torch.get_num_threads() == 2 and threads.switches == 1
+    assert threads.use(1) == 2 and threads.switches == 1
+
+
+def test_the_count_is_set_on_the_thread_that_runs_the_forward(restore_threads):
+    torch.set_num_threads(2)
+    threads = EngineThreads(ThreadPolicy(cores=2, parallel_tokens=100), torch, FixedLoad(0.0))
+    seen = []
+
+    def engine_thread():
+        seen.append(torch.get_num_threads())  # a new thread starts from the last count set anywhere
+        threads.use(1)
+        seen.append(torch.get_num_threads())
+
+    runner = threading.Thread(target=engine_thread)
+    runner.start()
+    runner.join()
+    assert seen == [2, 1]
+    assert threads.use(10**4) == 2 and torch.get_num_threads() == 2  # each thread's own count
