@@ -507,8 +507,6 @@ def score_lev_on(
     prefilled once (kept in the state cache under the release's model where it is long enough)
     and the rows batched over it (`TorchEngine.read_ids`); equal to lev's per-row forwards
     within float32's rounding (the tests hold both to PEFT's own forward, 1e-5)."""
-    import torch
-
     plan = plan_request(state, questions, release.codes, release.options, has_head=release.head is not None)
     tokenizer = release.tokenizer
     prefix_ids = tokenizer.encode(plan.prefix, add_special_tokens=True)
@@ -528,18 +526,40 @@ def score_lev_on(
         for k, i in enumerate(by_labels):
             scores[i] = logits[k, [column[t] for t in plan.rows[i].label_ids or ()]].float().tolist()
     if by_head:
-        last = engine.read_ids(
-            prefix_ids, [suffixes[i] for i in by_head], model, hidden=True, runs=runs, shared=shared
-        )
-        decoder = engine.model.get_decoder()
-        with torch.inference_mode(), engine.adapters.rows(model):
-            candidates = _candidate_states(plan, tokenizer, decoder, engine.device)
-            head = release.head.to(engine.device)  # type: ignore[union-attr]
-            for k, i in enumerate(by_head):
-                shown = candidates[plan.rows[i].question_id].float().unsqueeze(0)
-                scores[i] = head(last[k].float().unsqueeze(0), shown)[0].float().tolist()
+        heads = head_scores(release, engine, model, plan, prefix_ids, suffixes, by_head, runs, shared)
+        for i, got in zip(by_head, heads, strict=True):
+            scores[i] = got
     answers = read_plan(plan, scores, release.calibration)
     return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids), joined(runs))
+
+
+def head_scores(
+    release: LevRelease,
+    engine: Any,
+    model: int,
+    plan: LevPlan,
+    prefix_ids: list[int],
+    suffixes: Sequence[Sequence[int]],
+    rows: Sequence[int],
+    runs: list[BatchTiming],
+    shared: bool | None = None,
+) -> list[list[float]]:
+    """Mode B's scores of the plan's `rows` (the candidate head over each row's last hidden state
+    and the candidates' states), on the engine thread; how they ran appended to `runs`."""
+    import torch
+
+    last = engine.read_ids(
+        prefix_ids, [suffixes[i] for i in rows], model, hidden=True, runs=runs, shared=shared
+    )
+    decoder = engine.model.get_decoder()
+    scores = []
+    with torch.inference_mode(), engine.adapters.rows(model):
+        candidates = _candidate_states(plan, release.tokenizer, decoder, engine.device)
+        head = release.head.to(engine.device)  # type: ignore[union-attr]
+        for k, i in enumerate(rows):
+            shown = candidates[plan.rows[i].question_id].float().unsqueeze(0)
+            scores.append(head(last[k].float().unsqueeze(0), shown)[0].float().tolist())
+    return scores
 
 
 def joined(runs: Sequence[BatchTiming]) -> BatchTiming:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -115,6 +115,9 @@ class PreparedRows:
     demand_key: str | None = None  # the raw state's digest (`state_digest`), set by the worker
     images: ImageSet | None = None  # the images its rows show (None: text only)
     model: int = BASE  # the adapter its rows read (`AdapterBank` index; BASE: the base)
+    # Per row, the token ids whose logits a method of its own reads (lev's label codes), raw;
+    # None: SemIf's answer slots, read as `read_slots` does.
+    columns: tuple[tuple[int, ...], ...] | None = None
 
     def job(self, job_id: Hashable) -> Job[PreparedRows]:
         """The batching job for these rows (rows sized after the prefix)."""
@@ -488,6 +491,8 @@ class TorchEngine:
         width = max(len(suffix) for suffix, _, _ in rows)
         chunk = self.prefill_chunk_tokens
         step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(rows)
+        reads = _row_reads(parts)
+        columns, placed = self._columns_of(reads)
         readouts: list[tuple[list[float], list[float]]] = []
         replicate_seconds = suffix_seconds = 0.0
         forwards = 0
@@ -510,10 +515,14 @@ class TorchEngine:
                         chunk,
                         images,
                         prefix,
-                        columns=self.slot_ids,
+                        columns=columns,
                     )
                 del cache
-                readouts.extend(read_slots(logits[i], n) for i, (_, n, _) in enumerate(batch))
+                for i, (_, n, _) in enumerate(batch):
+                    own = reads[start + i]
+                    readouts.append(
+                        read_slots(logits[i], n) if own is None else (_picked(logits[i], own, placed), [])
+                    )
                 del logits
                 self.memory.synchronize()
                 replicate_seconds += t1 - t0
@@ -537,6 +546,53 @@ class TorchEngine:
             results[p.job.id] = [ScoredRow(lg, pr, run) for lg, pr in readouts[at : at + count]]
             at += count
         return results
+
+    def _columns_of(self, reads: Sequence[tuple[int, ...] | None]) -> tuple[Any, dict[int, int]]:
+        """The token ids one forward reads for its rows: SemIf's answer slots first (where a row
+        reads them: `read_slots` takes the leading ones), then every other row's own ids once;
+        and where each id sits among them."""
+        if all(r is None for r in reads):
+            return self.slot_ids, {}
+        ids = [int(t) for t in self.codec.slots] if any(r is None for r in reads) else []
+        at = {t: i for i, t in enumerate(ids)}
+        for own in reads:
+            for token in own or ():
+                if token not in at:
+                    at[token] = len(ids)
+                    ids.append(token)
+        return self.torch.tensor(ids, device=self.device), at
+
+    def prepare_ids(
+        self,
+        prefix: list[int],
+        suffixes: Sequence[Sequence[int]],
+        columns: Sequence[Sequence[int]],
+        model: int = BASE,
+        encode_seconds: float = 0.0,
+    ) -> PreparedRows:
+        """A method's own rows (lev's: its ids rendered and encoded by the method) as a job of
+        the batcher: each row `prefix + suffixes[i]`, read at `columns[i]` (raw logits). Rows
+        over one prefix when it is worth it (`shares_prefix`: long enough to keep, or a prefill
+        that pays), else each row whole; the state cache keys the prefix under `model`."""
+        width = max(len(s) for s in suffixes)
+        shared = self.shares_prefix(prefix, model, len(suffixes), width)
+        whole = [[*prefix, *suffix] for suffix in suffixes]
+        prompts = [EncodedPrompt("", ids, prefix_digest(ids), 0) for ids in whole]
+        if shared:
+            widest = max(range(len(whole)), key=lambda i: len(whole[i]))
+            self.estimate.check_row(
+                self.headroom_bytes, len(prefix), width, self.prefill_chunk_tokens, widest
+            )
+        return PreparedRows(
+            prompts=prompts,
+            n_options=[len(c) for c in columns],
+            prefix=list(prefix) if shared else [],
+            state_tokens=len(prefix) if shared else 0,
+            direct=False,
+            encode_seconds=encode_seconds,
+            model=model,
+            columns=tuple(tuple(int(t) for t in c) for c in columns),
+        )
 
     def shares_prefix(self, prefix: Sequence[int], model: int, rows: int, width: int) -> bool:
         """Whether `rows` rows (suffixes up to `width` tokens) run over one state of `prefix`
@@ -739,6 +795,20 @@ def _fork(states: dict[int, StoredState | None], row_models: Sequence[int]) -> A
     if len(runs) == 1:
         return states[runs[0][0]].fork(runs[0][1])  # type: ignore[union-attr]
     return stacked_fork([(states[m], n) for m, n in runs])
+
+
+def _row_reads(parts: Sequence[Part[PreparedRows]]) -> list[tuple[int, ...] | None]:
+    """Each row's own read columns, in the order `_run_planned` lays the rows out (None: SemIf's slots)."""
+    return [
+        None if p.job.payload.columns is None else p.job.payload.columns[i]
+        for p in parts
+        for i in range(p.start, p.stop)
+    ]
+
+
+def _picked(logits: Any, ids: Sequence[int], at: Mapping[int, int]) -> list[float]:
+    """One row's float32 logits at `ids` (in their order) from a forward that read `at`'s ids."""
+    return logits[[at[t] for t in ids]].float().tolist()
 
 
 def _whole(job: Job[PreparedRows]) -> Part[PreparedRows]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -106,16 +107,26 @@ class EngineWorker:
         """The engine's readout of one request, merged with whatever else is queued when the
         engine is free; the numbers are those of the request alone. A cancelled caller's rows
         are dropped before their forward."""
+        demand_key = state_digest(request.state, [image.sha256 for image in request.images], request.model)
+        encoder = self._image_encoder if request.images else self._encoder
+        return await self._scored(demand_key, encoder, functools.partial(self.engine.prepare, request))
+
+    async def score_prepared(self, demand_key: str, prepare: Callable[[], PreparedRows]) -> Readout:
+        """`score` for a method that renders its own rows (lev's): `prepare` (on an encoder
+        thread) makes them (`TorchEngine.prepare_ids`); `demand_key` names the state they read
+        (`state_digest` with the model), so the same scheduler, bounds, cache and demand hold."""
+        return await self._scored(demand_key, self._encoder, prepare)
+
+    async def _scored(
+        self, demand_key: str, encoder: ThreadPoolExecutor, prepare: Callable[[], PreparedRows]
+    ) -> Readout:
         loop = asyncio.get_running_loop()
         engine = self.engine
         self.pending += 1
         # Counted from before encoding, so a lone row can see that others want its state too.
-        demand_key = state_digest(request.state, [image.sha256 for image in request.images], request.model)
         engine.cache.demand.enter(demand_key)
         try:
-            prepared = await loop.run_in_executor(
-                self._image_encoder if request.images else self._encoder, engine.prepare, request
-            )
+            prepared = await loop.run_in_executor(encoder, prepare)
             prepared = dataclasses.replace(prepared, demand_key=demand_key)
             wait = Wait()
             scored = await self.batcher.submit(prepared.job(next(self._job_ids)), wait)

@@ -4,20 +4,24 @@ the base the engine holds, and answered on the engine thread (never beside anoth
 `load_lev_releases` reads each release with `engine.lev_release.load_lev_release` (the entry's
 lev options, its `scale` over the manifest's `adapter_scale`) and places its adapter on the
 base's device, so the memory baseline counts it; an unreadable release stops startup with the
-SEMIF_MODELS file and key named, and the release's own file and key. `LevCore.decide` checks a
-request against the door's limits off the engine thread, then runs `score_lev_on` (the engine's
-batched rows, the release's adapter in its bank) through the worker.
+SEMIF_MODELS file and key named, and the release's own file and key. `LevCore.decide` renders
+and encodes a request once and checks it against the door's limits off the engine thread; its
+label rows (Mode A) are then jobs of the worker's batcher like SemIf's rows (the same bounds,
+stepped prefill, state cache under the release's model, demand, forward counts), merged with
+whatever else is queued; rows read by the candidate head (Mode B) run on the engine thread
+through `read_ids`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from semif_serve.domain.lev import LevPlan, LevQuestion, LevReleaseError, plan_request
+from semif_serve.domain.lev import LevPlan, LevQuestion, LevReleaseError, plan_request, read_plan
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.types import ConfigurationError, TooManyRows, TooManyTokens
 from semif_serve.engine.adapters import BASE
@@ -25,10 +29,12 @@ from semif_serve.engine.lev_release import (
     LevRelease,
     LevReply,
     base_release,
+    head_scores,
+    joined,
     load_lev_release,
-    score_lev_on,
     served_release,
 )
+from semif_serve.engine.state_cache import state_digest
 from semif_serve.service.models import LEV, ModelSet
 
 if TYPE_CHECKING:
@@ -86,8 +92,18 @@ class LevOutcome:
 
     reply: LevReply
     rows: int  # forward rows: each question in each of its orders
-    engine_seconds: float  # score_lev_on on the engine thread
-    wait_seconds: float  # the wait for the engine thread before it started
+    engine_seconds: float  # the rows' forwards on the engine thread
+    wait_seconds: float  # the wait for the engine before its first forward
+
+
+@dataclass(frozen=True)
+class LevRows:
+    """A request's plan, encoded once: lev's prefix ids (with special tokens) and each row's
+    suffix ids (without), as lev's server joins them."""
+
+    plan: LevPlan
+    prefix_ids: list[int]
+    suffixes: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -107,31 +123,33 @@ class LevCore:
 
     def check(
         self, model_name: str, state: Any, questions: Mapping[str, LevQuestion], limits: Limits | None
-    ) -> LevPlan:
-        """The request's plan, refused before any forward: Mode B without a head
+    ) -> LevRows:
+        """The request's plan and ids, refused before any forward: Mode B without a head
         (ModeBUnavailable), more rows than `limits.max_rows` (TooManyRows), a row's prompt over
         `max_input_tokens` or the request over `max_request_tokens` (TooManyTokens)."""
         release = self.release(model_name)
         plan = plan_request(
             state, questions, release.codes, release.options, has_head=release.head is not None
         )
-        if limits is None:
-            return plan
-        if len(plan.rows) > limits.max_rows:
+        if limits is not None and len(plan.rows) > limits.max_rows:
             raise TooManyRows(len(plan.rows), limits.max_rows)
         tokenizer = release.tokenizer
-        prefix = len(tokenizer.encode(plan.prefix, add_special_tokens=True))
-        total = prefix
+        prefix_ids = tokenizer.encode(plan.prefix, add_special_tokens=True)
+        suffixes: list[list[int]] = []
+        total = len(prefix_ids)
         positions = {qid: i for i, qid in enumerate(questions)}
         for counted, row in enumerate(plan.rows, start=1):
-            suffix = len(tokenizer.encode(row.suffix, add_special_tokens=False))
-            if prefix + suffix > limits.max_input_tokens:
-                raise TooManyTokens(prefix + suffix, limits.max_input_tokens, positions[row.question_id])
-            total += suffix
+            suffixes.append(tokenizer.encode(row.suffix, add_special_tokens=False))
+            if limits is None:
+                continue
+            tokens = len(prefix_ids) + len(suffixes[-1])
+            if tokens > limits.max_input_tokens:
+                raise TooManyTokens(tokens, limits.max_input_tokens, positions[row.question_id])
+            total += len(suffixes[-1])
             budget = limits.max_request_tokens
             if budget is not None and total > budget:
                 raise TooManyTokens.for_request(total, budget, counted, len(plan.rows))
-        return plan
+        return LevRows(plan, prefix_ids, suffixes)
 
     async def decide(
         self,
@@ -141,20 +159,52 @@ class LevCore:
         limits: Limits | None = None,
     ) -> LevOutcome:
         """Answer `questions` about `state` with the release `model_name`, exactly as lev does:
-        checked off the event loop, then `score_lev_on` on the engine thread through the worker
-        (so it never runs beside another forward): the prefix once, the rows batched over it.
-        Raises the refusals of `check`, and the worker's OutOfMemory or EngineFailure."""
+        rendered, encoded and checked off the event loop; the label rows as one job of the
+        worker's batcher (merged with other requests' rows, the prefix prefilled once where it
+        pays), the head's rows on the engine thread. Raises the refusals of `check`, and the
+        worker's OutOfMemory or EngineFailure."""
         release = self.release(model_name)
         assert self.worker is not None  # release() refuses a core without one
-        plan = await asyncio.to_thread(self.check, model_name, state, questions, limits)
+        started = time.perf_counter()
+        rows = await asyncio.to_thread(self.check, model_name, state, questions, limits)
+        encoded = time.perf_counter() - started
         engine = self.worker.engine
-        submitted = time.perf_counter()
+        model = BASE if release.frozen_base else engine.adapters.index(model_name)
+        plan = rows.plan
+        scores: list[list[float]] = [[] for _ in plan.rows]
+        by_labels = [i for i, row in enumerate(plan.rows) if row.label_ids is not None]
+        by_head = [i for i, row in enumerate(plan.rows) if row.label_ids is None]
+        runs = []
+        engine_seconds = wait_seconds = 0.0
+        if by_labels:
+            prepare = functools.partial(
+                engine.prepare_ids,
+                rows.prefix_ids,
+                [rows.suffixes[i] for i in by_labels],
+                [plan.rows[i].label_ids or () for i in by_labels],
+                model,
+                encoded,
+            )
+            readout = await self.worker.score_prepared(state_digest(state, (), model_name), prepare)
+            for k, i in enumerate(by_labels):
+                scores[i] = readout.rows[k].option_logits
+            runs.append(readout.timing)
+            engine_seconds += readout.forward_seconds
+            wait_seconds += readout.wait.behind_requests_seconds + readout.wait.behind_idle_seconds
+        if by_head:
+            submitted = time.perf_counter()
 
-        def job() -> tuple[LevReply, float, float]:
-            started = time.perf_counter()
-            model = BASE if release.frozen_base else engine.adapters.index(model_name)
-            reply = score_lev_on(release, engine, model, state, questions)
-            return reply, time.perf_counter() - started, started - submitted
+            def heads() -> tuple[list[list[float]], float, float]:
+                began = time.perf_counter()
+                got = head_scores(release, engine, model, plan, rows.prefix_ids, rows.suffixes, by_head, runs)
+                return got, time.perf_counter() - began, began - submitted
 
-        reply, seconds, waited = await self.worker.run(job)
-        return LevOutcome(reply, len(plan.rows), seconds, waited)
+            got, seconds, waited = await self.worker.run(heads)
+            for i, row_scores in zip(by_head, got, strict=True):
+                scores[i] = row_scores
+            engine_seconds += seconds
+            wait_seconds += waited
+        answers = read_plan(plan, scores, release.calibration)
+        input_tokens = len(rows.prefix_ids) + sum(len(s) for s in rows.suffixes)
+        reply = LevReply(answers, input_tokens, len(rows.prefix_ids), joined(runs))
+        return LevOutcome(reply, len(plan.rows), engine_seconds, wait_seconds)
