@@ -30,12 +30,14 @@ from typing import Any
 
 log = logging.getLogger("semif_serve.engine")
 
-# Tokens computed per forward for each intra-op thread: 8 choices over a ~1k-token state (~1,950
-# tokens computed) run on one thread, a forward past 3,072 tokens (a long state's prefill: what is
-# left of it to compute) on two. Measured on this 2-core machine (bench/RESULTS.md "Threads"):
-# one thread beat two at every forward size up to 2,000 tokens under load (`bench/threads.py
-# --only crossover`), and 8 choices ran 1.46x faster pinned to one than at two (issue 39).
-PARALLEL_TOKENS = 1536
+# Tokens computed per forward for each intra-op thread: a forward of 384 tokens or more runs on
+# two. Measured on this 2-core machine with both cores free: alone, two threads beat one at every
+# size from 40 tokens (1.23x) to 2,000 (1.83x) (`bench/threads.py --only crossover`); in the
+# server, whose event loop and encoder share the cores, the short noul's forwards (77 and 2 x 34
+# tokens) ran faster on one (16.2 vs 14.7 req/s) and 8 choices over a ~1k state (a ~1,000-token
+# prefill, 8 x ~60 suffix tokens) faster on two (1.76 vs 1.42) (`bench/peers.py`, RESULTS.md).
+# Under load two lost at every size, which the free-core count below answers, not this number.
+PARALLEL_TOKENS = 192
 # How often the free cores are read again (a read costs two small /proc reads).
 SAMPLE_SECONDS = 0.5
 # A core counts as free when others use less than this much of it over the last sample.
