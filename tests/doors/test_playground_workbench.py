@@ -229,7 +229,9 @@ def test_a_picked_image_is_answered_as_the_sdks_multipart_request_and_its_box_dr
         peak = max(ordered.values())  # the likeliest position's bar reaches a quarter of the image
         for position, p in ordered.items():
             bar = bars[position]
-            assert bar["p"] == pytest.approx(p, abs=1e-12)
+            # A second request of the same body: the engine may run it on another thread count
+            # (engine.threads), which moves float32 sums in their last bits (contract: within 1e-5).
+            assert bar["p"] == pytest.approx(p, abs=1e-6)
             if edge in ("top", "bottom"):  # bars from the left side, at the position's height
                 assert bar["y"] + bar["height"] / 2 == pytest.approx(float(position) * 32, abs=1e-6)
                 assert bar["width"] == pytest.approx(p / peak * 48 * 0.25, abs=1e-6)
