@@ -471,7 +471,7 @@ def test_the_corrupt_header_jpeg_is_refused_before_any_engine_work_while_health_
     tiny_wait = time.perf_counter() - started
     assert [status for status, _ in replies] == [422, 422, 422]
     assert max(seconds for _, seconds in replies) < 5  # before: 200 after 10 s of engine time
-    assert max(health_times) < 1.0
+    assert max(health_times) < 2.0  # not held by the engine (~10 s before); 1.2 s seen on a loaded CI machine
     assert tiny.status_code == 200 and tiny_wait < 30
     assert engine_calls == []  # no pixel of the corrupt image reached the engine
 
