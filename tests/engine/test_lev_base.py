@@ -9,8 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from semif_serve.engine.adapters import BASE
-from semif_serve.engine.lev_release import base_release, score_lev, score_lev_on
+from semif_serve.engine.lev_release import base_release
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.service.models import LEV, load_models
 from semif_serve.service.startup import Service
@@ -27,6 +26,7 @@ from tests.engine.test_lev_release import (
     softmax_t,
 )
 from tests.support import make_settings
+from tests.support.lev_oracle import lev_on_engine, lev_per_row
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +55,13 @@ def expected(fresh_base, tok, suffixes, orders, labels):
 def test_the_frozen_base_reads_lev_prompts_equal_to_its_plain_forward(path, engine, checkpoint, fresh_base):
     tok = engine.codec.tokenizer
     release = base_release(checkpoint, tok, base_name=DEFAULT_BASE_NAME, noul_readout="binary")
-    assert release.frozen_base and release.head is None and release.modules == ()
+    assert release.frozen_base and release.head is None
     questions = {"dept": DEPT, "urgent": URGENT}
     if path == "per-row":
-        reply = score_lev(release, engine.model, STATE, questions)
+        reply = lev_per_row(release, engine.model, engine.adapters, STATE, questions)
     else:
         over = engine.with_options(cache=StateCache(16 << 20), keep_state_tokens=0)  # the prefix kept
-        reply = score_lev_on(release, over, BASE, STATE, questions)
+        reply = lev_on_engine(release, over, STATE, questions)
     dept = expected(fresh_base, tok, CHOICE_SUFFIXES["plain"], [[0, 1, 2], [2, 1, 0]], [" A", " B", " C"])
     close(reply.answers["dept"].probabilities, dept)
     urgent = expected(fresh_base, tok, BINARY["plain"], [[0, 1], [1, 0]], [" A", " B"])

@@ -27,12 +27,13 @@ from semif_serve.domain.lev import (
     ModeBUnavailable,
 )
 from semif_serve.engine.adapters import AdapterBank
-from semif_serve.engine.lev_release import load_lev_release, score_lev, score_lev_on
+from semif_serve.engine.lev_release import load_lev_release
 from semif_serve.engine.loader import CheckpointSpec, load_model
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.tools.demo import DEMO_REVISION
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME, DEFAULT_TEMPERATURES, write_lev_release
+from tests.support.lev_oracle import lev_on_engine, lev_per_row
 
 TOL = 1e-5
 STATE = {"ticket": "Ça ne marche pas", "id": 7}
@@ -73,10 +74,20 @@ def release_dirs(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def releases(base, release_dirs, checkpoint):
+def bank(base):
+    """The adapter bank the releases are entries of (their adapters read once, by its rules)."""
+    bank = AdapterBank(base.model)
+    yield bank
+    bank.close()
+
+
+@pytest.fixture(scope="module")
+def releases(base, bank, release_dirs, checkpoint):
     tok = base.codec.tokenizer
     return {
-        style: load_lev_release(path, base.model, tok, base_name=DEFAULT_BASE_NAME, base_directory=checkpoint)
+        style: load_lev_release(
+            path, bank, tok, name=style, base_name=DEFAULT_BASE_NAME, base_directory=checkpoint
+        )
         for style, path in release_dirs.items()
     }
 
@@ -95,24 +106,22 @@ def references(checkpoint, release_dirs):
 
 
 @pytest.fixture(scope="module", params=["per-row", "engine, whole rows", "engine, kept prefix"])
-def score(request, base):
-    """A release's answers as lev computes them row by row (`score_lev`), or through the serving
-    engine with the release's adapter in its bank (`score_lev_on`): short prefixes as whole rows
-    in one forward, or every prefix prefilled once into the state cache and the rows over it."""
+def score(request, base, bank):
+    """A release's answers as lev computes them row by row (`lev_per_row`), or through the serving
+    engine's jobs over the same bank (`lev_on_engine`): short prefixes as whole rows in one
+    forward, or every prefix prefilled once into the state cache and the rows over it."""
     if request.param == "per-row":
-        yield lambda release, state, questions: score_lev(release, base.model, state, questions)
-        return
-    bank = AdapterBank(base.model)
+        return lambda release, state, questions: lev_per_row(release, base.model, bank, state, questions)
     keep = 10**6 if request.param == "engine, whole rows" else 0
     engine = TorchEngine.over(base, bank).with_options(cache=StateCache(64 << 20), keep_state_tokens=keep)
+    return lambda release, state, questions: lev_on_engine(release, engine, state, questions)
 
-    def on_engine(release, state, questions):
-        name = str(release.directory)
-        if all(served.name != name for served in bank.adapters):
-            bank.add(name, release.directory, multiplier=release.adapter_scale)
-        return score_lev_on(release, engine, bank.index(name), state, questions)
 
-    yield on_engine
+@pytest.fixture
+def spare_bank(base):
+    """A bank of its own for a release read once by a test (closed after: the base is plain again)."""
+    bank = AdapterBank(base.model)
+    yield bank
     bank.close()
 
 
@@ -443,8 +452,8 @@ def test_base_is_untouched_after_scoring(score, base, releases, checkpoint):
         assert torch.allclose(base.model(input_ids=ids).logits, fresh(input_ids=ids).logits, atol=1e-6)
 
 
-def test_release_tokenizer_loaded_when_not_the_bases(base, release_dirs):
-    release = load_lev_release(release_dirs["chat"], base.model, base.codec.tokenizer)
+def test_release_tokenizer_loaded_when_not_the_bases(base, release_dirs, spare_bank):
+    release = load_lev_release(release_dirs["chat"], spare_bank, base.codec.tokenizer)
     assert release.tokenizer is not base.codec.tokenizer
     assert release.codes.capacity == 1716  # bare codes after a chat turn; " " + code gives 1864
     assert release.options.prompt_style == "chat"
@@ -644,24 +653,24 @@ BAD = [
 
 @pytest.mark.parametrize("label, change, file, key", BAD, ids=[b[0] for b in BAD])
 def test_bad_release_refused_naming_file_and_key(
-    label, change, file, key, base, release_dirs, tmp_path, checkpoint
+    label, change, file, key, base, release_dirs, tmp_path, checkpoint, spare_bank
 ):
     path = broken(release_dirs, tmp_path, change)
     with pytest.raises(LevReleaseError) as caught:
         load_lev_release(
-            path, base.model, base.codec.tokenizer, base_name=DEFAULT_BASE_NAME, base_directory=checkpoint
+            path, spare_bank, base.codec.tokenizer, base_name=DEFAULT_BASE_NAME, base_directory=checkpoint
         )
     message = str(caught.value)
     assert file in message and key in message, message
 
 
-def test_operator_style_contradicting_the_manifest_is_refused(base, release_dirs):
+def test_operator_style_contradicting_the_manifest_is_refused(base, release_dirs, spare_bank):
     with pytest.raises(
         LevReleaseError, match="models.toml: prompt_style: 'chat' contradicts lev_release.json"
     ):
         load_lev_release(
             release_dirs["plain"],
-            base.model,
+            spare_bank,
             base.codec.tokenizer,
             prompt_style="chat",
             settings_source="models.toml",

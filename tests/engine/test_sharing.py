@@ -49,10 +49,11 @@ def test_rows_of_a_method_rendering_its_own_ids_share_a_prefix_only_where_it_pay
 ):
     engine = engine.with_options(cache=StateCache(1 << 30))
     prefix, suffixes = ids(prefix_tokens, 1), [ids(20, 2), ids(31, 3)]
-    got = engine.read_ids(prefix, suffixes, columns=COLUMNS)
+    got = engine.read_prepared(engine.prepare_ids(prefix, suffixes, [COLUMNS] * len(suffixes)))
     assert engine.cache.has(prefix) is kept  # a 12-token prefix: two whole 64-token rows, nothing stored
-    for row, suffix in zip(got, suffixes, strict=True):
-        assert (row - whole_forward(engine, prefix + suffix)[COLUMNS]).abs().max().item() <= TOL
+    for row, suffix in zip(got.rows, suffixes, strict=True):
+        want = whole_forward(engine, prefix + suffix)[COLUMNS]
+        assert (torch.tensor(row.option_logits) - want).abs().max().item() <= TOL
 
 
 def test_a_shared_request_over_a_long_state_prefills_it_once_and_keeps_it(engine):

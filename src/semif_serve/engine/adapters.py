@@ -130,21 +130,30 @@ class AdapterBank:
     def add(
         self, name: str, directory: Path, *, multiplier: float = 1.0, base_names: Sequence[str] = ()
     ) -> int:
-        """Serve the PEFT adapter in `directory` as `name`, scaled by `multiplier`; its index.
+        """Serve the PEFT adapter in `directory` as `name`, scaled by `multiplier`; its index
+        (`read`, then `serve`). Raises AdapterError naming the file and key."""
+        return self.serve(name, self.read(directory, base_names), multiplier=multiplier)
 
-        A directory already loaded (another model over the same adapter) reuses its tensors.
+    def read(self, directory: Path, base_names: Sequence[str] = ()) -> LoraWeights:
+        """The adapter in `directory`, read and checked once (`read_adapter`); a directory already
+        read (another model over the same adapter) gives its tensors again, read once.
         `base_names`: the names the base answers to (its source, its directory); an adapter whose
-        `base_model_name_or_path` names another base is refused (empty: not checked).
-        Raises AdapterError naming the file and key."""
-        if any(served.name == name for served in self.adapters):
-            raise ValueError(f"adapter {name!r} is already served")
-        if not (multiplier > 0 and math.isfinite(multiplier)):
-            raise AdapterError(f"{directory}: the scale must be a positive number, not {multiplier!r}")
+        `base_model_name_or_path` names another base is refused (empty: not checked)."""
         key = Path(directory).resolve()
         weights = self._loaded.get(key)
         if weights is None:
             weights = read_adapter(Path(directory), self.model, base_names)
             self._loaded[key] = weights
+        return weights
+
+    def serve(self, name: str, weights: LoraWeights, *, multiplier: float = 1.0) -> int:
+        """Serve `weights` (from `read`) as `name`, each row scaled by `multiplier`; its index."""
+        if any(served.name == name for served in self.adapters):
+            raise ValueError(f"adapter {name!r} is already served")
+        if not (multiplier > 0 and math.isfinite(multiplier)):
+            raise AdapterError(
+                f"{weights.directory}: the scale must be a positive number, not {multiplier!r}"
+            )
         served = ServedAdapter(name, weights, multiplier)
         index = len(self.adapters)
         self.adapters.append(served)
@@ -318,6 +327,10 @@ def read_adapter(directory: Path, model: Any, base_names: Sequence[str] = ()) ->
             if not tensor.is_floating_point():
                 raise AdapterError(
                     f"{weights_path}: {PEFT_PREFIX}{module}.lora_{part}.weight: not floating point"
+                )
+            if not bool(tensor.isfinite().all()):
+                raise AdapterError(
+                    f"{weights_path}: {PEFT_PREFIX}{module}.lora_{part}.weight: holds a non-finite value"
                 )
         a = a.to(device=layer.weight.device, dtype=layer.weight.dtype).contiguous()
         b = b.to(device=layer.weight.device, dtype=layer.weight.dtype).contiguous()

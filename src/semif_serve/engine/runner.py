@@ -27,7 +27,7 @@ from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import BatchTiming, EngineWait, PromptRow
 from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
-from semif_serve.engine.forwards import logits_over, plain_logits, prefill, read_slots
+from semif_serve.engine.forwards import head_logits, logits_over, plain_logits, prefill, read_slots
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.lone import KEEP_STATE_TOKENS, LoneRowPolicy
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
@@ -81,6 +81,7 @@ class RowReadout:
     probabilities: list[float]
     input_tokens: int
     prompt_sha256: str
+    hidden: Any = None  # the last hidden state (float32), for rows that read it (lev's head)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class PreparedRows:
     # Per row, the token ids whose logits a method of its own reads (lev's label codes), raw;
     # None: SemIf's answer slots, read as `read_slots` does.
     columns: tuple[tuple[int, ...], ...] | None = None
+    hidden: bool = False  # its rows read their last hidden states (float32), no logits
 
     def job(self, job_id: Hashable) -> Job[PreparedRows]:
         """The batching job for these rows (rows sized after the prefix)."""
@@ -154,6 +156,7 @@ class ScoredRow:
     option_logits: list[float]
     probabilities: list[float]
     run: GroupRun
+    hidden: Any = None  # the row's last hidden state, where it reads that
 
 
 class TorchEngine:
@@ -260,103 +263,15 @@ class TorchEngine:
         Raises TooManyTokens, AnswerBoundary or TooLargeForMemory with `row` set to the
         position of the row concerned.
         """
-        prepared = self.prepare(request)
+        return self.read_prepared(self.prepare(request))
+
+    def read_prepared(self, prepared: PreparedRows) -> Readout:
+        """Read prepared rows alone on this thread (as one group, every step run in turn)."""
         job = prepared.job(0)
         group = Group(job.prefix_key, job.prefix_tokens, (_whole(job),))
         while isinstance(scored := self.run_group(group), Unfinished):
             pass
         return self.readout(prepared, scored[0])
-
-    def read_ids(
-        self,
-        prefix: list[int],
-        suffixes: Sequence[Sequence[int]],
-        model: int = BASE,
-        *,
-        hidden: bool = False,
-        columns: Sequence[int] | None = None,
-        runs: list[BatchTiming] | None = None,
-        shared: bool | None = None,
-    ) -> Any:
-        """Float32 logits `[rows, len(columns)]` of the token ids `columns` (None: the whole
-        vocabulary) at the last token of each row `prefix + suffix` under `model` (`hidden`: the
-        last hidden states instead), for a method that renders its own token ids (lev's). A prefix
-        worth keeping (at least `keep_state_tokens`) or worth sharing (`prefill_pays`, counting a
-        cached state) is prefilled once into the state cache (or found there) and the rows run
-        over it, split by the memory headroom; otherwise every whole row runs in one right-padded
-        forward. Either equals each row's plain forward (float32: within 1e-5). `shared`: the
-        caller's decision (`shares_prefix` over all its rows), None to decide here. `runs` gets
-        how the rows ran appended (a `BatchTiming`: `prefix_tokens` 0 and `prefill` "none" for
-        whole rows). The prefix a shared read prefills is kept in the state cache under `model`,
-        as the shared path keeps its state."""
-        torch = self.torch
-        width = max(len(s) for s in suffixes)
-        started = time.perf_counter()
-        if shared is None:
-            shared = self.shares_prefix(prefix, model, len(suffixes), width)
-        suffix_tokens = sum(len(s) for s in suffixes)
-        if shared:  # the prefix once unless it is cached as it is, then the suffixes
-            self._threads_for((0 if self.cache.has(prefix, model=model) else len(prefix)) + suffix_tokens)
-        else:
-            self._threads_for(len(prefix) * len(suffixes) + suffix_tokens)
-        if not shared:
-            rows = [[*prefix, *suffix] for suffix in suffixes]
-            with torch.inference_mode(), self.adapters.rows(model):
-                read = logits_over(
-                    self.model,
-                    None,
-                    0,
-                    rows,
-                    self.pad_id,
-                    self.prefill_chunk_tokens,
-                    hidden_out=hidden,
-                    columns=columns,
-                )
-            self.memory.synchronize()
-            ran = GroupRun(time.perf_counter() - started, len(prefix) + width, rows=len(rows))
-            if runs is not None:
-                runs.append(_timing_of(ran, [len(r) for r in rows]))
-            return read
-        stored, how, prefill_seconds = self._state(prefix, len(prefix), None, model)
-        chunk = self.prefill_chunk_tokens
-        step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(suffixes)
-        parts = []
-        replicate_seconds = 0.0
-        t0 = time.perf_counter()
-        with torch.inference_mode(), self.adapters.rows(model):
-            for start in range(0, len(suffixes), step):
-                batch = list(suffixes[start : start + step])
-                forked = time.perf_counter()
-                cache = stored.fork(len(batch)) if stored is not None else None
-                replicate_seconds += time.perf_counter() - forked
-                parts.append(
-                    logits_over(
-                        self.model,
-                        cache,
-                        len(prefix),
-                        batch,
-                        self.pad_id,
-                        chunk,
-                        hidden_out=hidden,
-                        columns=columns,
-                    )
-                )
-                del cache
-            read = torch.cat(parts)
-        self.memory.synchronize()
-        ran = GroupRun(
-            suffix_forward_seconds=time.perf_counter() - t0 - replicate_seconds,
-            width=width,
-            prefix_tokens=len(prefix),
-            prefill=how,
-            prefill_seconds=prefill_seconds,
-            replicate_seconds=replicate_seconds,
-            rows=len(suffixes),
-            forwards=len(parts),
-        )
-        if runs is not None:
-            runs.append(_timing_of(ran, [len(s) for s in suffixes]))
-        return read
 
     def prepare(self, request: RowsRequest) -> PreparedRows:
         """Encode (the state once) and check one request's rows and find what they share; refuses
@@ -492,8 +407,9 @@ class TorchEngine:
         chunk = self.prefill_chunk_tokens
         step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(rows)
         reads = _row_reads(parts)
-        columns, placed = self._columns_of(reads)
-        readouts: list[tuple[list[float], list[float]]] = []
+        hidden_rows = [p.job.payload.hidden for p in parts for _ in range(p.start, p.stop)]
+        columns, placed = self._columns_of([r for r, h in zip(reads, hidden_rows, strict=True) if not h])
+        readouts: list[tuple[list[float], list[float], Any]] = []
         replicate_seconds = suffix_seconds = 0.0
         forwards = 0
         with self.torch.inference_mode():
@@ -505,8 +421,9 @@ class TorchEngine:
                 self.memory.synchronize()
                 t1 = time.perf_counter()
                 suffixes = [s for s, _, _ in batch]
+                any_hidden = any(hidden_rows[start : start + len(batch)])
                 with self.adapters.rows(row_models):
-                    logits = logits_over(
+                    last = logits_over(
                         self.model,
                         cache,
                         len(prefix),
@@ -515,15 +432,24 @@ class TorchEngine:
                         chunk,
                         images,
                         prefix,
+                        hidden_out=any_hidden,
                         columns=columns,
+                    )
+                    # Hidden rows beside logit rows: one forward, the head over the others' states.
+                    every_hidden = all(hidden_rows[start : start + len(batch)])
+                    logits = (
+                        head_logits(self.model, last, columns) if any_hidden and not every_hidden else last
                     )
                 del cache
                 for i, (_, n, _) in enumerate(batch):
                     own = reads[start + i]
-                    readouts.append(
-                        read_slots(logits[i], n) if own is None else (_picked(logits[i], own, placed), [])
-                    )
-                del logits
+                    if hidden_rows[start + i]:
+                        readouts.append(([], [], last[i].float()))
+                    elif own is None:
+                        readouts.append((*read_slots(logits[i], n), None))
+                    else:
+                        readouts.append((_picked(logits[i], own, placed), [], None))
+                del logits, last
                 self.memory.synchronize()
                 replicate_seconds += t1 - t0
                 suffix_seconds += time.perf_counter() - t1
@@ -543,7 +469,7 @@ class TorchEngine:
         at = 0
         for p in parts:
             count = p.stop - p.start
-            results[p.job.id] = [ScoredRow(lg, pr, run) for lg, pr in readouts[at : at + count]]
+            results[p.job.id] = [ScoredRow(lg, pr, run, h) for lg, pr, h in readouts[at : at + count]]
             at += count
         return results
 
@@ -566,16 +492,17 @@ class TorchEngine:
         self,
         prefix: list[int],
         suffixes: Sequence[Sequence[int]],
-        columns: Sequence[Sequence[int]],
+        columns: Sequence[Sequence[int]] | None,
         model: int = BASE,
         encode_seconds: float = 0.0,
     ) -> PreparedRows:
         """A method's own rows (lev's: its ids rendered and encoded by the method) as a job of
-        the batcher: each row `prefix + suffixes[i]`, read at `columns[i]` (raw logits). Rows
-        over one prefix when it is worth it (`shares_prefix`: long enough to keep, or a prefill
-        that pays), else each row whole; the state cache keys the prefix under `model`."""
+        the batcher: each row `prefix + suffixes[i]`, read at `columns[i]` (raw logits), or
+        (`columns` None) its last hidden state in float32. Rows over one prefix when it is worth
+        it (`shares_prefix`: long enough to keep, or a prefill that pays), else each row whole;
+        the state cache keys the prefix under `model`."""
         width = max(len(s) for s in suffixes)
-        shared = self.shares_prefix(prefix, model, len(suffixes), width)
+        shared = bool(prefix) and self.shares_prefix(prefix, model, len(suffixes), width)
         whole = [[*prefix, *suffix] for suffix in suffixes]
         prompts = [EncodedPrompt("", ids, prefix_digest(ids), 0) for ids in whole]
         if shared:
@@ -585,13 +512,14 @@ class TorchEngine:
             )
         return PreparedRows(
             prompts=prompts,
-            n_options=[len(c) for c in columns],
+            n_options=[len(c) for c in columns] if columns is not None else [0] * len(suffixes),
             prefix=list(prefix) if shared else [],
             state_tokens=len(prefix) if shared else 0,
             direct=False,
             encode_seconds=encode_seconds,
             model=model,
-            columns=tuple(tuple(int(t) for t in c) for c in columns),
+            columns=tuple(tuple(int(t) for t in c) for c in columns) if columns is not None else None,
+            hidden=columns is None,
         )
 
     def shares_prefix(self, prefix: Sequence[int], model: int, rows: int, width: int) -> bool:
@@ -621,7 +549,7 @@ class TorchEngine:
         """One request's readouts and timing from its scored rows (which may span several groups)."""
         runs = list({id(r.run): r.run for r in scored}.values())
         readouts = [
-            RowReadout(row.option_logits, row.probabilities, len(p.ids), p.sha256)
+            RowReadout(row.option_logits, row.probabilities, len(p.ids), p.sha256, row.hidden)
             for row, p in zip(scored, prepared.prompts, strict=True)
         ]
         forward_seconds = sum(

@@ -1,15 +1,17 @@
 """lev releases served by name: every `method = "lev"` model of SEMIF_MODELS, read at startup over
-the base the engine holds, and answered on the engine thread (never beside another forward).
+the base the engine holds, and answered as jobs of the one batcher, like SemIf's rows.
 
-`load_lev_releases` reads each release with `engine.lev_release.load_lev_release` (the entry's
-lev options, its `scale` over the manifest's `adapter_scale`) and places its adapter on the
-base's device, so the memory baseline counts it; an unreadable release stops startup with the
-SEMIF_MODELS file and key named, and the release's own file and key. `LevCore.decide` renders
-and encodes a request once and checks it against the door's limits off the engine thread; its
-label rows (Mode A) are then jobs of the worker's batcher like SemIf's rows (the same bounds,
-stepped prefill, state cache under the release's model, demand, forward counts), merged with
-whatever else is queued; rows read by the candidate head (Mode B) run on the engine thread
-through `read_ids`.
+`load_lev_releases` reads each release with `engine.lev_release.load_lev_release`: its adapter
+becomes an entry of the engine's adapter bank (read once, by the bank's rules; the entry's
+`scale` over the manifest's `adapter_scale`), its head goes to the base's device, so the memory
+baseline counts both; an unreadable release stops startup with the SEMIF_MODELS file and key
+named, and the release's own file and key. `lev_rows` renders and encodes a request once (lev's
+prompt through the bounded encoder) and checks it against the door's limits; `lev_jobs` makes its
+rows the batcher's jobs: the label rows (Mode A) read their label codes' logits, the head's rows
+(Mode B) and their candidates read last hidden states; all of them merge with whatever else is
+queued (the same bounds, stepped prefill, state cache under the release's model, demand, forward
+counts), and `lev_answers` reads the answers (the head over the hidden states, then lev's softmax,
+orders and calibration).
 """
 
 from __future__ import annotations
@@ -17,30 +19,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from semif_serve.domain.lev import LevPlan, LevQuestion, LevReleaseError, plan_request, read_plan
-from semif_serve.domain.requests import Limits
-from semif_serve.domain.types import ConfigurationError, TooManyRows, TooManyTokens
-from semif_serve.engine.adapters import BASE
-from semif_serve.engine.lev_release import (
-    LevRelease,
-    LevReply,
-    base_release,
-    head_scores,
-    joined,
-    load_lev_release,
-    served_release,
+from semif_serve.domain.lev import (
+    LevAnswer,
+    LevPlan,
+    LevQuestion,
+    LevReleaseError,
+    ModeBUnavailable,
+    candidate_texts,
+    plan_request,
+    read_plan,
 )
+from semif_serve.domain.requests import Limits
+from semif_serve.domain.tokens import BoundedEncoder, PastLimit
+from semif_serve.domain.types import BatchTiming, ConfigurationError, TooManyRows, TooManyTokens
+from semif_serve.engine.lev_head import candidate_ids, head_scores
+from semif_serve.engine.lev_release import LevRelease, base_release, load_lev_release
 from semif_serve.engine.state_cache import state_digest
 from semif_serve.service.models import LEV, ModelSet
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from semif_serve.engine.runner import TorchEngine
+    from semif_serve.engine.runner import PreparedRows, Readout, TorchEngine
     from semif_serve.engine.worker import EngineWorker
 
 
@@ -68,10 +72,11 @@ def load_lev_releases(
                 tokenizer = engine.codec.tokenizer
                 releases[entry.name] = base_release(base_directory, tokenizer, base_name=base_name, **flags)
                 continue
-            release = load_lev_release(
+            releases[entry.name] = load_lev_release(
                 entry.release,
-                engine.model,
+                engine.adapters,
                 engine.codec.tokenizer,
+                name=entry.name,
                 base_name=entry.base_model or base_name,
                 base_directory=base_directory,
                 adapter_scale=entry.scale,
@@ -82,13 +87,22 @@ def load_lev_releases(
             if exc.file == where:
                 raise ConfigurationError(f"{where}.{exc.key}: {exc.problem}") from None
             raise ConfigurationError(f"{where}.release: {exc}") from None
-        releases[entry.name] = served_release(release, engine.model)
     return releases
 
 
 @dataclass(frozen=True)
+class LevReply:
+    """One request's answers with one release, and lev's token counts."""
+
+    answers: dict[str, LevAnswer]
+    input_tokens: int  # the prefix once, plus every row's suffix
+    cached_input_tokens: int  # the prefix
+    timing: BatchTiming  # how the engine ran the rows (their jobs' reads joined)
+
+
+@dataclass(frozen=True)
 class LevOutcome:
-    """One request's answers with one release, and how it ran on the engine thread."""
+    """One request's answers with one release, and how its rows ran."""
 
     reply: LevReply
     rows: int  # forward rows: each question in each of its orders
@@ -98,21 +112,214 @@ class LevOutcome:
 
 @dataclass(frozen=True)
 class LevRows:
-    """A request's plan, encoded once: lev's prefix ids (with special tokens) and each row's
-    suffix ids (without), as lev's server joins them."""
+    """A request's plan, encoded once: lev's prefix ids (with special tokens), each row's suffix
+    ids (without), as lev's server joins them, and each Mode B question's candidate ids."""
 
     plan: LevPlan
     prefix_ids: list[int]
     suffixes: list[list[int]]
+    candidates: dict[str, list[list[int]]]
+
+    @property
+    def label_rows(self) -> list[int]:
+        """The rows read at their label codes (Mode A)."""
+        return [i for i, row in enumerate(self.plan.rows) if row.label_ids is not None]
+
+    @property
+    def head_rows(self) -> list[int]:
+        """The rows read by the candidate head (Mode B)."""
+        return [i for i, row in enumerate(self.plan.rows) if row.label_ids is None]
+
+
+class LevEncoder:
+    """lev's ids of a text through the bounded encoder: `tokenizer.encode(text,
+    add_special_tokens=...)`, stopping as soon as the text is proved past a limit. The special
+    tokens the tokenizer wraps a text in are found once; a tokenizer that does more than wrap is
+    encoded whole, after the bytes' lower bound."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.bounded = BoundedEncoder(tokenizer)
+        self.wraps = self._wrapping(tokenizer)
+
+    @staticmethod
+    def _wrapping(tokenizer: Any) -> tuple[list[int], list[int]] | None:
+        probes = ("Context:\n{}", "x")
+        lead = tail = None
+        for text in probes:
+            plain = tokenizer.encode(text, add_special_tokens=False)
+            special = tokenizer.encode(text, add_special_tokens=True)
+            n = len(special) - len(plain)
+            for cut in range(n + 1):
+                if special[cut : cut + len(plain)] == plain:
+                    got = (special[:cut], special[cut + len(plain) :])
+                    break
+            else:
+                return None
+            if lead is not None and got != (lead, tail):
+                return None
+            lead, tail = got
+        return lead or [], tail or []
+
+    def encode(self, text: str, limit: int | None, special: bool) -> list[int]:
+        """The ids; PastLimit once they are proved more than `limit`."""
+        if not special:
+            return self.bounded.encode(text, limit)
+        if self.wraps is None:
+            if limit is not None and self.bounded.at_least(text) > limit:
+                raise PastLimit(self.bounded.at_least(text))
+            ids = self.tokenizer.encode(text, add_special_tokens=True)
+            if limit is not None and len(ids) > limit:
+                raise PastLimit(len(ids))
+            return ids
+        lead, tail = self.wraps
+        room = None if limit is None else limit - len(lead) - len(tail)
+        try:
+            return [*lead, *self.bounded.encode(text, room), *tail]
+        except PastLimit as past:
+            raise PastLimit(past.tokens + len(lead) + len(tail)) from None
+
+
+def lev_rows(
+    release: LevRelease,
+    encoder: LevEncoder,
+    state: Any,
+    questions: Mapping[str, LevQuestion],
+    limits: Limits | None,
+) -> LevRows:
+    """The request's plan and ids, refused before any forward: Mode B without a head or with a
+    candidate that encodes to nothing (ModeBUnavailable), more rows than `limits.max_rows`
+    (TooManyRows), a row's prompt over `max_input_tokens` or the request over
+    `max_request_tokens` (TooManyTokens, as SemIf's rows are refused)."""
+    plan = plan_request(state, questions, release.codes, release.options, has_head=release.head is not None)
+    if limits is not None and len(plan.rows) > limits.max_rows:
+        raise TooManyRows(len(plan.rows), limits.max_rows)
+    positions = {qid: i for i, qid in enumerate(questions)}
+    input_limit = None if limits is None else limits.max_input_tokens
+    budget = None if limits is None else limits.max_request_tokens
+    first = positions[plan.rows[0].question_id] if plan.rows else 0
+    try:
+        prefix_ids = encoder.encode(plan.prefix, None if input_limit is None else input_limit - 1, True)
+    except PastLimit as past:
+        assert input_limit is not None
+        raise TooManyTokens(past.tokens + 1, input_limit, first, at_least=True) from None
+    suffixes: list[list[int]] = []
+    total = len(prefix_ids)
+    for counted, row in enumerate(plan.rows, start=1):
+        room = None if input_limit is None else input_limit - len(prefix_ids)
+        if budget is not None:
+            room = min(room if room is not None else budget, budget - total)
+        try:
+            suffixes.append(encoder.encode(row.suffix, room, False))
+        except PastLimit as past:
+            assert input_limit is not None
+            tokens = len(prefix_ids) + past.tokens
+            if tokens <= input_limit and budget is not None:
+                raise TooManyTokens.for_request(
+                    total + past.tokens, budget, counted, len(plan.rows), at_least=True
+                ) from None
+            raise TooManyTokens(tokens, input_limit, positions[row.question_id], at_least=True) from None
+        total += len(suffixes[-1])
+    candidates: dict[str, list[list[int]]] = {}
+    for qid, route in plan.routes.items():
+        if route.mode != "B":
+            continue
+        ids = candidate_ids(release.tokenizer, candidate_texts(plan.questions[qid]))
+        if not all(ids):
+            raise ModeBUnavailable(
+                f"question {qid!r}: a candidate encodes to no token, which lev's head cannot read",
+                question=positions[qid],
+            )
+        candidates[qid] = ids
+    return LevRows(plan, prefix_ids, suffixes, candidates)
+
+
+def lev_jobs(
+    rows: LevRows, engine: TorchEngine, model: int, encode_seconds: float = 0.0
+) -> list[Callable[[], PreparedRows]]:
+    """The request's rows as the batcher's jobs (each made on an encoder thread): the label rows
+    over lev's prefix, read at their codes; the head's rows over it, read as hidden states; every
+    Mode B question's candidates as whole rows, read as hidden states."""
+    prepare = functools.partial(engine.prepare_ids, model=model, encode_seconds=encode_seconds)
+    plan = rows.plan
+    jobs: list[Callable[[], PreparedRows]] = []
+    if rows.label_rows:
+        suffixes = [rows.suffixes[i] for i in rows.label_rows]
+        reads = [plan.rows[i].label_ids or () for i in rows.label_rows]
+        jobs.append(functools.partial(prepare, rows.prefix_ids, suffixes, reads))
+    if rows.head_rows:
+        jobs.append(
+            functools.partial(prepare, rows.prefix_ids, [rows.suffixes[i] for i in rows.head_rows], None)
+        )
+        candidates = [ids for qid in rows.candidates for ids in rows.candidates[qid]]
+        jobs.append(functools.partial(prepare, [], candidates, None))
+    return jobs
+
+
+def lev_answers(release: LevRelease, rows: LevRows, readouts: Sequence[Readout]) -> LevReply:
+    """The request's answers from its jobs' readouts (in `lev_jobs`' order): label logits as they
+    are, the head over each head row's state and its question's candidates' states."""
+    plan = rows.plan
+    scores: list[list[float]] = [[] for _ in plan.rows]
+    reads = iter(readouts)
+    if rows.label_rows:
+        labels = next(reads)
+        for k, i in enumerate(rows.label_rows):
+            scores[i] = labels.rows[k].option_logits
+    if rows.head_rows:
+        import torch
+
+        heads, shown = next(reads), next(reads)
+        states, at = {}, 0
+        for qid, ids in rows.candidates.items():
+            states[qid] = torch.stack([r.hidden for r in shown.rows[at : at + len(ids)]])
+            at += len(ids)
+        for k, i in enumerate(rows.head_rows):
+            scores[i] = head_scores(release.head, heads.rows[k].hidden, states[plan.rows[i].question_id])
+    answers = read_plan(plan, scores, release.calibration)
+    input_tokens = len(rows.prefix_ids) + sum(len(s) for s in rows.suffixes)
+    return LevReply(answers, input_tokens, len(rows.prefix_ids), joined([r.timing for r in readouts]))
+
+
+def joined(runs: Sequence[BatchTiming]) -> BatchTiming:
+    """One request's timing from its jobs' reads: seconds, rows, tokens and forwards added up; the
+    prefix and where it came from, of the read that ran over it."""
+    over = [run for run in runs if run.prefill != "none"] or list(runs)
+    return BatchTiming(
+        prefix_tokens=max(run.prefix_tokens for run in runs),
+        prefill_seconds=sum(run.prefill_seconds for run in runs),
+        replicate_seconds=sum(run.replicate_seconds for run in runs),
+        suffix_forward_seconds=sum(run.suffix_forward_seconds for run in runs),
+        batch_size=sum(run.batch_size for run in runs),
+        true_suffix_tokens=sum(run.true_suffix_tokens for run in runs),
+        padded_suffix_tokens=sum(run.padded_suffix_tokens for run in runs),
+        forward_batches=sum(run.forward_batches for run in runs),
+        merged_requests=max(run.merged_requests for run in runs),
+        prefill=over[0].prefill,
+        prefill_shared=any(run.prefill_shared for run in runs),
+    )
 
 
 @dataclass(frozen=True)
 class LevCore:
-    """The lev releases the service serves, by model name, and the worker whose engine thread
-    runs them. Empty (no release, no worker) where SEMIF_MODELS declares no lev model."""
+    """The lev releases the service serves, by model name, and the worker whose batcher runs
+    their rows. Empty (no release, no worker) where SEMIF_MODELS declares no lev model."""
 
     releases: Mapping[str, LevRelease] = field(default_factory=dict)
     worker: EngineWorker | None = None
+    encoders: Mapping[str, LevEncoder] = field(default_factory=dict)
+
+    @classmethod
+    def over(cls, releases: Mapping[str, LevRelease], worker: EngineWorker | None) -> LevCore:
+        """The core of `releases`, each with its tokenizer's bounded encoder (one per tokenizer)."""
+        by_tokenizer: dict[int, LevEncoder] = {}
+        encoders = {}
+        for name, release in releases.items():
+            key = id(release.tokenizer)
+            if key not in by_tokenizer:
+                by_tokenizer[key] = LevEncoder(release.tokenizer)
+            encoders[name] = by_tokenizer[key]
+        return cls(releases, worker, encoders)
 
     def release(self, model_name: str) -> LevRelease:
         """The release served as `model_name` (a LookupError names a model that is not one)."""
@@ -124,32 +331,8 @@ class LevCore:
     def check(
         self, model_name: str, state: Any, questions: Mapping[str, LevQuestion], limits: Limits | None
     ) -> LevRows:
-        """The request's plan and ids, refused before any forward: Mode B without a head
-        (ModeBUnavailable), more rows than `limits.max_rows` (TooManyRows), a row's prompt over
-        `max_input_tokens` or the request over `max_request_tokens` (TooManyTokens)."""
-        release = self.release(model_name)
-        plan = plan_request(
-            state, questions, release.codes, release.options, has_head=release.head is not None
-        )
-        if limits is not None and len(plan.rows) > limits.max_rows:
-            raise TooManyRows(len(plan.rows), limits.max_rows)
-        tokenizer = release.tokenizer
-        prefix_ids = tokenizer.encode(plan.prefix, add_special_tokens=True)
-        suffixes: list[list[int]] = []
-        total = len(prefix_ids)
-        positions = {qid: i for i, qid in enumerate(questions)}
-        for counted, row in enumerate(plan.rows, start=1):
-            suffixes.append(tokenizer.encode(row.suffix, add_special_tokens=False))
-            if limits is None:
-                continue
-            tokens = len(prefix_ids) + len(suffixes[-1])
-            if tokens > limits.max_input_tokens:
-                raise TooManyTokens(tokens, limits.max_input_tokens, positions[row.question_id])
-            total += len(suffixes[-1])
-            budget = limits.max_request_tokens
-            if budget is not None and total > budget:
-                raise TooManyTokens.for_request(total, budget, counted, len(plan.rows))
-        return LevRows(plan, prefix_ids, suffixes)
+        """`lev_rows` for the release served as `model_name`."""
+        return lev_rows(self.release(model_name), self.encoders[model_name], state, questions, limits)
 
     async def decide(
         self,
@@ -159,52 +342,22 @@ class LevCore:
         limits: Limits | None = None,
     ) -> LevOutcome:
         """Answer `questions` about `state` with the release `model_name`, exactly as lev does:
-        rendered, encoded and checked off the event loop; the label rows as one job of the
-        worker's batcher (merged with other requests' rows, the prefix prefilled once where it
-        pays), the head's rows on the engine thread. Raises the refusals of `check`, and the
-        worker's OutOfMemory or EngineFailure."""
+        rendered, encoded and checked off the event loop, then every row a job of the worker's
+        batcher (merged with other requests' rows, the prefix prefilled once where it pays).
+        Raises the refusals of `lev_rows`, and the worker's OutOfMemory or EngineFailure."""
         release = self.release(model_name)
         assert self.worker is not None  # release() refuses a core without one
         started = time.perf_counter()
         rows = await asyncio.to_thread(self.check, model_name, state, questions, limits)
         encoded = time.perf_counter() - started
-        engine = self.worker.engine
-        model = BASE if release.frozen_base else engine.adapters.index(model_name)
-        plan = rows.plan
-        scores: list[list[float]] = [[] for _ in plan.rows]
-        by_labels = [i for i, row in enumerate(plan.rows) if row.label_ids is not None]
-        by_head = [i for i, row in enumerate(plan.rows) if row.label_ids is None]
-        runs = []
-        engine_seconds = wait_seconds = 0.0
-        if by_labels:
-            prepare = functools.partial(
-                engine.prepare_ids,
-                rows.prefix_ids,
-                [rows.suffixes[i] for i in by_labels],
-                [plan.rows[i].label_ids or () for i in by_labels],
-                model,
-                encoded,
-            )
-            readout = await self.worker.score_prepared(state_digest(state, (), model_name), prepare)
-            for k, i in enumerate(by_labels):
-                scores[i] = readout.rows[k].option_logits
-            runs.append(readout.timing)
-            engine_seconds += readout.forward_seconds
-            wait_seconds += readout.wait.behind_requests_seconds + readout.wait.behind_idle_seconds
-        if by_head:
-            submitted = time.perf_counter()
-
-            def heads() -> tuple[list[list[float]], float, float]:
-                began = time.perf_counter()
-                got = head_scores(release, engine, model, plan, rows.prefix_ids, rows.suffixes, by_head, runs)
-                return got, time.perf_counter() - began, began - submitted
-
-            got, seconds, waited = await self.worker.run(heads)
-            for i, row_scores in zip(by_head, got, strict=True):
-                scores[i] = row_scores
-            engine_seconds += seconds
-            wait_seconds += waited
-        answers = read_plan(plan, scores, release.calibration)
-        input_tokens = len(rows.prefix_ids) + sum(len(s) for s in rows.suffixes)
-        reply = LevReply(answers, input_tokens, len(rows.prefix_ids), joined(runs))
-        return LevOutcome(reply, len(plan.rows), engine_seconds, wait_seconds)
+        key = state_digest(state, (), model_name)
+        jobs = lev_jobs(rows, self.worker.engine, release.model, encoded)
+        readouts = await asyncio.gather(*(self.worker.score_prepared(key, job) for job in jobs))
+        reply = (
+            await asyncio.to_thread(lev_answers, release, rows, readouts)
+            if rows.head_rows
+            else (lev_answers(release, rows, readouts))
+        )
+        engine_seconds = sum(r.forward_seconds for r in readouts)
+        waited = max(r.wait.behind_requests_seconds + r.wait.behind_idle_seconds for r in readouts)
+        return LevOutcome(reply, len(rows.plan.rows), engine_seconds, waited)

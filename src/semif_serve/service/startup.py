@@ -81,11 +81,8 @@ class Service:
         if engine is None:
             engine = load_engine(settings)
         engine = engine.with_adapters(load_adapters(models, engine, settings))  # counted in the baseline
-        # lev releases: read over the base before warm-up, so the baseline counts their adapters.
+        # lev releases: entries of the same bank, read before warm-up so the baseline counts them.
         releases = load_lev_releases(models, engine, settings.model_source, settings.require_model())
-        for name, release in releases.items():  # lev's rows read its adapter through the engine's bank
-            if not release.frozen_base:
-                engine.adapters.add(name, release.directory, multiplier=release.adapter_scale)
         engine = engine.with_options(
             cache=StateCache(settings.state_cache_mib * MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -104,7 +101,7 @@ class Service:
             engine, policy, bounds, encoders=settings.max_queue
         )  # a thread per admitted request
         core = DecisionCore(worker, calibration)
-        lev = LevCore(releases, worker)
+        lev = LevCore.over(releases, worker)
         return cls(settings, engine, worker, core, token, weights, models, ready=True, lev=lev)
 
 
