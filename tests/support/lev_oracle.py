@@ -42,7 +42,9 @@ def lev_per_row(release: Any, model: Any, bank: Any, state: Any, questions: Mapp
             last = encoded["attention_mask"].sum(dim=1).long() - 1
             candidates[qid] = hidden[torch.arange(hidden.size(0)), last]
         for row, suffix_ids in zip(plan.rows, suffixes, strict=True):
-            last = decoder(input_ids=torch.tensor([prefix_ids + suffix_ids]), use_cache=False).last_hidden_state[0, -1]
+            last = decoder(
+                input_ids=torch.tensor([prefix_ids + suffix_ids]), use_cache=False
+            ).last_hidden_state[0, -1]
             if row.label_ids is not None:
                 scores.append(lm_head(last.unsqueeze(0))[0][list(row.label_ids)].float().tolist())
             else:
