@@ -634,7 +634,7 @@ def reply_build(options: int, name_length: int) -> dict:
     from semif_serve.doors.systemone.mapping import Policy, answers_of, timing_block, to_question
     from semif_serve.doors.systemone.schemas import ChoiceQuestion, SystemOneResponse, Usage
     from semif_serve.doors.systemone.sizes import reply_bytes
-    from semif_serve.engine.runner import Readout, RowReadout
+    from semif_serve.engine.rows import Readout, RowReadout
     from semif_serve.service.core import plan_rows, question_outcome
 
     criteria = {f"{i:03d}".ljust(name_length, "n"): f"Option {i}." for i in range(options)}

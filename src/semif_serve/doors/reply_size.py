@@ -15,7 +15,7 @@ from typing import Any, get_args
 from pydantic import BaseModel
 
 from semif_serve.domain.orderings import MODES
-from semif_serve.engine.runner import PREFILL_KINDS
+from semif_serve.engine.rows import PREFILL_KINDS
 
 # The longest repr of a finite float64 (`-2.2250738585072014e-308`) and of a 64-bit int.
 FLOAT_BYTES = 24

@@ -23,7 +23,8 @@ from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.state_cache import state_digest
 
 if TYPE_CHECKING:
-    from semif_serve.engine.runner import PreparedRows, Readout, ScoredRow, TorchEngine
+    from semif_serve.engine.rows import PreparedRows, Readout, ScoredRow
+    from semif_serve.engine.runner import TorchEngine
 
 log = logging.getLogger("semif_serve.worker")
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from semif_serve.domain.types import (
     WorkloadOfAnotherModel,
 )
 from semif_serve.engine.loader import ModelIdentity
-from semif_serve.engine.runner import Readout
+from semif_serve.engine.rows import Readout
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ from semif_serve.service.models import LEV, ModelSet
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from semif_serve.engine.runner import PreparedRows, Readout, TorchEngine
+    from semif_serve.engine.rows import PreparedRows, Readout
+    from semif_serve.engine.runner import TorchEngine
     from semif_serve.engine.worker import EngineWorker
 
 

@@ -1,0 +1,336 @@
+"""The row loop: one planned group of requests' rows run on the engine thread.
+
+A group's rows share one state (cached, extended from a shorter cached one, or prefilled once, in
+steps where it is long: `SteppedPrefill`), forked over right-padded forwards split by the memory
+headroom; rows of several adapters sit side by side, each adapter reading its contiguous run of
+the batch. Each row is read at its last real position: SemIf's answer slots, a method's own token
+ids (lev's label codes) or its last hidden state (lev's head), one forward for all of them. Lone
+rows (no orderings) go through `run_direct`, which serves them from a state the lone-row policy
+says to use, else as SemIf's plain forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
+from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
+from semif_serve.engine.forwards import head_logits, logits_over, plain_logits, prefill, read_slots
+from semif_serve.engine.lone import LoneRowPolicy
+from semif_serve.engine.memory import MemoryEstimate
+from semif_serve.engine.options import EngineOptions
+from semif_serve.engine.rows import PREFILL_KINDS, GroupRun, PreparedRows, Results, ScoredRow
+from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, StoredState, prefix_digest
+from semif_serve.engine.stepped import SteppedPrefill
+from semif_serve.engine.vision import ImageSet
+
+
+class GroupRunner:
+    """Runs planned groups over one model and its adapters under the engine's options."""
+
+    def __init__(
+        self,
+        model: Any,
+        adapters: AdapterBank,
+        options: EngineOptions,
+        estimate: MemoryEstimate,
+        slots: Sequence[int],
+        pad_id: int,
+        device: Any,
+    ) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.adapters = adapters
+        self.options = options
+        self.estimate = estimate
+        self.slots = slots
+        self.slot_ids = torch.tensor(slots, device=device)
+        self.pad_id = pad_id
+        self.device = device
+        self.memory = options.memory
+        self.cache: StateCache = options.cache
+        self.headroom_bytes = options.headroom_bytes
+        self.prefill_chunk_tokens = options.prefill_chunk_tokens
+        chunk = options.prefill_chunk_tokens
+        self.stepped = SteppedPrefill(self.cache, estimate, self.memory, chunk, self._prefill)
+        self.lone = LoneRowPolicy(self.cache, options.keep_state_tokens)
+
+    def run_planned(self, group: Group[PreparedRows]) -> Results | Unfinished:
+        """Score one planned group on this thread: one state (cached or prefilled once) for
+        every part, the rows in right-padded forwards split by the memory headroom; the
+        results of each job's rows in the group, in order. A lone direct row runs SemIf's
+        plain forward; direct rows merged with others run right-padded with no state.
+
+        A state longer than one prefill step is prefilled a step at a time (`SteppedPrefill`):
+        this call prefills one step, keeps it in the state cache and returns UNFINISHED, so the
+        batcher can run other requests' groups before the next step (the cache must be on)."""
+        # Rows of one model side by side: each adapter reads a contiguous run of the batch.
+        parts = sorted(group.parts, key=lambda p: p.job.payload.model)
+        images = ImageSet.union([p.job.payload.images for p in parts])
+        if len(parts) == 1 and parts[0].job.payload.direct:
+            return {parts[0].job.id: [self._plain(parts[0].job.payload, images)]}
+        first = parts[0].job.payload
+        prefix = first.prefix if group.prefix_key is not None else []
+        models = sorted({p.job.payload.model for p in parts})
+        if any(self.stepped.step(prefix, first.state_tokens, images, m, (group.job_ids, m)) for m in models):
+            return UNFINISHED
+        states = {m: self._state(prefix, first.state_tokens, images, m) for m in models}
+        hows = {how for _, how, _ in states.values()}
+        how = next((k for k in PREFILL_KINDS if k in hows), "none")
+        prefill_seconds = sum(seconds for _, _, seconds in states.values())
+        rows = [
+            (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i], p.job.payload.model)
+            for p in parts
+            for i in range(p.start, p.stop)
+        ]
+        width = max(len(suffix) for suffix, _, _ in rows)
+        chunk = self.prefill_chunk_tokens
+        step = self.estimate.rows_under(self.headroom_bytes, len(prefix), width, chunk) or len(rows)
+        reads = _row_reads(parts)
+        hidden_rows = [p.job.payload.hidden for p in parts for _ in range(p.start, p.stop)]
+        columns, placed = self._columns_of([r for r, h in zip(reads, hidden_rows, strict=True) if not h])
+        readouts: list[tuple[list[float], list[float], Any]] = []
+        replicate_seconds = suffix_seconds = 0.0
+        forwards = 0
+        with self.torch.inference_mode():
+            for start in range(0, len(rows), step):
+                batch = rows[start : start + step]
+                row_models = [m for _, _, m in batch]
+                t0 = time.perf_counter()
+                cache = _fork({m: stored for m, (stored, _, _) in states.items()}, row_models)
+                self.memory.synchronize()
+                t1 = time.perf_counter()
+                suffixes = [s for s, _, _ in batch]
+                any_hidden = any(hidden_rows[start : start + len(batch)])
+                with self.adapters.rows(row_models):
+                    last = logits_over(
+                        self.model,
+                        cache,
+                        len(prefix),
+                        suffixes,
+                        self.pad_id,
+                        chunk,
+                        images,
+                        prefix,
+                        hidden_out=any_hidden,
+                        columns=columns,
+                    )
+                    # Hidden rows beside logit rows: one forward, the head over the others' states.
+                    every_hidden = all(hidden_rows[start : start + len(batch)])
+                    logits = (
+                        head_logits(self.model, last, columns) if any_hidden and not every_hidden else last
+                    )
+                del cache
+                for i, (_, n, _) in enumerate(batch):
+                    own = reads[start + i]
+                    if hidden_rows[start + i]:
+                        readouts.append(([], [], last[i].float()))
+                    elif own is None:
+                        readouts.append((*read_slots(logits[i], n), None))
+                    else:
+                        readouts.append((_picked(logits[i], own, placed), [], None))
+                del logits, last
+                self.memory.synchronize()
+                replicate_seconds += t1 - t0
+                suffix_seconds += time.perf_counter() - t1
+                forwards += 1
+        run = GroupRun(
+            suffix_forward_seconds=suffix_seconds,
+            width=width,
+            prefix_tokens=len(prefix),
+            prefill=how,
+            prefill_seconds=prefill_seconds,
+            replicate_seconds=replicate_seconds,
+            requests=len({p.job.id for p in parts}),
+            rows=len(rows),
+            forwards=forwards,
+        )
+        results: Results = {}
+        at = 0
+        for p in parts:
+            count = p.stop - p.start
+            results[p.job.id] = [ScoredRow(lg, pr, run, h) for lg, pr, h in readouts[at : at + count]]
+            at += count
+        return results
+
+    def _columns_of(self, reads: Sequence[tuple[int, ...] | None]) -> tuple[Any, dict[int, int]]:
+        """The token ids one forward reads for its rows: SemIf's answer slots first (where a row
+        reads them: `read_slots` takes the leading ones), then every other row's own ids once;
+        and where each id sits among them."""
+        if all(r is None for r in reads):
+            return self.slot_ids, {}
+        ids = [int(t) for t in self.slots] if any(r is None for r in reads) else []
+        at = {t: i for i, t in enumerate(ids)}
+        for own in reads:
+            for token in own or ():
+                if token not in at:
+                    at[token] = len(ids)
+                    ids.append(token)
+        return self.torch.tensor(ids, device=self.device), at
+
+    def _plain(self, prepared: PreparedRows, images: ImageSet | None) -> ScoredRow:
+        """SemIf's plain forward of a lone row's whole prompt."""
+        ids = prepared.prompts[0].ids
+        t0 = time.perf_counter()
+        with self.adapters.rows(prepared.model):
+            last = plain_logits(
+                self.model, ids, self.pad_id, self.device, self.prefill_chunk_tokens, images, self.slot_ids
+            )
+        with self.torch.inference_mode():
+            logits, probs = read_slots(last, prepared.n_options[0])
+        self.memory.synchronize()
+        run = GroupRun(suffix_forward_seconds=time.perf_counter() - t0, width=len(ids), direct=True)
+        return ScoredRow(logits, probs, run)
+
+    def run_direct(self, group: Group[PreparedRows]) -> Results | Unfinished:
+        """Lone rows (each request one row, no orderings), grouped by their state prefix.
+
+        A state the lone-row policy says to use (cached, wanted by several, long enough to keep)
+        is used: prefilled once by this pass and stored, each row then costs its suffix, and a
+        follow-up sent at once finds it. Every other (short) state's row runs as SemIf's plain
+        forward of its whole prompt (several right-padded together), and nothing is kept or
+        queued for later. Either way a row equals the plain forward within 1e-5 (float32) and
+        keeps its `prompt_sha256` and `input_tokens`. Every state takes its turn in each call (a
+        prefill step, or a wait for the prefills ahead of it); while any is unfinished the rows
+        that are done go back at once (`Unfinished.done`) and the rest run again next turn.
+        """
+        by_state: dict[tuple[tuple[int, ...], int], list[Part[PreparedRows]]] = {}
+        for part in group.parts:
+            by_state.setdefault((part.job.payload.state_ids, part.job.payload.model), []).append(part)
+        results: Results = {}
+        plain: list[Part[PreparedRows]] = []
+        stepping = False
+        for (ids, model), parts in by_state.items():
+            if ids and self.lone.reuses(ids, [p.job.payload.demand_key for p in parts], model):
+                over = self.run_planned(_over_state(ids, parts))
+                if isinstance(over, Unfinished):
+                    stepping = True  # its prefill's step ran, or it waits its turn: again next turn
+                    continue
+                results.update(over)
+            else:
+                plain.extend(parts)
+        if len(plain) == 1:
+            results.update(self._expect_done(self.run_planned(Group(None, 0, tuple(plain)))))
+        elif plain:
+            results.update(
+                self._expect_done(self.run_planned(Group(None, 0, tuple(_as_rows(p) for p in plain))))
+            )
+        if stepping:
+            return Unfinished(results) if results else UNFINISHED
+        return results
+
+    @staticmethod
+    def _expect_done(results: Results | Unfinished) -> Results:
+        """The results of a group without a state, which never runs in steps."""
+        if isinstance(results, Unfinished):
+            raise RuntimeError("a group without a state ran in steps")
+        return results
+
+    def _state(
+        self, prefix: list[int], state_tokens: int, images: ImageSet | None = None, model: int = BASE
+    ) -> tuple[StoredState | None, str, float]:
+        """The state over exactly `prefix` under `model`: from the cache, extended from a cached
+        shorter one of the same model, or prefilled (in chunks). A prefix longer than the state
+        prefix (it covers a question) starts from the state prefix, looked up (and stored when
+        fresh) on its own, so that the next question about the same state extends it; the
+        longer prefix itself goes in the cache's lower `question` tier, which never evicts a
+        state."""
+        if not prefix:
+            return None, "none", 0.0
+        kind = QUESTION if len(prefix) > state_tokens else STATE
+        stored = self.cache.get(prefix, kind, model)
+        if stored is not None:
+            return stored, "cached", 0.0
+        t0 = time.perf_counter()
+        stepped = self.stepped.take(prefix, model)  # prefilled in steps: still fresh
+        superseded: StoredState | None = None
+        if kind == QUESTION and state_tokens > 0:
+            start = self.cache.get(prefix[:state_tokens], STATE, model)
+            how = "extended" if start is not None and stepped is None else "fresh"
+            if start is None:
+                state = prefix[:state_tokens]
+                superseded = self.cache.longest_prefix(state, model)
+                start = self._prefill(state, superseded, STATE, images, model)
+        else:
+            start = self.cache.longest_prefix(prefix, model)
+            how = "extended" if start is not None and stepped is None else "fresh"
+        if stepped is not None:  # continue from the last step's slice where it is the longer start
+            longer = self.cache.longest_prefix(prefix, model)
+            if longer is not None and (start is None or len(longer) > len(start)):
+                superseded, start = start, longer
+        stored = self._prefill(prefix, start, kind, images, model)
+        self.memory.synchronize()
+        for slice_ in (superseded, start if stepped is not None else None):
+            self.stepped.drop_slice(slice_, state_tokens)
+        return stored, how, time.perf_counter() - t0 + (stepped or 0.0)
+
+    def _prefill(
+        self,
+        ids: list[int],
+        start: StoredState | None,
+        kind: str = STATE,
+        images: ImageSet | None = None,
+        model: int = BASE,
+        drop_start: bool = False,
+    ) -> StoredState:
+        """Prefill `ids` from `start` and store it in tier `kind` (`drop_start`: `start` is a
+        superseded slice, dropped before the store so it costs no eviction)."""
+        with self.adapters.rows(model):
+            chunk = self.prefill_chunk_tokens
+            cache = prefill(self.model, ids, start=start, chunk_tokens=chunk, images=images)
+        if drop_start and start is not None:
+            self.cache.discard(start.ids, start.model)
+        return self.cache.put(ids, cache, kind, model)
+
+
+def _fork(states: dict[int, StoredState | None], row_models: Sequence[int]) -> Any:
+    """A consumable cache for a forward's rows (sorted by model): each row over its model's state
+    (None: no state); rows of several models stack their states (`stacked_fork`)."""
+    runs: list[tuple[int, int]] = []
+    for model in row_models:
+        if runs and runs[-1][0] == model:
+            runs[-1] = (model, runs[-1][1] + 1)
+        else:
+            runs.append((model, 1))
+    if states[runs[0][0]] is None:
+        return None
+    if len(runs) == 1:
+        return states[runs[0][0]].fork(runs[0][1])  # type: ignore[union-attr]
+    return stacked_fork([(states[m], n) for m, n in runs])
+
+
+def _row_reads(parts: Sequence[Part[PreparedRows]]) -> list[tuple[int, ...] | None]:
+    """Each row's own read columns, in the order `_run_planned` lays the rows out (None: SemIf's slots)."""
+    return [
+        None if p.job.payload.columns is None else p.job.payload.columns[i]
+        for p in parts
+        for i in range(p.start, p.stop)
+    ]
+
+
+def _picked(logits: Any, ids: Sequence[int], at: Mapping[int, int]) -> list[float]:
+    """One row's float32 logits at `ids` (in their order) from a forward that read `at`'s ids."""
+    return logits[[at[t] for t in ids]].float().tolist()
+
+
+def _over_state(ids: tuple[int, ...], parts: Sequence[Part[PreparedRows]]) -> Group[PreparedRows]:
+    """Lone rows as one group over their common state prefix `ids` (the shared path's rows)."""
+    key = prefix_digest(ids)
+    rekeyed = []
+    for part in parts:
+        prepared = part.job.payload
+        over = replace(prepared, prefix=list(ids), state_tokens=len(ids), direct=False)
+        job = Job(part.job.id, key, len(ids), tuple(len(p.ids) - len(ids) for p in prepared.prompts), over)
+        rekeyed.append(Part(job, part.start, part.stop))
+    return Group(key, len(ids), tuple(rekeyed))
+
+
+def _as_rows(part: Part[PreparedRows]) -> Part[PreparedRows]:
+    """A lone row as a row of a right-padded forward without a state."""
+    prepared = part.job.payload
+    return Part(replace(part.job, payload=replace(prepared, direct=False)), part.start, part.stop)
