@@ -1,8 +1,8 @@
 """Issue 39's thread measurements, side by side in one run.
 
-    PYTHONPATH=src:. python bench/threads.py                      # both parts, ~8 min here
-    PYTHONPATH=src:. python bench/threads.py --only crossover     # forwards at 1, 2, ... threads
-    PYTHONPATH=src:. python bench/threads.py --only servers --rounds 3
+    uv run python bench/threads.py                      # both parts, ~8 min here
+    uv run python bench/threads.py --only crossover     # forwards at 1, 2, ... threads
+    uv run python bench/threads.py --only servers --rounds 3
 
 1. `crossover`: one forward (the engine's `logits_over`, no cache) of R rows x T tokens on the
    peers' checkpoint (hidden 256, 8 layers, float32), at each fixed thread count (1, 2 and every
