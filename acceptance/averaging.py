@@ -6,24 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from harness.client import Client, ServiceCallError
+from harness.report import log, print_table
+from harness.stats import accuracy, group_bootstrap_difference, top_option
 from semif_serve.domain.numerics import expected_calibration_error
 from semif_serve.domain.orderings import MAX_ALL_OPTIONS, NATIVE_MODES
 
-from .common import (
-    CheckError,
-    Client,
-    Gate,
-    Outcome,
-    ServiceCallError,
-    add_connection_arguments,
-    connect,
-    decision_body,
-    finish,
-    log,
-    print_table,
-)
+from .common import CheckError, Gate, Outcome, add_connection_arguments, connect, decision_body, finish
 from .parity import fixture_argument, load_fixture
-from .stats import accuracy, group_bootstrap_difference, top_option
 
 COMPARISONS = (("rotations", "single"), ("all", "single"), ("all", "rotations"))
 

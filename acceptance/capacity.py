@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import Client, ServiceCallError
-from .workloads import binary_criteria
+from harness.client import Client, ServiceCallError
+from harness.workloads import binary_criteria
 
 MEMORY_REFUSALS = {
     (503, "out_of_memory"): "out_of_memory",

@@ -1,5 +1,6 @@
-"""What every acceptance command shares: the HTTP client (retrying 429 busy), JSONL and token
-files, the connection arguments, table printing, gates and the JSON result file."""
+"""What every acceptance command shares: JSONL and token files, fixture rows as request bodies, the
+connection arguments, gates and the command's result file (the client, the tables and the JSON
+writer are the harness's: `harness.client`, `harness.report`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -17,127 +16,18 @@ from typing import Any
 
 import httpx
 
+from harness.client import DEFAULT_MAX_BUSY_RETRIES, DEFAULT_TIMEOUT_S, Client, ServiceCallError
+from harness.report import jsonable, log, print_table, write_result
+
 EXIT_PASS = 0
 EXIT_GATE_FAILED = 1
 EXIT_ERROR = 2
 
-DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_MAX_BUSY_RETRIES = 120
-_NUMERIC = re.compile(r"-|[+-]?[0-9][0-9.,e+-]*(%| ?ms| ?s|x)?")
 HEALTH_KEYS = ("version", "semif", "model", "device", "dtype", "demo", "limits")
 
 
 class CheckError(Exception):
     """The check cannot run (bad input, service unreachable or not ready): exit status 2."""
-
-
-class ServiceCallError(Exception):
-    """A non-2xx answer from the service, with its error envelope."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(f"HTTP {status} {code}: {message}" + (f" (field {field})" if field else ""))
-        self.status = status
-        self.code = code
-        self.message = message
-        self.field = field
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "code": self.code, "message": self.message, "field": self.field}
-
-
-class Client:
-    """A keep-alive client of one service; POSTs carry the bearer token.
-
-    A `429 busy` is retried after its Retry-After (at most `max_busy_retries` times); every
-    other non-2xx raises ServiceCallError. `post` returns the JSON body and the end-to-end
-    seconds of the successful attempt (encode, round trip, decode).
-    """
-
-    def __init__(
-        self,
-        url: str,
-        token: str,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        max_busy_retries: int = DEFAULT_MAX_BUSY_RETRIES,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self.url = url.rstrip("/")
-        self.max_busy_retries = max_busy_retries
-        self.busy_retries = 0
-        self._http = httpx.Client(
-            base_url=self.url,
-            timeout=httpx.Timeout(timeout, connect=10.0),
-            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-            transport=transport,
-        )
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._http.close()
-
-    def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
-        for attempt in range(self.max_busy_retries + 1):
-            started = time.perf_counter()
-            response = self._http.post(path, content=json.dumps(body, ensure_ascii=False).encode("utf-8"))
-            if response.status_code == 429 and attempt < self.max_busy_retries:
-                self.busy_retries += 1
-                time.sleep(retry_after_seconds(response.headers.get("retry-after")))
-                continue
-            payload = _json_or_none(response)
-            elapsed = time.perf_counter() - started
-            if response.is_success and isinstance(payload, dict):
-                return payload, elapsed
-            raise error_from(response.status_code, payload, response.text)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def decide(self, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
-        return self.post("/decide", body)
-
-    def decide_shared(self, state: Any, decisions: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
-        return self.post("/decide/shared", {"state": state, "decisions": decisions})
-
-    def metrics(self) -> str:
-        """The service's `/metrics` exposition text."""
-        response = self._http.get("/metrics")
-        if not response.is_success:
-            raise error_from(response.status_code, _json_or_none(response), response.text)
-        return response.text
-
-    def health(self) -> dict[str, Any]:
-        response = self._http.get("/health")
-        payload = _json_or_none(response)
-        if not isinstance(payload, dict):
-            raise error_from(response.status_code, payload, response.text)
-        return payload
-
-
-def retry_after_seconds(header: str | None, default: float = 1.0, cap: float = 30.0) -> float:
-    """Seconds to wait from a Retry-After header (delta-seconds only; anything else: default)."""
-    try:
-        value = float(header) if header is not None else default
-    except ValueError:
-        value = default
-    return min(max(value, 0.05), cap)
-
-
-def _json_or_none(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return None
-
-
-def error_from(status: int, payload: Any, text: str) -> ServiceCallError:
-    """The service's error envelope as an exception (or the raw text if it sent none)."""
-    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        err = payload["error"]
-        return ServiceCallError(status, str(err.get("code")), str(err.get("message")), err.get("field"))
-    return ServiceCallError(status, "unexpected_response", text[:500])
 
 
 # -- files -------------------------------------------------------------------------------
@@ -234,39 +124,6 @@ def state_key(state: Any) -> str:
 # -- output ------------------------------------------------------------------------------
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain fixed-width table; numbers right-aligned."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, value in enumerate(row):
-            widths[i] = max(widths[i], len(value))
-    numeric = [bool(cells) and all(_NUMERIC.fullmatch(row[i]) for row in cells) for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
-        return "  ".join(parts).rstrip()
-
-    out = [line(list(headers)), line(["-" * w for w in widths])]
-    out.extend(line(row) for row in cells)
-    return "\n".join(out)
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    if title:
-        print(title)
-    print(format_table(headers, rows))
-    print()
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 def fraction(n: int, total: int) -> str:
     return f"{n}/{total}"
 
@@ -318,7 +175,7 @@ def finish(outcome: Outcome, args: argparse.Namespace, service: dict[str, Any] |
         "passed": outcome.passed,
         "finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "url": getattr(args, "url", None),
-        "arguments": {k: _jsonable(v) for k, v in vars(args).items() if k not in ("handler",)},
+        "arguments": {k: jsonable(v) for k, v in vars(args).items() if k not in ("handler",)},
         "service": service,
         "summary": outcome.summary,
         "gates": [asdict(g) for g in outcome.gates],
@@ -329,27 +186,6 @@ def finish(outcome: Outcome, args: argparse.Namespace, service: dict[str, Any] |
     verdict = "PASS" if outcome.passed else "FAIL"
     print(f"{outcome.command}: {verdict} (result written to {out})")
     return EXIT_PASS if outcome.passed else EXIT_GATE_FAILED
-
-
-def write_result(path: Path, payload: dict[str, Any]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(payload, indent=2, ensure_ascii=False, default=_jsonable) + "\n", encoding="utf-8"
-    )
-    return path
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return repr(value)
 
 
 # -- command plumbing ---------------------------------------------------------------------
@@ -389,6 +225,3 @@ def connect(args: argparse.Namespace) -> tuple[Client, dict[str, Any]]:
     return client, snapshot
 
 
-def log(message: str) -> None:
-    """Progress on stderr, so stdout holds only the tables."""
-    print(message, file=sys.stderr, flush=True)

@@ -31,12 +31,13 @@ rewritten after every phase, so an error or the deadline loses only the phase it
    then the same through the service's path (a vision-language `TorchEngine` as the loader
    builds one, `score(..., images=...)`, its state cache), the tower's peak vs its estimate,
    the issue's two goals gated on the engine's numbers;
-8. batching, with what time is left: issue 12's three measurements (`bench/batching.py`, quick:
-   16 clients vs 1, the second question about a ~2,000-token state vs the first, prefills for 8
-   clients over one state) through the decision core;
+8. batching, with what time is left: issue 12's three measurements (`harness.batching`, which
+   `bench/batching.py` runs on the CPU; quick: 16 clients vs 1, the second question about a
+   ~2,000-token state vs the first, prefills for 8 clients over one state) through the decision core;
 9. adapters (issue 26): 4 random BF16 rank-32 LoRA adapters on lev's targets over the run's
-   model (`bench/adapters.py`): a row's cost vs the base's (suffix forward over a ~1,000-token
-   state, its prefill, a lone row, 8 lone rows), a forward mixing the 4 vs one, the device bytes;
+   model (`harness.adapters`, which `bench/adapters.py` runs on the CPU): a row's cost vs the
+   base's (suffix forward over a ~1,000-token state, its prefill, a lone row, 8 lone rows), a
+   forward mixing the 4 vs one, the device bytes;
 10. keep (issue 39): where keeping a lone question's state pays on this device: at several state
    lengths, a new state's plain forward, the keeping pass (prefill, store, suffix) and the
    follow-up from the cache, interleaved; the shortest length at which one follow-up repays the
@@ -75,20 +76,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
-from .common import (
-    EXIT_ERROR,
-    EXIT_GATE_FAILED,
-    EXIT_PASS,
-    CheckError,
-    Client,
-    Gate,
-    ServiceCallError,
-    default_out,
-    log,
-    print_table,
-    write_result,
+from harness.client import Client, ServiceCallError
+from harness.report import log, print_table, write_result
+from harness.server import LoopbackServer
+from harness.workloads import (
+    DEPLOYMENT_OPTIONS,
+    DEPLOYMENT_QUESTION,
+    LATENCY_CASES,
+    QUEUE_OPTIONS,
+    QUEUE_QUESTION,
+    filler,
+    fit_latency_states,
+    fit_words,
+    input_tokens_probe,
+    prefix_tokens_probe,
 )
+
+from .capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
+from .common import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_PASS, CheckError, Gate, default_out
 from .gpu_images import (
     IMAGE_SIZES,
     VISION_GEOMETRY,
@@ -106,19 +111,6 @@ from .latency import (
     short_after_lone_long,
     wait_gates,
     waits_between,
-)
-from .server import LoopbackServer
-from .workloads import (
-    DEPLOYMENT_OPTIONS,
-    DEPLOYMENT_QUESTION,
-    LATENCY_CASES,
-    QUEUE_OPTIONS,
-    QUEUE_QUESTION,
-    filler,
-    fit_latency_states,
-    fit_words,
-    input_tokens_probe,
-    prefix_tokens_probe,
 )
 
 EXIT_HARD_LIMIT = 3
@@ -802,9 +794,7 @@ class GpuRun:
         self.needs("service")
         import asyncio
 
-        if str(ROOT) not in sys.path:
-            sys.path.insert(0, str(ROOT))
-        from bench.batching import measure
+        from harness.batching import measure
 
         measured = asyncio.run(measure(self.service, quick=True))
         print_table(["measurement", "value"], [[k, v] for k, v in measured.items()], title="batching (quick)")
@@ -819,12 +809,10 @@ class GpuRun:
 
     def adapters(self) -> tuple[dict[str, Any], list[Gate]]:
         """Issue 26 on the card: 4 random BF16 rank-32 adapters on lev's targets over the run's
-        model (`bench.adapters`): a row's cost vs the base's at the same work, a forward mixing
+        model (`harness.adapters`): a row's cost vs the base's at the same work, a forward mixing
         the 4 vs one, and what the adapters hold on the device."""
         self.needs("service")
-        if str(ROOT) not in sys.path:
-            sys.path.insert(0, str(ROOT))
-        from bench.adapters import measure, random_adapter, table
+        from harness.adapters import measure, random_adapter, table
 
         model = self.service.engine.model
         cuda = self.device.cuda

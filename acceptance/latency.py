@@ -8,20 +8,12 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from .common import (
-    CheckError,
-    Client,
-    Gate,
-    Outcome,
-    ServiceCallError,
-    add_connection_arguments,
-    connect,
-    finish,
-    log,
-    print_table,
-)
-from .stats import median, percentile
-from .workloads import LATENCY_CASES, FittedStates, LatencyCase, fit_latency_states
+from harness.client import Client, ServiceCallError
+from harness.report import log, print_table
+from harness.stats import median, percentile
+from harness.workloads import LATENCY_CASES, FittedStates, LatencyCase, fit_latency_states
+
+from .common import CheckError, Gate, Outcome, add_connection_arguments, connect, finish
 
 
 def add_latency(commands) -> None:

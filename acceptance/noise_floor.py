@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (
-    Gate,
-    Outcome,
-    add_connection_arguments,
-    connect,
-    finish,
-    fraction,
-    print_table,
-    score_rows,
-)
+from harness.report import print_table
+from harness.stats import compare_results, summarise_comparisons
+
+from .common import Gate, Outcome, add_connection_arguments, connect, finish, fraction, score_rows
 from .parity import fixture_argument, load_fixture
-from .stats import compare_results, summarise_comparisons
 
 
 def add_noise_floor(commands) -> None:

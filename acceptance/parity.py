@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.report import log, print_table
+from harness.stats import compare_results, summarise_comparisons
+
 from .common import (
     EXIT_PASS,
     CheckError,
@@ -18,13 +21,10 @@ from .common import (
     connect,
     finish,
     fraction,
-    log,
-    print_table,
     read_jsonl,
     score_rows,
     write_jsonl,
 )
-from .stats import compare_results, summarise_comparisons
 
 DEFAULT_TIE_MARGIN = 0.02  # top-2 probability margin below which a flipped top counts as a tie
 DEFAULT_MAX_GAP = 0.10  # BF16 paths differ by a few hundredths; the spec measured 0.049..0.093

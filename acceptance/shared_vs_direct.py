@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from harness.client import Client, ServiceCallError
+from harness.report import log
+
 from .common import (
     CheckError,
-    Client,
-    ServiceCallError,
     add_connection_arguments,
     connect,
     finish,
-    log,
     score_rows,
     shared_question,
     state_key,

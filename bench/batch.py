@@ -33,12 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import httpx
 
-import httpx  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SENTENCE = "Ticket {t}: the service returned errors for {n} minutes after release {r}, then recovered. "
 OPTIONS = [{"id": "yes", "description": "It succeeded."}, {"id": "no", "description": "It failed."}]
@@ -121,8 +119,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=500)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
     args = parser.parse_args()
-    from acceptance.server import ServiceProcess
     from bench.run import bench_checkpoint
+    from harness.server import ServiceProcess
 
     path = bench_checkpoint()
     work = Path(tempfile.mkdtemp(prefix="bench-batch-"))

@@ -1,4 +1,5 @@
-"""Issue 12's three measurements, side by side in one run, through the real decision core.
+"""Issue 12's three measurements, side by side in one run, through the real decision core
+(`harness.batching`).
 
     uv run python bench/batching.py                 # the bench checkpoint (cached after the first run)
     uv run python bench/batching.py --tiny --quick  # the test checkpoint, a smoke version
@@ -13,88 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from semif_serve.domain.requests import DecisionRequest, Limits  # noqa: E402
-from semif_serve.domain.types import Option, Question  # noqa: E402
-from semif_serve.service.settings import Settings  # noqa: E402
-from semif_serve.service.startup import Service  # noqa: E402
-
-LIMITS = dict(max_input_tokens=8192, max_options=16, max_rows=64)
-
-
-def question(n: int) -> Question:
-    options = (Option("yes", "It succeeded."), Option("no", "It failed."))
-    return Question(f"q{n}", f"Did deployment number {n} succeed?", options)
-
-
-def long_state(words: int) -> str:
-    return " ".join(f"event{i % 97} zone{i % 7} ok" for i in range(words // 3))
-
-
-async def clients(service: Service, n_clients: int, each: int) -> tuple[float, list[float]]:
-    """Requests/s and latencies of `n_clients` callers each asking `each` distinct decisions."""
-    latencies: list[float] = []
-
-    async def client(c: int) -> None:
-        for k in range(each):
-            t0 = time.perf_counter()
-            state = f"Client {c} request {k}: health checks passed in zone {k % 3}."
-            await service.core.decide(DecisionRequest(state, [question(k)], False, Limits(**LIMITS)))
-            latencies.append(time.perf_counter() - t0)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client(c) for c in range(n_clients)))
-    return n_clients * each / (time.perf_counter() - started), latencies
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def measure(service: Service, quick: bool) -> dict[str, float]:
-    out: dict[str, float] = {}
-    each = 2 if quick else 8
-    rps1, lat1 = await clients(service, 1, 16 * each)
-    rps16, lat16 = await clients(service, 16, each)
-    out.update(
-        rps_1=rps1,
-        rps_16=rps16,
-        throughput_ratio=rps16 / rps1,
-        p50_1_ms=pct(lat1, 0.5),
-        p99_1_ms=pct(lat1, 0.99),
-        p50_16_ms=pct(lat16, 0.5),
-        p99_16_ms=pct(lat16, 0.99),
-    )
-    ratios = []
-    for run in range(1 if quick else 3):
-        state = long_state(2000) + f" run {run}"
-        first = await service.core.decide(DecisionRequest(state, [question(0)], True, Limits(**LIMITS)))
-        second = await service.core.decide(DecisionRequest(state, [question(1)], True, Limits(**LIMITS)))
-        assert second.timing is not None and second.timing.prefill == "cached"
-        ratios.append(first.total_seconds / second.total_seconds)
-        out["state_prefix_tokens"] = first.timing.prefix_tokens if first.timing else 0
-    out["second_question_ratio"] = statistics.median(ratios)
-    misses = service.engine.cache.stats().misses
-    state = long_state(600) + " shared"
-    await asyncio.gather(
-        *(
-            service.core.decide(DecisionRequest(state, [question(i)], True, Limits(**LIMITS)))
-            for i in range(8)
-        )
-    )
-    out["prefills_for_8_clients"] = service.engine.cache.stats().misses - misses
-    return out
 
 
 def main() -> int:
@@ -102,6 +25,9 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="the test checkpoint instead of the bench one")
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     args = parser.parse_args()
+    from harness.batching import measure
+    from semif_serve.service.settings import Settings
+    from semif_serve.service.startup import Service
     from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
 
     if args.tiny:

@@ -18,20 +18,16 @@ import base64
 import io
 import random
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from semif_serve.app import create_app  # noqa: E402
-from semif_serve.domain.boxes import POSITIONS, read_box  # noqa: E402
-from semif_serve.service.settings import Settings  # noqa: E402
-from semif_serve.service.startup import Service  # noqa: E402
-from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint  # noqa: E402
+from semif_serve.app import create_app
+from semif_serve.domain.boxes import POSITIONS, read_box
+from semif_serve.service.settings import Settings
+from semif_serve.service.startup import Service
+from semif_serve.tools.demo import DEMO_REVISION, write_checkpoint
 
 TOKEN = "bench-token-0123456789"
 PHOTO = "<image:0123456789abcdef0123456789abcdef>"

@@ -3,8 +3,8 @@ thread, on the peers' bench checkpoint: the forwards of the peers' two workloads
 then its suffix rows), the same model loaded twice by the production loader
 (SEMIF_CPU_KERNELS on and off), rounds alternating the two.
 
-    PYTHONPATH=src:. python bench/cpu_kernels.py
-    PYTHONPATH=src:. python bench/cpu_kernels.py --where   # where a short noul's forwards spend their time
+    uv run python bench/cpu_kernels.py
+    uv run python bench/cpu_kernels.py --where   # where a short noul's forwards spend their time
 """
 
 from __future__ import annotations

@@ -39,9 +39,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from gateway import REPLICA_HEADER, STATE_KEY_HEADER, Gateway, free_port, state_key  # noqa: E402
+from bench.gateway import REPLICA_HEADER, STATE_KEY_HEADER, Gateway, free_port, state_key
 
 TOKEN = "bench-multi-replica-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -61,7 +61,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -71,15 +70,11 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from acceptance.common import format_table, log, write_result  # noqa: E402
-from acceptance.server import LOOPBACK, ServiceProcess, free_port  # noqa: E402
-from acceptance.stats import median  # noqa: E402
-from acceptance.workloads import filler  # noqa: E402
-from bench.run import environment  # noqa: E402
+from bench.run import environment
+from harness.report import format_table, log, write_result
+from harness.server import LOOPBACK, ServiceProcess, free_port
+from harness.stats import median
+from harness.workloads import filler
 
 SYSTEMONE = "/v1/systemone"
 DEFAULT_MODEL_DIR = Path(os.environ.get("SEMIF_PEERS_MODEL") or "/work/peers/ckpt")

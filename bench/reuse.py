@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -36,18 +35,15 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import httpx  # noqa: E402
+import httpx
 
-from acceptance.server import LoopbackServer  # noqa: E402
-from semif_serve.domain.requests import RowsRequest  # noqa: E402
-from semif_serve.domain.types import PromptRow  # noqa: E402
-from semif_serve.engine.batching import Bounds, plan_groups  # noqa: E402
-from semif_serve.engine.state_cache import STATE, StateCache  # noqa: E402
+from harness.server import LoopbackServer
+from semif_serve.domain.requests import RowsRequest
+from semif_serve.domain.types import PromptRow
+from semif_serve.engine.batching import Bounds, plan_groups
+from semif_serve.engine.state_cache import STATE, StateCache
 
 TOKEN = "bench-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

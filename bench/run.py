@@ -34,14 +34,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from acceptance.common import Client, format_table, log, write_result  # noqa: E402
-from acceptance.server import ServiceProcess, read_rss, reset_peak_rss  # noqa: E402
-from acceptance.stats import median, percentile  # noqa: E402
-from acceptance.workloads import (  # noqa: E402
+from harness.client import Client
+from harness.report import format_table, log, write_result
+from harness.server import ServiceProcess, read_rss, reset_peak_rss
+from harness.stats import median, percentile
+from harness.workloads import (
     DEPLOYMENT_OPTIONS,
     DEPLOYMENT_QUESTION,
     QUEUE_OPTIONS,
@@ -52,7 +49,7 @@ from acceptance.workloads import (  # noqa: E402
     input_tokens_probe,
     prefix_tokens_probe,
 )
-from semif_serve.domain.numerics import MIB  # noqa: E402
+from semif_serve.domain.numerics import MIB
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Rows over one prefix: each row whole vs one prefill of the prefix and the suffixes over it
 (engine/sharing.py's rule), in process, one thread, on the peers' bench checkpoint.
 
-    PYTHONPATH=src:. python bench/sharing.py --dtype bfloat16
+    uv run python bench/sharing.py --dtype bfloat16
 """
 
 from __future__ import annotations

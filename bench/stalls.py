@@ -60,21 +60,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import httpx
+
+from harness.server import ServiceProcess, read_rss, reset_peak_rss
+
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "src"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import httpx  # noqa: E402
-
-from acceptance.server import ServiceProcess, read_rss, reset_peak_rss  # noqa: E402
 
 SENTENCE = "The service returned errors for ten minutes after the release, then recovered. "
 GIB = 1 << 30

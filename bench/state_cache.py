@@ -13,15 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "src"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SENTENCE = "The service returned errors for ten minutes after the release, then recovered. "

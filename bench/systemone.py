@@ -26,15 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from acceptance.common import Client, format_table, log, write_result  # noqa: E402
-from acceptance.server import ServiceProcess  # noqa: E402
-from acceptance.stats import median  # noqa: E402
-from acceptance.workloads import filler, fit_words, prefix_tokens_probe  # noqa: E402
-from bench.run import bench_checkpoint, environment  # noqa: E402
+from bench.run import bench_checkpoint, environment
+from harness.client import Client
+from harness.report import format_table, log, write_result
+from harness.server import ServiceProcess
+from harness.stats import median
+from harness.workloads import filler, fit_words, prefix_tokens_probe
 
 SYSTEMONE = "/v1/systemone"
 GOAL_SPEEDUP = 4.0

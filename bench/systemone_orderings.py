@@ -12,20 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.run import bench_checkpoint  # noqa: E402
-from semif_serve.app import create_app  # noqa: E402
-from semif_serve.service.settings import DEFAULT_SYSTEMONE_ORDERINGS, Settings  # noqa: E402
-from semif_serve.service.startup import Service  # noqa: E402
-from semif_serve.tools.demo import DEMO_REVISION  # noqa: E402
+from bench.run import bench_checkpoint
+from semif_serve.app import create_app
+from semif_serve.service.settings import DEFAULT_SYSTEMONE_ORDERINGS, Settings
+from semif_serve.service.startup import Service
+from semif_serve.tools.demo import DEMO_REVISION
 
 TOKEN = "bench-token-0123456789"
 STATE = "The customer wrote in about a double charge on the March invoice and a failed refund. " * 60

@@ -1,8 +1,8 @@
 """Issue 39's thread measurements, side by side in one run.
 
-    PYTHONPATH=src:. python bench/threads.py                      # both parts, ~8 min here
-    PYTHONPATH=src:. python bench/threads.py --only crossover     # forwards at 1, 2, ... threads
-    PYTHONPATH=src:. python bench/threads.py --only servers --rounds 3
+    uv run python bench/threads.py                      # both parts, ~8 min here
+    uv run python bench/threads.py --only crossover     # forwards at 1, 2, ... threads
+    uv run python bench/threads.py --only servers --rounds 3
 
 1. `crossover`: one forward (the engine's `logits_over`, no cache) of R rows x T tokens on the
    peers' checkpoint (hidden 256, 8 layers, float32), at each fixed thread count (1, 2 and every
@@ -21,23 +21,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import httpx  # noqa: E402
+import httpx
 
-from acceptance.common import format_table, log  # noqa: E402
-from acceptance.server import ServiceProcess  # noqa: E402
-from bench.peers import (  # noqa: E402
+from bench.peers import (
     DEFAULT_MODEL_DIR,
     MATCH_NONE,
     STATE_TOKENS,
@@ -48,6 +42,8 @@ from bench.peers import (  # noqa: E402
     only_running,
     thread_env,
 )
+from harness.report import format_table, log
+from harness.server import ServiceProcess
 
 SHAPES = ((1, 40), (1, 150), (1, 300), (1, 600), (1, 1100), (8, 40), (8, 150), (1, 2000))
 

@@ -25,19 +25,16 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import httpx
 
-import httpx  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SENTENCE = "The service returned errors for ten minutes after release {n}, then recovered in zone {z}. "
 OPTIONS = [{"id": "yes", "description": "It succeeded."}, {"id": "no", "description": "It failed."}]
@@ -148,7 +145,7 @@ BACKGROUND: list[Side] = []
 def start_sides(
     path: Path, work: Path, names: list[str], before: str | None, extra: dict[str, Any]
 ) -> list[Side]:
-    from acceptance.server import ServiceProcess
+    from harness.server import ServiceProcess
     from semif_serve.tools.demo import DEMO_REVISION
 
     sides = []

@@ -23,10 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "src"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STATE = {"photo": "<image:photo>", "caption": "a product photo from the catalogue"}

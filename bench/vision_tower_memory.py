@@ -3,7 +3,7 @@ against the engine's estimate (`VisionTower.activation_bytes`, docs/memory.md "I
 
     uv run python bench/vision_tower_memory.py [--size 448x448] [--depth 24]
 
-Random BF16 weights at `acceptance.gpu_images.QWEN35_4B_VISION`; the peak of live tensors is
+Random BF16 weights at `harness.geometry.QWEN35_4B_VISION`; the peak of live tensors is
 counted by torch's `MemTracker` (a dispatch mode over every tensor the forward creates; a
 private torch API), minus the weights and the input pixels. Indicative only: CUDA's kernels
 and its allocator's rounding differ; the GPU run's `images` phase measures the real peak
@@ -15,14 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from types import SimpleNamespace
-
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "src"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
 
 NO_TOKENS = SimpleNamespace(convert_tokens_to_ids=lambda token: 0)
 
@@ -38,7 +31,7 @@ def main() -> int:
     from transformers import Qwen3_5TextConfig, Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-    from acceptance.gpu_images import QWEN35_4B_VISION
+    from harness.geometry import QWEN35_4B_VISION
     from semif_serve.engine.memory import MemoryEstimate
     from semif_serve.engine.vision import VisionTower
     from semif_serve.tools.demo import QWEN35_4B_SHAPE

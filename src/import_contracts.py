@@ -1,7 +1,8 @@
 """An import-linter contract type of the project's own (not shipped: lint-imports loads it from src/).
 
 `type = "import_contracts.OnlyTheseExternals"`: the modules under `source_modules` import no module
-outside the root package but the standard library and `allowed_modules`; `ignore_imports` lists the
+outside their own root package but the standard library and `allowed_modules` (another root
+package of the session, `harness` say, counts as outside); `ignore_imports` lists the
 allowed exceptions, each with its reason beside it in pyproject.toml.
 """
 
@@ -15,7 +16,7 @@ from importlinter.domain.imports import Module
 
 
 class OnlyTheseExternals(Contract):
-    """The source modules import only the standard library, the root package and `allowed_modules`."""
+    """The source modules import only the standard library, their own root package and `allowed_modules`."""
 
     source_modules = fields.ListField(subfield=fields.ModuleField())
     allowed_modules = fields.ListField(subfield=fields.StringField(), required=False)
@@ -23,22 +24,22 @@ class OnlyTheseExternals(Contract):
 
     def check(self, graph: Any, verbose: bool) -> ContractCheck:
         """Every direct import of a source module (or its descendants) whose top-level package is
-        neither the root package, the standard library nor allowed, and not ignored."""
+        neither the source's own root package, the standard library nor allowed, and not ignored."""
         # The fields are read through `contract_options` (the class attributes are descriptors).
         options = self.contract_options
         allowed = set(options.get("allowed_modules", []))
         ignored = {
             tuple(part.strip() for part in line.split("->")) for line in options.get("ignore_imports", [])
         }
-        roots = set(self.session_options["root_packages"])
         broken: list[tuple[str, str, list[int]]] = []
         for name in options["source_modules"]:
             source = Module(name)
+            own_root = name.split(".")[0]
             importers = {source.name, *graph.find_descendants(source.name)}
             for importer in sorted(importers):
                 for imported in sorted(graph.find_modules_directly_imported_by(importer)):
                     top = imported.split(".")[0]
-                    if top in roots or top in sys.stdlib_module_names or top in allowed:
+                    if top == own_root or top in sys.stdlib_module_names or top in allowed:
                         continue
                     if (importer, top) in ignored:
                         continue

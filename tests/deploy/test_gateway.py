@@ -12,15 +12,14 @@ import gzip
 import json
 import os
 import shutil
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
 
+from bench.gateway import REPLICA_HEADER, STATE_KEY_HEADER, Gateway, state_key
 from semif_serve.app import create_app
 from semif_serve.http.server import server_config
 from tests.support import TOKEN, decision
@@ -32,9 +31,6 @@ from tests.support.proxy_bodies import (
     refused_by_a_replica,
     too_large_for_systemone,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gateway import REPLICA_HEADER, STATE_KEY_HEADER, Gateway, state_key  # noqa: E402
 
 HAPROXY = shutil.which("haproxy")
 if HAPROXY is None:

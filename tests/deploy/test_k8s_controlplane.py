@@ -15,13 +15,12 @@ import copy
 import itertools
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from bench.gateway import Gateway
 from tests.deploy.test_k8s_chart import RELEASE, VALUE_SETS, render, required_tool
 from tests.support.k8s_controlplane import (
     ControlPlane,
@@ -33,9 +32,6 @@ from tests.support.k8s_controlplane import (
     missing_components,
     wait_for_build,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gateway import Gateway  # noqa: E402
 
 pytestmark = pytest.mark.k8s_controlplane
 BUILD_WAIT_SECONDS = 40 * 60  # a cold build on 2 busy cores, started by .ci/run beside the tests

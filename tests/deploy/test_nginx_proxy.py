@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from acceptance.server import LoopbackServer, free_port
+from harness.server import LoopbackServer, free_port
 from semif_serve.app import create_app
 from tests.support import TOKEN, decision
 from tests.support.proxy_bodies import (

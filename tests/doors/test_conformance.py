@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from jevcompat.spec import REQUIREMENTS
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from tests.support import TOKEN
 

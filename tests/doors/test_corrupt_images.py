@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image as PILImage
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.domain import images as images_module
 from semif_serve.domain.images import ImageRejected, VerifiedImages, read_image

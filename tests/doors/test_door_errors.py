@@ -13,7 +13,7 @@ import socket
 import httpx
 import pytest
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.service.startup import Service
 from tests.http.test_admission import Exchange, scope, while_every_slot_is_taken

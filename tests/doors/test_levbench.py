@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from acceptance.server import ServiceProcess
+from harness.server import ServiceProcess
 from semif_serve.tools.demo import DEMO_REVISION, ensure_demo_models
 
 LEVBENCH = os.environ.get("SEMIF_LEVBENCH") or shutil.which("levbench")

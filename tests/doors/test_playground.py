@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.playground import ASSETS, FILES
 from tests.support import TOKEN

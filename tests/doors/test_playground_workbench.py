@@ -19,7 +19,7 @@ import httpx
 import pytest
 from typesafe_sdk import Box, Image, Noul, TypeSafeClient
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.tools.cli import main
 from tests.doors.test_playground import (  # noqa: F401 - `browser` and `artifacts` are fixtures used by name

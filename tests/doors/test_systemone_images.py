@@ -32,7 +32,7 @@ from typesafe_sdk import (
     TypeSafeUnprocessableEntityError,
 )
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.domain.images import ImageRejected, read_image
 from semif_serve.doors.systemone.multipart import MultipartRefused, parse_multipart

@@ -13,7 +13,7 @@ import json
 import pytest
 from typesafe_sdk import Box, Choice, Image, Noul, TypeSafeClient
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.doors.systemone.mapping import Policy, core_questions, to_question
 from semif_serve.doors.systemone.schemas import SystemOneRequest

@@ -26,7 +26,7 @@ from typesafe_sdk import (
 )
 from typesafe_sdk._core.compression import MIN_COMPRESSED_BODY_LENGTH, resolve_compression
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from tests.support import TOKEN
 

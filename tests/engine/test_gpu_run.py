@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from acceptance.capacity import CapacityProbe, Deadline, capacity_decisions, find_capacity
-from acceptance.common import ServiceCallError
 from acceptance.gpu_images import ENGINE_GAPS, engine_table, image_gates
 from acceptance.gpu_run import (
     Device,
@@ -23,6 +22,7 @@ from acceptance.gpu_run import (
     memory_gates,
 )
 from acceptance.kernels import bound_kernels, fast_linear_attention
+from harness.client import ServiceCallError
 from tests.support.cuda_sim import MIB, SimulatedCuda
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import PromptRow

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from acceptance.server import LoopbackServer
+from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.service.startup import Service
 from tests.support import TOKEN, decision, make_settings, open_post

@@ -17,7 +17,7 @@ import zlib
 import httpx
 import pytest
 
-from acceptance.server import LoopbackServer, read_rss, reset_peak_rss
+from harness.server import LoopbackServer, read_rss, reset_peak_rss
 from semif_serve.app import create_app
 from semif_serve.http.body_encoding import STEP_BYTES, BodyDecoder, CorruptBody, requested_coding
 from semif_serve.http.headers import parse_headers

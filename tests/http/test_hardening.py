@@ -17,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from acceptance.server import LOOPBACK, ServiceProcess
+from harness.server import LOOPBACK, ServiceProcess
 from semif_serve.app import Service, create_app
 from semif_serve.http.auth import Authenticator, presented_token
 from semif_serve.http.errors import ServiceError

@@ -5,7 +5,6 @@ tests/engine/test_gpu_run.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,16 +13,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from acceptance import cli, stats
+from acceptance import cli
+from acceptance.common import Gate, Outcome, read_jsonl, write_jsonl
+from acceptance.parity import negative_control_verdict, rotate_descriptions
+from harness import stats
+from harness.client import Client, ServiceCallError
+from harness.report import format_table
+from harness.server import LoopbackServer
+from harness.workloads import filler, fit_words
+from semif_serve.app import create_app
 from semif_serve.domain.numerics import expected_calibration_error
 from tests.support import TOKEN, make_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-from acceptance.common import Client, Gate, Outcome, ServiceCallError, format_table, read_jsonl, write_jsonl  # noqa: E402
-from acceptance.parity import negative_control_verdict, rotate_descriptions  # noqa: E402
-from acceptance.server import LoopbackServer  # noqa: E402
-from acceptance.workloads import filler, fit_words  # noqa: E402
-from semif_serve.app import create_app  # noqa: E402
 
 STATES = [
     "Health checks passed in all three zones after the release",
@@ -427,10 +429,8 @@ def test_format_table_aligns_numbers_right():
 
 
 def test_bench_table_has_one_row_per_measurement():
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(bench)
+    from bench import run as bench
+
     results = {
         "shared": {
             "prefix_tokens": 1000,

@@ -1,5 +1,6 @@
 """The package's layers are enforced: import-linter's contracts (pyproject.toml) hold on the tree,
-and the same contracts fail on a copy with a forbidden import or a cycle."""
+and the same contracts fail on a copy with a forbidden import or a cycle; so does the one-way
+harness (`bench` and `acceptance` over `harness` over `semif_serve`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+TOOLS = ("harness", "bench", "acceptance")  # the root packages beside src/semif_serve
 
 
 def lint(root: Path) -> subprocess.CompletedProcess[str]:
-    """`lint-imports` over the package under `root/src`, with the project's own contracts."""
+    """`lint-imports` over the packages under `root/src` and `root` (harness, bench, acceptance), with
+    the project's own contracts."""
     env = {**os.environ, "PYTHONPATH": str(root / "src")}
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml")],
@@ -30,31 +33,39 @@ def lint(root: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def copy_of_the_tree(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    for tree in ("src", *TOOLS):
+        shutil.copytree(ROOT / tree, tmp_path / tree, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 
 
 def add_import(root: Path, module: str, statement: str) -> None:
-    path = root / "src" / "semif_serve" / (module.replace(".", "/") + ".py")
+    """Append `statement` to `module` (dotted, from its root package) in the copy under `root`."""
+    base = root if module.split(".")[0] in TOOLS else root / "src"
+    path = base / (module.replace(".", "/") + ".py")
     path.write_text(path.read_text() + f"\n{statement}  # noqa\n")
 
 
 def test_every_import_in_the_package_runs_down_the_layers_and_no_module_cycles() -> None:
     result = lint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.parametrize(
     "module,statement,broken",
     [
-        ("domain.numerics", "import semif_serve.engine.runner", "every import runs down the layers"),
-        ("engine.memory", "from semif_serve.service import settings", "every import runs down the layers"),
-        ("doors.systemone.api", "import semif_serve.doors.native.api", "The two doors know nothing"),
-        ("tools.calibration_fit", "import semif_serve.tools.cli", "imports its way back to itself"),
-        ("domain.numerics", "import fastapi", "nothing but the standard library and pydantic"),
-        ("domain.boxes", "import numpy", "nothing but the standard library and pydantic"),
+        ("semif_serve.domain.numerics", "import semif_serve.engine.runner", "runs down the layers"),
+        ("semif_serve.engine.memory", "from semif_serve.service import settings", "runs down the layers"),
+        ("semif_serve.doors.systemone.api", "import semif_serve.doors.native.api", "two doors know nothing"),
+        ("semif_serve.tools.calibration_fit", "import semif_serve.tools.cli", "its way back to itself"),
+        ("semif_serve.domain.numerics", "import fastapi", "nothing but the standard library"),
+        ("semif_serve.domain.boxes", "import numpy", "nothing but the standard library"),
+        ("harness.report", "import bench.run", "over the harness over semif_serve"),
+        ("acceptance.cli", "from bench import gateway", "over the harness over semif_serve"),
+        ("bench.gateway", "import acceptance.common", "over the harness over semif_serve"),
+        # Another root package is no standard library either: the domain's own contract says so too.
+        ("semif_serve.domain.numerics", "import harness.stats", "nothing but the standard library"),
     ],
     ids=[
         "domain_imports_engine",
@@ -63,6 +74,10 @@ def test_every_import_in_the_package_runs_down_the_layers_and_no_module_cycles()
         "cycle_in_tools",
         "domain_imports_fastapi",
         "domain_imports_numpy_outside_images",
+        "harness_imports_bench",
+        "acceptance_imports_bench",
+        "bench_imports_acceptance",
+        "domain_imports_harness",
     ],
 )
 def test_a_forbidden_import_or_a_cycle_breaks_a_contract(copy_of_the_tree, module, statement, broken) -> None:
@@ -70,3 +85,19 @@ def test_a_forbidden_import_or_a_cycle_breaks_a_contract(copy_of_the_tree, modul
     result = lint(copy_of_the_tree)
     assert result.returncode == 1
     assert f"{broken}" in result.stdout and "BROKEN" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["bench/peers.py", "--help"], ["-m", "bench.threads", "--help"], ["-m", "acceptance", "--help"]],
+    ids=["bench_script", "bench_module", "acceptance_module"],
+)
+def test_the_tools_import_as_packages_with_no_pythonpath(tmp_path: Path, command: list[str]) -> None:
+    # From another directory and with PYTHONPATH unset: only the editable install's path finds them.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [str(ROOT / command[0]), *command[1:]] if command[0].endswith(".py") else command
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .common import Client
+from .client import Client
 
 _SUBJECTS = (
     "the release",
