@@ -67,7 +67,9 @@ def test_sixteen_requests_in_flight_share_forwards_counted_in_metrics_and_answer
             await busy
             together = await asyncio.gather(*asks)
             after = forwards((await client.get("/metrics")).text)
-            alone = [await client.post("/v1/systemone", json=body(served, i), headers=AUTH) for i in range(16)]
+            alone = [
+                await client.post("/v1/systemone", json=body(served, i), headers=AUTH) for i in range(16)
+            ]
             return queued, before, after, together, alone
 
     queued, before, after, together, alone = asyncio.run(main())
@@ -103,7 +105,9 @@ def test_a_tiny_request_is_answered_while_a_long_state_of_any_model_is_prefilled
 
     monkeypatch.setattr(service.worker.engine, "run_group", recording)
     questions = {f"q{i}": noul(heavy_model, f"Is statement {i} true?") for i in range(3)}
-    heavy = systemone_body(heavy_model, long_state, questions)  # rows over one prefix: prefilled once, in steps
+    heavy = systemone_body(
+        heavy_model, long_state, questions
+    )  # rows over one prefix: prefilled once, in steps
 
     async def main():
         transport = httpx.ASGITransport(app=app)

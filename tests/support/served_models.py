@@ -11,7 +11,7 @@ from pathlib import Path
 
 from semif_serve.service.startup import Service
 from semif_serve.tools.lev_builder import write_lev_release
-from tests.support import make_settings
+from tests.support import decision, make_settings
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,12 @@ def systemone_body(served: Served, state: str, questions: dict[str, dict] | None
     """A valid System One body for `served`: `questions` as given, or one noul about the state."""
     asked = questions if questions is not None else {"q": noul(served, "Was the invoice paid twice?")}
     return {"model": served.model, "state": state, "questions": asked}
+
+
+def native_decision(served: Served, state: str) -> dict | None:
+    """A valid native `/decide` body reading `served` (the base: no `model`), or None for a lev
+    model (the native door reads SemIf's method only)."""
+    if served.method != "semif":
+        return None
+    chosen = {} if served is BASE else {"model": served.model}
+    return decision(state=state, **chosen)
