@@ -74,6 +74,14 @@ def service(engine, checkpoint) -> Service:
 
 
 @pytest.fixture(scope="session")
+def served_models(checkpoint, tmp_path_factory) -> Path:
+    """A SEMIF_MODELS file serving every kind of model over `checkpoint` (tests/support/served_models.py)."""
+    from tests.support.served_models import write_models_file
+
+    return write_models_file(checkpoint, tmp_path_factory.mktemp("served-models"))
+
+
+@pytest.fixture(scope="session")
 def vision_checkpoint(tmp_path_factory) -> Path:
     """The demo's checkpoint: the tiny Qwen3.5 with a vision tower."""
     return write_checkpoint(tmp_path_factory.mktemp("vision-model"), multimodal=True)

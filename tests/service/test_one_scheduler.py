@@ -1,7 +1,8 @@
 """One scheduler for every method: lev's rows are jobs of the same batcher as SemIf's, so the
-guarantees are the base's, shown by the same tests parametrised over both methods, through the
-real app: requests in flight share forwards (counted in /metrics), each answer equals the same
-request asked alone, and a tiny request beside a long prefill in steps is answered first."""
+guarantees are the base's, shown by the same tests parametrised over every kind of served model
+(tests/support/served_models.py), through the real app: requests in flight share forwards
+(counted in /metrics), each answer equals the same request asked alone, and a tiny request
+beside a long prefill in steps is answered first."""
 
 from __future__ import annotations
 
@@ -12,40 +13,15 @@ import httpx
 import pytest
 
 from semif_serve.app import create_app
-from semif_serve.service.startup import Service
-from semif_serve.tools.lev_builder import write_lev_release
-from tests.support import TOKEN, make_settings
+from tests.support import TOKEN
+from tests.support.served_models import SERVED, SERVED_IDS, Served, noul, serving, systemone_body
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-MODELS = """
-[models.lev-tiny]
-release = "plain"
-"""
 STATE = "The March invoice was charged twice; the customer asked for a refund."
-# The model each method is asked by: the base reads SemIf's method, lev-tiny lev's.
-METHODS = {"semif": "jev-latest", "lev": "lev-tiny"}
 
 
-@pytest.fixture(scope="module")
-def models_file(checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("one-scheduler")
-    write_lev_release(root / "plain", checkpoint, prompt_style="plain", seed=3)
-    (root / "models.toml").write_text(MODELS)
-    return root / "models.toml"
-
-
-def service_over(engine, checkpoint, models_file, **settings) -> Service:
-    return Service.start(make_settings(checkpoint, models=models_file, **settings), engine=engine)
-
-
-def noul(i: int, model: str) -> dict:
-    """A yes/no question; on the base asked once (lev reads its release's own orders)."""
-    question = {"type": "noul", "instructions": f"Is statement {i} about the invoice true?"}
-    return question if model != "jev-latest" else {**question, "x_orderings": "none"}
-
-
-def body(model: str, i: int, state: str = STATE) -> dict:
-    return {"model": model, "state": state, "questions": {"q": noul(i, model)}}
+def body(served: Served, i: int, state: str = STATE) -> dict:
+    return systemone_body(served, state, {"q": noul(served, f"Is statement {i} about the invoice true?")})
 
 
 def forwards(metrics: str) -> float:
@@ -53,13 +29,23 @@ def forwards(metrics: str) -> float:
     return float(line.split()[1])
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_sixteen_requests_in_flight_share_forwards_counted_in_metrics_and_answer_as_alone(
-    engine, checkpoint, models_file, method
-):
-    service = service_over(engine, checkpoint, models_file)
+@pytest.fixture(scope="module")
+def shared(engine, checkpoint, served_models):
+    with serving(engine, checkpoint, served_models) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def stepped(engine, checkpoint, served_models):
+    """Long states prefilled 16 tokens a step."""
+    with serving(engine, checkpoint, served_models, prefill_chunk_tokens=16, keep_state_tokens=64) as service:
+        yield service
+
+
+@pytest.mark.parametrize("served", SERVED, ids=SERVED_IDS)
+def test_sixteen_requests_in_flight_share_forwards_counted_in_metrics_and_answer_as_alone(shared, served):
+    service = shared
     app = create_app(service)
-    model = METHODS[method]
     gate = threading.Event()
 
     async def main():
@@ -68,7 +54,7 @@ def test_sixteen_requests_in_flight_share_forwards_counted_in_metrics_and_answer
             before = forwards((await client.get("/metrics")).text)
             busy = asyncio.ensure_future(service.worker.run(lambda: gate.wait(60)))  # the engine is busy
             asks = [
-                asyncio.ensure_future(client.post("/v1/systemone", json=body(model, i), headers=AUTH))
+                asyncio.ensure_future(client.post("/v1/systemone", json=body(served, i), headers=AUTH))
                 for i in range(16)
             ]
             loop = asyncio.get_running_loop()
@@ -81,7 +67,9 @@ def test_sixteen_requests_in_flight_share_forwards_counted_in_metrics_and_answer
             await busy
             together = await asyncio.gather(*asks)
             after = forwards((await client.get("/metrics")).text)
-            alone = [await client.post("/v1/systemone", json=body(model, i), headers=AUTH) for i in range(16)]
+            alone = [
+                await client.post("/v1/systemone", json=body(served, i), headers=AUTH) for i in range(16)
+            ]
             return queued, before, after, together, alone
 
     queued, before, after, together, alone = asyncio.run(main())
@@ -94,13 +82,19 @@ def test_sixteen_requests_in_flight_share_forwards_counted_in_metrics_and_answer
         assert abs(got.json()["answers"]["q"]["noul"] - want.json()["answers"]["q"]["noul"]) < 1e-5
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_a_tiny_request_is_answered_while_a_long_state_of_either_method_is_prefilled_in_steps(
-    engine, checkpoint, models_file, method
+# Each model is the long one once and the tiny one once (beside the next model's long state).
+BESIDE = [(SERVED[i], SERVED[(i + 1) % len(SERVED)]) for i in range(len(SERVED))]
+
+
+@pytest.mark.parametrize(
+    ("heavy_model", "tiny_model"), BESIDE, ids=[f"{h.id}-long-{t.id}-tiny" for h, t in BESIDE]
+)
+def test_a_tiny_request_is_answered_while_a_long_state_of_any_model_is_prefilled_in_steps(
+    stepped, monkeypatch, heavy_model, tiny_model
 ):
-    service = service_over(engine, checkpoint, models_file, prefill_chunk_tokens=16, keep_state_tokens=64)
+    service = stepped
     app = create_app(service)
-    long_state = "The zones recovered after the release, then the errors stopped for good. " * 30
+    long_state = f"The zones of {heavy_model.id} recovered after the release, then the errors stopped. " * 30
     finished: list[str] = []
     started = threading.Event()
     real = service.worker.engine.run_group
@@ -109,11 +103,11 @@ def test_a_tiny_request_is_answered_while_a_long_state_of_either_method_is_prefi
         started.set()
         return real(group)
 
-    service.worker.engine.run_group = recording  # type: ignore[method-assign]
-    heavy = {**body(METHODS[method], 0, long_state)}
-    heavy["questions"] = {
-        f"q{i}": noul(i, METHODS[method]) for i in range(3)
-    }  # rows over one prefix: prefilled once, in steps
+    monkeypatch.setattr(service.worker.engine, "run_group", recording)
+    questions = {f"q{i}": noul(heavy_model, f"Is statement {i} true?") for i in range(3)}
+    heavy = systemone_body(
+        heavy_model, long_state, questions
+    )  # rows over one prefix: prefilled once, in steps
 
     async def main():
         transport = httpx.ASGITransport(app=app)
@@ -127,7 +121,7 @@ def test_a_tiny_request_is_answered_while_a_long_state_of_either_method_is_prefi
             first = asyncio.ensure_future(ask("heavy", heavy))
             while not started.is_set():
                 await asyncio.sleep(0.005)
-            tiny = await ask("tiny", body("jev-latest", 1, "Short state."))
+            tiny = await ask("tiny", body(tiny_model, 1, "Short state."))
             return await first, tiny
 
     heavy_reply, tiny_reply = asyncio.run(asyncio.wait_for(main(), 240))
