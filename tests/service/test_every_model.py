@@ -42,18 +42,6 @@ TOKEN_LIMIT = 32_768  # SEMIF_SYSTEMONE_MAX_INPUT_TOKENS' default: 2 MB is under
 REPLY_BUDGET = 3_000
 
 
-def failing_on(reasons: dict[str, str]) -> list:
-    """SERVED as parameters, the ids in `reasons` marked as known failures (strict: a fix shows)."""
-    return [
-        pytest.param(
-            served,
-            id=served.id,
-            marks=[pytest.mark.xfail(strict=True, reason=reasons[served.id])] if served.id in reasons else [],
-        )
-        for served in SERVED
-    ]
-
-
 @pytest.fixture(scope="module")
 def roomy(engine, checkpoint, served_models):
     """Bodies up to 4 MB; a state of 64 tokens or more kept by its first question."""
@@ -162,16 +150,7 @@ def test_a_state_past_the_token_limit_is_refused_in_one_shape_on_every_model_hol
     assert small == 200  # nothing of the refused request holds a slot
 
 
-LEV_ENCODES_WHOLE = (
-    "lev_core.LevCore.check encodes the prefix with tokenizer.encode, the whole state, before "
-    "comparing with the limit (not domain.tokens.BoundedEncoder); the message says 'is N tokens', "
-    "not 'at least N'"
-)
-
-
-@pytest.mark.parametrize(
-    "served", failing_on({"lev-release": LEV_ENCODES_WHOLE, "lev-base": LEV_ENCODES_WHOLE})
-)
+@pytest.mark.parametrize("served", SERVED, ids=SERVED_IDS)
 def test_a_huge_state_is_refused_in_a_fraction_of_the_tokenizers_time_for_it_on_every_model(
     huge_refusals, whole_encoding_seconds, served
 ):
@@ -344,15 +323,7 @@ def test_every_models_requests_forwards_and_rows_are_counted_in_metrics(roomy, s
     assert [line["rows"] for line in logged] == [rows_of(r.json()) for r in replies]
 
 
-LEV_RECORD = (
-    "doors/systemone/lev.py builds lev's RequestRecord by hand without the batch timing "
-    "(prefix_tokens, forward_batches, merged_requests, prefill), so semif_prefix_tokens never "
-    "observes a lev request and its log line lacks those fields"
-)
-LEV_RECORD_FAILS = failing_on({"lev-release": LEV_RECORD, "lev-base": LEV_RECORD})
-
-
-@pytest.mark.parametrize("served", LEV_RECORD_FAILS)
+@pytest.mark.parametrize("served", SERVED, ids=SERVED_IDS)
 def test_every_models_state_tokens_are_counted_in_metrics_as_the_tokenizer_counts_them(
     roomy, tokenizer, served
 ):
@@ -364,8 +335,14 @@ def test_every_models_state_tokens_are_counted_in_metrics_as_the_tokenizer_count
     assert grew("semif_prefix_tokens_count") == 2
     prefixes = [line.get("prefix_tokens") for line in logged]
     assert grew("semif_prefix_tokens_sum") == sum(p or 0 for p in prefixes)
-    # The longer state's prefix is longer by the tokenizer's own count of the sentence.
-    assert prefixes[1] - prefixes[0] == len(tokenizer.encode(SENTENCE, add_special_tokens=False))
+    # The longer state's prefix is longer by the tokenizer's own count of the sentence (lev's plain
+    # prefix ends "<state>\n\n", where the sentence's full stop may merge with the blank line).
+    if served.method == "lev":
+        state = STATE.format(key=f"tokens-{served.id}")
+        plain = [len(tokenizer.encode(f"Context:\n{s}\n\n")) for s in (state, state + SENTENCE)]
+        assert prefixes == plain
+    else:
+        assert prefixes[1] - prefixes[0] == len(tokenizer.encode(SENTENCE, add_special_tokens=False))
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +361,7 @@ def test_every_models_request_log_line_counts_its_rows_tokens_and_forward_time(r
         assert line["forward_seconds"] > 0 and line["engine_seconds"] >= line["forward_seconds"]
 
 
-@pytest.mark.parametrize("served", LEV_RECORD_FAILS)
+@pytest.mark.parametrize("served", SERVED, ids=SERVED_IDS)
 def test_every_models_request_log_line_carries_the_bases_fields_with_its_forwards_and_prefix(
     roomy, base_lines, served
 ):
@@ -394,13 +371,10 @@ def test_every_models_request_log_line_carries_the_bases_fields_with_its_forward
         assert line["forward_batches"] >= 1 and line["prefix_tokens"] > 0
 
 
-NO_METHOD = "RequestRecord has no field naming the method, so no log line says which method read it"
-BASE_UNNAMED = "the base's RequestRecord has model None, left out of its log line; " + NO_METHOD
-
-
 @pytest.mark.parametrize(
     "served",
-    failing_on({"base": BASE_UNNAMED, "adapter": NO_METHOD, "lev-release": NO_METHOD, "lev-base": NO_METHOD}),
+    SERVED,
+    ids=SERVED_IDS,
 )
 def test_every_models_request_log_line_names_the_model_and_its_method(roomy, served):
     replies, logged, _, _ = asked_twice(roomy, served, "named")

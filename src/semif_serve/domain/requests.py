@@ -62,7 +62,8 @@ class RowsRequest:
 class DecisionRequest:
     """One call of a door: its questions over a state, its limits, its images, the door's
     count of the reply it would send (`reply_bytes`, held to `limits.max_reply_bytes`) and the
-    served adapter that reads it (`model`, its name; None: the base)."""
+    served adapter that reads it (`model`, its name; None: the base), and the model's name as
+    the reply gives it (`served_as`; None where the door names none)."""
 
     state: Any
     questions: tuple[Question, ...]
@@ -71,6 +72,7 @@ class DecisionRequest:
     images: tuple[ImageAsset, ...] = ()
     reply_bytes: int = 0
     model: str | None = None
+    served_as: str | None = None
 
     def with_rows(self, rows: Sequence[PromptRow]) -> RowsRequest:
         """The engine's request for this call, once its questions are planned into `rows`."""

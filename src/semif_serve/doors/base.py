@@ -21,11 +21,10 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
 from semif_serve.domain.echo import quoted
-from semif_serve.domain.images import ImageAsset
-from semif_serve.domain.requests import DecisionRequest, Limits
-from semif_serve.domain.types import BatchTiming, DecisionError, DecisionOutcome, Question
+from semif_serve.domain.requests import DecisionRequest
+from semif_serve.domain.types import BatchTiming, DecisionError, DecisionOutcome
 from semif_serve.http.errors import ServiceError, internal
-from semif_serve.service.core import RequestRecord
+from semif_serve.service.records import RequestRecord
 from semif_serve.service.startup import Service
 
 log = logging.getLogger("semif_serve.doors")
@@ -173,30 +172,15 @@ class DecisionDoor(ABC):
         `ids`: the questions, in order, named where the door `names_question`)."""
         return refusal_of(self.errors, exc, shared, ids if self.names_question else ())
 
-    async def ask(
-        self,
-        request: Request,
-        state: Any,
-        questions: Sequence[Question],
-        *,
-        shared: bool,
-        limits: Limits,
-        reply_bytes: int,
-        images: Sequence[ImageAsset] = (),
-        model: str | None = None,
-    ) -> DecisionOutcome:
-        """Ask the core (`reply_bytes`: the door's count of the reply it would send, held to
-        `limits.max_reply_bytes`; `model`: the adapter that reads it, None for the base), record
-        the call for the log line and the metrics, and turn a domain error into the door's
-        refusal through its table."""
+    async def ask(self, request: Request, asked: DecisionRequest) -> DecisionOutcome:
+        """Ask the core the call `asked` (built by the door: its limits, model, images and the
+        reply bytes it would send), record it for the log line and the metrics, and turn a domain
+        error into the door's refusal through its table."""
         try:
-            asked = DecisionRequest(
-                state, tuple(questions), shared, limits, tuple(images), reply_bytes, model
-            )
             outcome = await self.service.core.decide(asked)
         except DecisionError as exc:
-            raise self.refusal(exc, shared, [q.id for q in questions]) from None
-        request.state.record = RequestRecord.of(outcome, images=len(images), model=model)
+            raise self.refusal(exc, asked.shared, [q.id for q in asked.questions]) from None
+        request.state.record = RequestRecord.of(outcome, asked)
         return outcome
 
     async def reply(self, request: Request, build: Build) -> JSONResponse:

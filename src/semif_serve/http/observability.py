@@ -25,7 +25,7 @@ from semif_serve import __version__
 from semif_serve.http.admission import Admission
 from semif_serve.http.headers import SINGLE_HEADERS, RequestHeaders, headers_of
 from semif_serve.http.tracing import RequestTracing
-from semif_serve.service.core import RequestRecord
+from semif_serve.service.records import RequestRecord
 from semif_serve.service.startup import Service
 from semif_serve.service.status import StatusSnapshot
 
@@ -227,7 +227,7 @@ class Metrics:
         if record is None:
             return
         self.rows.inc(record.rows)
-        self.by_model.labels(record.model or "(base)").inc()
+        self.by_model.labels(record.adapter or "(base)").inc()
         self.forward.observe(record.forward_seconds)
         self.wait.labels("requests").observe(record.wait_seconds - record.wait_idle_seconds)
         self.wait.labels("idle").observe(record.wait_idle_seconds)

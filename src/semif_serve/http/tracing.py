@@ -27,7 +27,7 @@ from starlette.types import Message, Receive, Scope
 
 from semif_serve import __version__
 from semif_serve.domain.types import ConfigurationError
-from semif_serve.service.core import RequestRecord
+from semif_serve.service.records import RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -7,10 +7,9 @@ with its own limits and maps the `DecisionError`s it raises to its own status an
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from semif_serve.domain.calibration import CalibrationTable, calibrated_probabilities
 from semif_serve.domain.orderings import combine, mean_option_logits, option_orders, order_count
@@ -214,77 +213,3 @@ def _located(exc: DecisionError, planned: Sequence[PlannedQuestion]) -> Decision
             option = None if exc.option is None else p.orders[exc.row - p.first_row][exc.option]
             return exc.located(question=index, option=option)
     return exc
-
-
-@dataclass(frozen=True)
-class EngineStages:
-    """The stages the engine measured for one call, in the order they ran, and when its outcome
-    reached the door (`time.perf_counter()`): what a trace lays out as spans, never logged."""
-
-    encode_seconds: float
-    wait_seconds: float
-    prefill_seconds: float
-    forward_seconds: float  # the forwards after the prefill (the state's copies and the suffixes)
-    finished: float
-
-    @classmethod
-    def of(cls, outcome: DecisionOutcome) -> EngineStages:
-        """The stages of `outcome`, finished now."""
-        prefill = outcome.timing.prefill_seconds
-        return cls(
-            encode_seconds=max(outcome.total_seconds - outcome.forward_seconds, 0.0),
-            wait_seconds=outcome.wait.behind_requests_seconds + outcome.wait.behind_idle_seconds,
-            prefill_seconds=prefill,
-            forward_seconds=max(outcome.forward_seconds - prefill, 0.0),
-            finished=time.perf_counter(),
-        )
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """What the request log line and the metrics keep of an answered call (no text, no token)."""
-
-    rows: int
-    input_tokens: int
-    forward_seconds: float
-    engine_seconds: float
-    prefix_tokens: int | None = None  # None on the direct path
-    forward_batches: int | None = None
-    merged_requests: int | None = None
-    prefill: str | None = None
-    workloads: tuple[str, ...] = ()
-    images: int | None = None  # images the request showed the model (None: text only)
-    wait_seconds: float = 0.0  # its wait for the engine before its first forward
-    wait_idle_seconds: float = 0.0  # the part of that wait spent behind idle (speculative) work
-    model: str | None = None  # the adapter that read it (None: the base)
-    stages: EngineStages | None = None  # for traces; not a log field
-
-    @classmethod
-    def of(cls, outcome: DecisionOutcome, images: int = 0, model: str | None = None) -> RequestRecord:
-        """The record of one answered call (that showed the model `images` images, read by the
-        adapter `model`; None: the base)."""
-        readouts = [r for q in outcome.questions for r in q.readouts]
-        timing = outcome.timing if outcome.shared else None  # a lone row's path is not a batch
-        return cls(
-            rows=len(readouts),
-            input_tokens=sum(r.input_tokens for r in readouts),
-            forward_seconds=round(outcome.forward_seconds, 6),
-            engine_seconds=round(outcome.total_seconds, 6),
-            prefix_tokens=timing.prefix_tokens if timing else None,
-            forward_batches=timing.forward_batches if timing else None,
-            merged_requests=timing.merged_requests if timing else None,
-            prefill=timing.prefill if timing else None,
-            workloads=tuple(sorted({q.question.workload for q in outcome.questions if q.question.workload})),
-            images=images or None,
-            wait_seconds=round(outcome.wait.behind_requests_seconds + outcome.wait.behind_idle_seconds, 6),
-            wait_idle_seconds=round(outcome.wait.behind_idle_seconds, 6),
-            model=model,
-            stages=EngineStages.of(outcome),
-        )
-
-    def log_fields(self) -> dict[str, Any]:
-        """The fields of the request's JSON log line (those that apply to this call)."""
-        fields = {k: v for k, v in asdict(self).items() if v is not None and k not in ("workloads", "stages")}
-        if self.workloads:
-            fields["workloads"] = list(self.workloads)
-        return fields

@@ -35,7 +35,7 @@ from semif_serve.domain.lev import (
 )
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.tokens import BoundedEncoder, PastLimit
-from semif_serve.domain.types import BatchTiming, ConfigurationError, TooManyRows, TooManyTokens
+from semif_serve.domain.types import BatchTiming, ConfigurationError, EngineWait, TooManyRows, TooManyTokens
 from semif_serve.engine.lev_head import candidate_ids, head_scores
 from semif_serve.engine.lev_release import LevRelease, base_release, load_lev_release
 from semif_serve.engine.state_cache import state_digest
@@ -108,7 +108,13 @@ class LevOutcome:
     reply: LevReply
     rows: int  # forward rows: each question in each of its orders
     engine_seconds: float  # the rows' forwards on the engine thread
-    wait_seconds: float  # the wait for the engine before its first forward
+    wait: EngineWait  # the wait for the engine before its first forward (its longest job's)
+    encode_seconds: float = 0.0  # rendering, encoding and checking, before any job
+
+    @property
+    def wait_seconds(self) -> float:
+        """The whole wait for the engine."""
+        return self.wait.behind_requests_seconds + self.wait.behind_idle_seconds
 
 
 @dataclass(frozen=True)
@@ -360,5 +366,7 @@ class LevCore:
             else (lev_answers(release, rows, readouts))
         )
         engine_seconds = sum(r.forward_seconds for r in readouts)
-        waited = max(r.wait.behind_requests_seconds + r.wait.behind_idle_seconds for r in readouts)
-        return LevOutcome(reply, len(rows.plan.rows), engine_seconds, waited)
+        wait = max(
+            (r.wait for r in readouts), key=lambda w: w.behind_requests_seconds + w.behind_idle_seconds
+        )
+        return LevOutcome(reply, len(rows.plan.rows), engine_seconds, wait, encoded)

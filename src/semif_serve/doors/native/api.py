@@ -20,6 +20,7 @@ from semif_serve.domain.echo import quoted
 from semif_serve.domain.fitting import calibration_entry, calibration_report, reliability_bins
 from semif_serve.domain.orderings import COMBINE_METHOD, order_count
 from semif_serve.domain.prompt import PROMPT_VERSION
+from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.domain.types import (
     AnswerBoundary,
     BatchTiming,
@@ -45,7 +46,6 @@ from semif_serve.doors.base import (
     BEARER,
     DecisionDoor,
     ErrorRule,
-    Limits,
     error_responses,
     refusal_of,
 )
@@ -403,15 +403,11 @@ class NativeDoor(DecisionDoor):
     ) -> tuple[DecisionOutcome, dict[str, str]]:
         """A call's outcome from the core, read by the model it names, and its results' `model` block."""
         model = self.reader(call)
-        outcome = await self.ask(
-            request,
-            call.state,
-            call.questions,
-            shared=shared,
-            limits=self.limits,
-            reply_bytes=call.reply_bytes,
-            model=model,
+        served_as = model or self.service.core.model_info["source"]
+        asked = DecisionRequest(
+            call.state, tuple(call.questions), shared, self.limits, (), call.reply_bytes, model, served_as
         )
+        outcome = await self.ask(request, asked)
         return outcome, self.identity(model)
 
     async def decide(self, request: Request, body: bytes) -> DecisionResult:

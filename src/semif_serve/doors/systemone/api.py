@@ -20,11 +20,11 @@ from semif_serve import __version__
 from semif_serve.domain import types as domain
 from semif_serve.domain.echo import quoted
 from semif_serve.domain.images import VerifiedImages
+from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.domain.types import Question
 from semif_serve.doors.base import (
     BEARER,
     DecisionDoor,
-    Limits,
     json_reply,
 )
 from semif_serve.doors.systemone.assets import ImageLimits, place_images, resolve_images
@@ -296,16 +296,10 @@ class SystemOneDoor(DecisionDoor):
         asked, need = await asyncio.to_thread(self.mapped, parsed, reply_model)
         questions = [question for own in asked for question in own]
         # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
-        outcome = await self.ask(
-            request,
-            parsed.state,
-            questions,
-            shared=False,
-            limits=self.limits,
-            reply_bytes=need,
-            images=images,
-            model=adapter,
+        call = DecisionRequest(
+            parsed.state, tuple(questions), False, self.limits, tuple(images), need, adapter, reply_model
         )
+        outcome = await self.ask(request, call)
         answers = await asyncio.to_thread(answers_of, parsed.questions, asked, outcome.questions)
         return SystemOneResponse(
             model=reply_model,

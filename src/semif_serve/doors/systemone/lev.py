@@ -51,9 +51,9 @@ from semif_serve.doors.systemone.schemas import (
 from semif_serve.doors.systemone.sizes import lev_reply_bytes
 from semif_serve.engine.lev_release import LevRelease
 from semif_serve.http.errors import ServiceError
-from semif_serve.service.core import RequestRecord
 from semif_serve.service.lev_core import LevOutcome
 from semif_serve.service.models import ModelEntry
+from semif_serve.service.records import RequestRecord
 from semif_serve.service.startup import Service
 
 # A request a lev model cannot read as lev does is refused, never approximated.
@@ -185,14 +185,7 @@ async def answer_lev(
         named = () if isinstance(exc, ModeBUnavailable) else list(questions)  # its message names it
         raise refusal_of(LEV_ERRORS, exc, True, named) from None
     reply = outcome.reply
-    request.state.record = RequestRecord(
-        rows=outcome.rows,
-        input_tokens=reply.input_tokens,
-        forward_seconds=round(outcome.engine_seconds, 6),
-        engine_seconds=round(outcome.engine_seconds, 6),
-        wait_seconds=round(outcome.wait_seconds, 6),
-        model=entry.name,
-    )
+    request.state.record = RequestRecord.of_lev(outcome, entry.name)
     answers: dict[str, SystemOneAnswer] = {
         qid: lev_answer(body, reply.answers[qid])  # type: ignore[arg-type]  # boxes refused above
         for qid, body in parsed.questions.items()
