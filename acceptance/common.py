@@ -223,5 +223,3 @@ def connect(args: argparse.Namespace) -> tuple[Client, dict[str, Any]]:
         client.close()
         raise CheckError(f"{args.url} is not ready (status {health.get('status')!r})")
     return client, snapshot
-
-

@@ -215,8 +215,11 @@ def test_the_model_that_read_a_request_is_in_its_log_line_and_the_metrics(client
     before = client.get("/metrics").text
     with request_log_lines() as lines:
         decide(client, model="routing", id="routed")
-        decide(client)
-    assert [line.get("model") for line in lines] == ["routing", None]
+        base = decide(client).json()["model"]["source"]  # the base, named as its results name it
+    assert [(line.get("model"), line.get("decision_method")) for line in lines] == [
+        ("routing", "semif"),
+        (base, "semif"),
+    ]
     after = client.get("/metrics").text
     counted = "semif_model_requests_total"
     assert metric(after, counted, model="routing") == metric(before, counted, model="routing") + 1

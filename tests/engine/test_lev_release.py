@@ -19,13 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from semif_serve.domain.lev import (
-    LevChoice,
-    LevNoul,
-    LevReleaseError,
-    LevScore,
-    ModeBUnavailable,
-)
+from semif_serve.domain.lev.types import LevChoice, LevNoul, LevReleaseError, LevScore, ModeBUnavailable
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.lev_release import load_lev_release
 from semif_serve.engine.loader import CheckpointSpec, load_model

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from semif_serve.domain.lev import LevQuestion, candidate_texts, plan_request, read_plan
+from semif_serve.domain.lev.prompt import candidate_texts
+from semif_serve.domain.lev.readout import plan_request, read_plan
+from semif_serve.domain.lev.types import LevQuestion
 from semif_serve.engine.lev_head import CANDIDATE_MAX_TOKENS
 from semif_serve.service.lev_core import LevEncoder, LevReply, lev_answers, lev_jobs, lev_rows
 

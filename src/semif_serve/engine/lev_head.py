@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from semif_serve.domain.lev import LevReleaseError
+from semif_serve.domain.lev.types import LevReleaseError
 
 HEAD_HEADS = 8  # lev's head has 8 attention heads; the file does not store it (readout/mode_b.py)
 CANDIDATE_MAX_TOKENS = 64  # lev truncates each Mode B candidate to 64 tokens (model.py)

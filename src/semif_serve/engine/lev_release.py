@@ -17,23 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from semif_serve.domain.lev import (
+from semif_serve.domain.lev.calibration import UNCALIBRATED, LevCalibration, parse_calibration
+from semif_serve.domain.lev.release import LevManifest, LevOptions, parse_manifest, serving_options
+from semif_serve.domain.lev.routing import CODE_COUNT, LevCodes, all_codes
+from semif_serve.domain.lev.types import (
     ADAPTER_CONFIG_FILE,
     CALIBRATION_FILE,
-    CODE_COUNT,
     HEAD_FILE,
     MANIFEST_FILE,
     TOKENIZER_FILE,
-    UNCALIBRATED,
-    LevCalibration,
-    LevCodes,
-    LevManifest,
-    LevOptions,
     LevReleaseError,
-    all_codes,
-    parse_calibration,
-    parse_manifest,
-    serving_options,
 )
 from semif_serve.engine.adapters import BASE, AdapterBank, AdapterError, LoraWeights
 from semif_serve.engine.lev_head import load_head

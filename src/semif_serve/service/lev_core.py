@@ -23,16 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from semif_serve.domain.lev import (
-    LevAnswer,
-    LevPlan,
-    LevQuestion,
-    LevReleaseError,
-    ModeBUnavailable,
-    candidate_texts,
-    plan_request,
-    read_plan,
-)
+from semif_serve.domain.lev.prompt import candidate_texts
+from semif_serve.domain.lev.readout import LevPlan, plan_request, read_plan
+from semif_serve.domain.lev.types import LevAnswer, LevQuestion, LevReleaseError, ModeBUnavailable
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.tokens import BoundedEncoder, PastLimit
 from semif_serve.domain.types import BatchTiming, ConfigurationError, EngineWait, TooManyRows, TooManyTokens

@@ -14,7 +14,7 @@ import asyncio
 from fastapi import Request
 
 from semif_serve.domain.answers import choice_confidence, score_confidence
-from semif_serve.domain.lev import (
+from semif_serve.domain.lev.types import (
     RATING_TEXTS,
     LevAnswer,
     LevChoice,

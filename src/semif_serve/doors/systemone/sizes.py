@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from semif_serve.domain.boxes import EDGES
-from semif_serve.domain.lev import RATING_TEXTS
+from semif_serve.domain.lev.types import RATING_TEXTS
 from semif_serve.domain.orderings import (
     NO_ORDERINGS,
     order_count,
