@@ -19,8 +19,8 @@ rewritten after every phase, so an error or the deadline loses only the phase it
 4. memory: reserved at rest, after a burst, after an out-of-memory forced by lowering the cap
    (503, back to baseline, the next request answered);
 5. latency: the spec's five rows against its 35/92/78/81/158 ms server-side medians, the rows'
-   mean wait behind idle work (`/metrics`), and short `/decide`s sent right after lone questions
-   on new ~2,000-token states: their latency and wait behind idle work (issue 29);
+   mean wait for the engine (`/metrics`), and short `/decide`s sent right after lone questions
+   on new ~2,000-token states: their latency and wait for the engine (issue 29);
 6. capacity at ~140 / 520 / 1,960 / 3,900 prefix tokens: the out-of-memory boundary (the engine's
    estimate off, the batcher's row bound raised past it), the rows the estimate allows, and what
    the estimate does at those counts (one forward; split, refused or 503 at the boundary);
@@ -657,16 +657,14 @@ class GpuRun:
                 "short /decide right after a lone long one",
                 "e2e ms",
                 "server ms",
-                "behind idle ms",
-                "behind requests ms",
+                "engine wait ms",
             ],
             [
                 [
                     f"#{k + 1}",
                     f["short_e2e_ms"],
                     f["short_server_ms"],
-                    f["short_wait_behind_idle_ms"],
-                    f["short_wait_behind_requests_ms"],
+                    f["short_wait_ms"],
                 ]
                 for k, f in enumerate(follow_ups)
             ],

@@ -45,6 +45,14 @@ them on a second service importing SRC, an older checkout's src/, side by side):
 11. 200 questions over a ~29k-token state (--quick: ~8k tokens, SEMIF_MAX_BATCH_TOKENS=4096):
    the engine's forwards (from /metrics) and the request's seconds.
 
+Issue 37 (`--only lev`; `--before SRC` also runs it on a service importing SRC):
+
+13. on the demo checkpoint with its lev release (`lev-demo`): a tiny lev and a tiny base request
+   alone, then each sent 1 s into one lev request over a ~6,000-word state (three nouls, its long
+   prefix prefilled in steps) and, beside, into one base request over the same state (goal: the
+   tiny one within the base's no-stall bound either way); and 16 lev requests in flight at once:
+   their forwards from /metrics against the requests sent (goal: fewer forwards than requests).
+
 Issue 38 (`--only progress`; `--before SRC` also runs it on a service importing SRC):
 
 12. two concurrent System One noul questions (`x_orderings: "none"`) over new states that each
@@ -720,8 +728,11 @@ def rows_over_a_long_state(service: ServiceProcess, state: str, rows: int) -> di
 
 
 def metric_total(service: ServiceProcess, name: str) -> float:
+    """A counter's value from /metrics, summed over its labels."""
     text = httpx.get(f"{service.url}/metrics", timeout=30).text
-    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))
+    )
 
 
 def post_within(service: ServiceProcess, body: bytes, seconds: float) -> tuple[int | str, float]:
@@ -776,6 +787,71 @@ def progress(model: Path, work: Path, codec, before: str | None, seconds: float)
     print_table(lines)
 
 
+LEV_MODEL = "lev-demo"  # the demo's lev release (tools.demo.ensure_demo_models)
+LEV_STATE_WORDS = 6_000
+
+
+def lev_body(state: str, questions: int, model: str = LEV_MODEL) -> bytes:
+    """System One nouls about `state` on `model` (lev reads its release's own orders)."""
+    asked = {
+        f"q{i}": {"type": "noul", "instructions": f"Is claim {i} about the report true?"}
+        for i in range(questions)
+    }
+    return json.dumps({"model": model, "state": state, "questions": asked}).encode()
+
+
+def lev_in_flight(service: ServiceProcess, requests: int) -> dict:
+    """`requests` lev requests about new short states at once: statuses and forwards run."""
+    tag = time.time_ns()
+    bodies = [lev_body(f"Ticket {tag}-{i}: the card payment failed twice.", 1) for i in range(requests)]
+    before = metric_total(service, "semif_forwards_total")
+    counted = metric_total(service, "semif_model_requests_total") + requests
+    results = in_parallel([lambda b=b: post(service.url, service.token, "/v1/systemone", b) for b in bodies])
+    deadline = time.monotonic() + 10
+    while metric_total(service, "semif_model_requests_total") < counted and time.monotonic() < deadline:
+        time.sleep(0.05)  # each request is counted just before its last byte: wait for the count
+    return {
+        "statuses": [status for status, _ in results],
+        "forwards": metric_total(service, "semif_forwards_total") - before,
+    }
+
+
+def lev_beside(model: Path, work: Path, codec, before: str | None) -> None:
+    """Phase 13 on this tree's service, and on one importing `before` when given."""
+    from semif_serve.tools.demo import DEMO_REVISION, ensure_demo_models
+
+    models = ensure_demo_models(model)
+    trees = {"now": None, **({"before": before} if before else {})}
+    lines = [("tree, heavy request, tiny one", "tiny alone / 1 s into the heavy one", "heavy request")]
+    flights = []
+    for name, src in trees.items():
+        extra = {"PYTHONPATH": src} if src else None
+        settings = {"device": "cpu", "demo": "true", "models": str(models)}
+        with ServiceProcess(model, DEMO_REVISION, settings, work / f"lev-{name}", extra_env=extra) as service:
+            for heavy_on in (LEV_MODEL, "jev-latest"):
+                for tiny_on in (LEV_MODEL, "jev-latest"):
+                    tag = time.time_ns()
+                    state = f"Report {tag}. " + " ".join(
+                        ["The deployment log lists a warning."] * (LEV_STATE_WORDS // 6)
+                    )
+                    heavy = lev_body(state, 3, heavy_on)
+                    tiny = lev_body(TINY_STATE, 1, tiny_on)
+                    print(f"issue 37, {name}: tiny {tiny_on} beside heavy {heavy_on} ...", flush=True)
+                    alone, heavy_result, tiny_result, _ = tiny_beside(
+                        service, "/v1/systemone", heavy, tiny, 1.0
+                    )
+                    alone_ms = ms(statistics.median(t for _, t in alone))
+                    beside = f"{alone_ms} / {tiny_result[0]} in {ms(tiny_result[1])}"
+                    heavy_ran = f"{heavy_result[0]} in {ms(heavy_result[1])}"
+                    lines.append((f"{name}, {heavy_on}, {tiny_on}", beside, heavy_ran))
+            got = lev_in_flight(service, 16)
+            flights.append((name, got))
+    print_table(lines)
+    for name, got in flights:
+        statuses = sorted(set(got["statuses"]))
+        print(f"{name}: 16 lev requests in flight: {statuses}, {got['forwards']:.0f} forwards")
+
+
 def issue30(model: Path, work: Path, codec, quick: bool, before: str | None) -> None:
     """Phases 5 and 6 on this tree's service, and on one importing `before` when given."""
     from semif_serve.tools.demo import DEMO_REVISION
@@ -813,7 +889,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--only", choices=["images", "calibrate", "tower", "tokens", "progress"], help="run one phase alone"
+        "--only",
+        choices=["images", "calibrate", "tower", "tokens", "progress", "lev"],
+        help="run one phase alone",
     )
     parser.add_argument(
         "--progress-timeout", type=float, default=120.0, help="phase 12: a client gives up after"
@@ -840,6 +918,9 @@ def main() -> None:
     codec = PromptCodec(AutoTokenizer.from_pretrained(str(model)))
     if args.only == "progress":
         progress(model, work, codec, args.before, args.progress_timeout)
+        return
+    if args.only == "lev":
+        lev_beside(model, work, codec, args.before)
         return
     if args.only == "tokens" or args.before:
         issue30(model, work, codec, args.quick, args.before)

@@ -134,8 +134,8 @@ def build() -> dict:
                 graph(
                     "Engine waits before the first forward",
                     "s",
-                    *quantiles("semif_engine_wait_seconds", "behind"),
-                    description="behind=requests: other requests' work; behind=idle: speculative work.",
+                    *quantiles("semif_engine_wait_seconds", ""),
+                    description="Behind other requests' work; a tiny request waits one engine step at most.",
                 ),
                 graph(
                     "Shared state prefix tokens per request", "short", *quantiles("semif_prefix_tokens", "")

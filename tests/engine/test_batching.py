@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semif_serve.engine.batching import Batcher, Bounds, Group, Job, Part, plan_groups
+from semif_serve.engine.batching import Batcher, Bounds, Group, Job, Part, Wait, plan_groups
 
 HANG_GUARD_S = 10
 
@@ -320,3 +320,31 @@ def test_a_batcher_keeps_serving_when_its_caller_moves_to_a_new_event_loop():
 
     assert (first, second) == (["A#0"], ["B#0"])
     assert batcher.stats().forwards == 2
+
+
+def test_a_jobs_wait_is_the_time_it_queued_behind_the_group_running_and_the_drain_ends_when_idle():
+    release = threading.Event()
+
+    def run_group(group: Group):
+        if "first" in group.job_ids:
+            release.wait(30)  # the first group holds the engine until the second job has queued
+        return {p.job.id: [p.job.id] for p in group.parts}
+
+    first_wait, second_wait = Wait(), Wait()
+
+    async def go():
+        batcher = Batcher(run_group, Bounds())
+        first = asyncio.create_task(batcher.submit(Job("first", None, 0, (1,), None), first_wait))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(batcher.submit(Job("second", None, 0, (1,), None), second_wait))
+        await asyncio.sleep(0.05)
+        release.set()
+        got = await first, await second
+        await asyncio.sleep(0.01)
+        drained = batcher._task.done()  # nothing queued: the engine thread runs nothing more
+        await batcher.close()
+        return got, drained
+
+    (first, second), drained = asyncio.run(asyncio.wait_for(go(), 60))
+    assert (first, second) == (["first"], ["second"]) and drained
+    assert first_wait.seconds < 0.04 <= second_wait.seconds

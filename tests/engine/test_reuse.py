@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
 
 import httpx
 import pytest
@@ -18,7 +17,7 @@ import torch
 from semif_serve.app import create_app
 from semif_serve.domain.requests import DecisionRequest, Limits, RowsRequest
 from semif_serve.domain.types import PromptRow
-from semif_serve.engine.batching import UNFINISHED, Batcher, Bounds, Group, Job, Wait
+from semif_serve.engine.batching import UNFINISHED, Group, Job
 from semif_serve.engine.forwards import prefill
 from semif_serve.engine.lone import DIRECT_MAX_TOKENS, ReturnVisits
 from semif_serve.engine.runner import DIRECT_READOUT
@@ -336,47 +335,6 @@ def test_states_asked_questions_in_turn_under_a_budget_of_those_states_all_stay_
     logits, sha, tokens = plain_forward(turned, states[2], last.question, last.descriptions)
     assert readouts[-1].rows[0].option_logits == pytest.approx(logits, abs=TOL)
     assert (readouts[-1].rows[0].prompt_sha256, readouts[-1].rows[0].input_tokens) == (sha, tokens)
-
-
-def test_the_batcher_runs_idle_work_only_while_nothing_is_queued_and_returns_to_jobs_after_one_step():
-    events: list[str] = []
-    steps = iter(range(3))
-    released = threading.Event()
-
-    def run_group(group: Group):
-        events.append(f"run {group.job_ids[0]}")
-        return {p.job.id: [p.job.id] for p in group.parts}
-
-    def idle() -> bool:
-        step = next(steps)
-        events.append(f"idle {step}")
-        if step == 0:
-            released.wait(30)  # a job is queued while this step runs
-        return step < 2
-
-    waited = Wait()
-
-    async def go():
-        batcher = Batcher(run_group, Bounds(), idle=idle)
-        first = await batcher.submit(Job("a", None, 0, (1,), None))
-        while "idle 0" not in events:
-            await asyncio.sleep(0.001)
-        second = asyncio.create_task(batcher.submit(Job("b", None, 0, (1,), None), waited))
-        while not batcher.queued:
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.01)
-        released.set()
-        second = await second
-        while not batcher._task.done():
-            await asyncio.sleep(0.001)
-        await batcher.close()
-        return first, second
-
-    first, second = asyncio.run(asyncio.wait_for(go(), 60))
-    assert first == ["a"] and second == ["b"]
-    assert events == ["run a", "idle 0", "run b", "idle 1", "idle 2"]
-    # b waited for the rest of idle step 0 only (queued behind no request), at least the 10 ms held.
-    assert waited.behind_requests < waited.behind_idle and waited.behind_idle >= 0.01
 
 
 def test_a_lone_question_about_a_state_being_prefilled_in_steps_joins_that_prefill(engine, monkeypatch):

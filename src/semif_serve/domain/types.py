@@ -117,11 +117,10 @@ class BatchTiming:
 
 @dataclass(frozen=True)
 class EngineWait:
-    """How long a call waited for the engine before its first forward: behind other requests'
-    work, and behind idle (speculative) work."""
+    """How long a call waited for the engine before its first forward (behind other requests'
+    work: the engine runs nothing else)."""
 
-    behind_requests_seconds: float = 0.0
-    behind_idle_seconds: float = 0.0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)

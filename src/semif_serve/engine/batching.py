@@ -188,23 +188,17 @@ class BatchStats:
 @dataclass
 class Wait:
     """How long a job waited for the engine, from its submission to the start of its first
-    forward: behind other requests' work and behind idle (speculative) work."""
+    forward (behind other requests' work: the engine runs nothing else)."""
 
-    behind_requests: float = 0.0
-    behind_idle: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.behind_requests + self.behind_idle
+    seconds: float = 0.0
 
 
 class _Pending(Generic[P]):
-    def __init__(self, job: Job[P], future: asyncio.Future, wait: Wait, idle_mark: float) -> None:
+    def __init__(self, job: Job[P], future: asyncio.Future, wait: Wait) -> None:
         self.job = job
         self.future = future
         self.wait = wait
         self.queued_at = time.perf_counter()
-        self.idle_mark = idle_mark  # the batcher's idle seconds when it was queued
         self.started = False
         self.rows: dict[int, list[Any]] = {}
 
@@ -225,9 +219,8 @@ class Batcher(Generic[P, R]):
 
     `run_group(group)` runs on `executor` (one thread: the engine's) and returns, for every job
     in the group, the results of that job's rows in the group, in order; it raises to fail
-    the group. `submit(job)` resolves to the job's row results in row order. `idle()`, when
-    given, is background work run on the executor one step at a time while nothing is queued
-    (it returns whether more remains; a job queued meanwhile waits for one step at most).
+    the group. `submit(job)` resolves to the job's row results in row order. It runs nothing
+    but jobs: with none queued the engine thread is free.
     """
 
     def __init__(
@@ -235,10 +228,8 @@ class Batcher(Generic[P, R]):
         run_group: Callable[[Group[P]], Mapping[Hashable, Sequence[R]] | Unfinished],
         bounds: Bounds,
         executor: Executor | None = None,
-        idle: Callable[[], bool] | None = None,
     ) -> None:
         self.run_group = run_group
-        self.idle = idle
         self.bounds = bounds
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
@@ -247,8 +238,6 @@ class Batcher(Generic[P, R]):
         self._task: asyncio.Task | None = None
         self._stats = BatchStats()
         self._stats_lock = threading.Lock()
-        self._idle_seconds = 0.0  # idle steps' seconds, the running one's up to now not counted
-        self._idle_since: float | None = None  # when the running idle step began
 
     @property
     def queued(self) -> int:
@@ -270,7 +259,7 @@ class Batcher(Generic[P, R]):
         future = loop.create_future()
         self._ids.add(job.id)
         future.add_done_callback(lambda _: self._ids.discard(job.id))
-        self._queue.append(_Pending(job, future, wait or Wait(), self._idle_now()))
+        self._queue.append(_Pending(job, future, wait or Wait()))
         # One drain task at a time; it ends when the queue is empty, so no task outlives its loop.
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._queue = [p for p in self._queue if p.future.get_loop() is loop]
@@ -294,8 +283,7 @@ class Batcher(Generic[P, R]):
 
     async def _drain(self) -> None:
         """Run the queued rounds a group at a time, taking turns, until nothing is left; what
-        arrives while a group runs becomes a round of its own, next in turn; with nothing queued,
-        the idle work runs a step at a time until a job arrives or none is left."""
+        arrives while a group runs becomes a round of its own, next in turn."""
         rounds: deque[deque[Group[P]]] = deque()
         live: dict[Hashable, _Pending[P]] = {}
         current: deque[Group[P]] | None = None
@@ -310,8 +298,6 @@ class Batcher(Generic[P, R]):
             if current:
                 rounds.append(current)  # after the newcomers: a heavy round yields between its groups
             if not rounds:
-                if await self._has_work():
-                    continue  # an idle step ran (or a job arrived meanwhile): look again
                 return
             current = rounds.popleft()
             group = current.popleft()
@@ -320,27 +306,6 @@ class Batcher(Generic[P, R]):
             for job_id in [i for i, p in live.items() if p.future.done()]:
                 del live[job_id]
 
-    async def _has_work(self) -> bool:
-        """Whether jobs are queued; while none are, one step of the idle work runs first (a
-        take of nothing follows it) and the queue is looked at again after the last step."""
-        if self._queue:
-            return True
-        if self.idle is None:
-            return False
-        loop = asyncio.get_running_loop()
-        self._idle_since = time.perf_counter()
-        try:
-            more = await loop.run_in_executor(self.executor, self.idle)
-        finally:
-            self._idle_seconds += time.perf_counter() - self._idle_since
-            self._idle_since = None
-        return more or bool(self._queue)
-
-    def _idle_now(self) -> float:
-        """Seconds of idle work so far, the running step's included."""
-        running = time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0
-        return self._idle_seconds + running
-
     def _started(self, group: Group[P], live: dict[Hashable, _Pending[P]]) -> None:
         """Record the wait of every job whose first forward starts now."""
         now = time.perf_counter()
@@ -348,9 +313,7 @@ class Batcher(Generic[P, R]):
             pending = live[job_id]
             if not pending.started:
                 pending.started = True
-                idle = max(0.0, self._idle_now() - pending.idle_mark)
-                pending.wait.behind_idle = idle
-                pending.wait.behind_requests = max(0.0, now - pending.queued_at - idle)
+                pending.wait.seconds = max(0.0, now - pending.queued_at)
 
     def _plan(self, live: dict[Hashable, _Pending[P]]) -> list[Group[P]]:
         try:

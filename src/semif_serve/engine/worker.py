@@ -131,7 +131,7 @@ class EngineWorker:
             prepared = dataclasses.replace(prepared, demand_key=demand_key)
             wait = Wait()
             scored = await self.batcher.submit(prepared.job(next(self._job_ids)), wait)
-            waited = EngineWait(wait.behind_requests, wait.behind_idle)
+            waited = EngineWait(wait.seconds)
             return dataclasses.replace(engine.readout(prepared, scored), wait=waited)
         finally:
             engine.cache.demand.leave(demand_key)

@@ -35,7 +35,7 @@ REQUEST_ID_HEADER = b"x-request-id"
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
-# Waits of milliseconds count (a request should wait behind no speculative work at all).
+# Waits of milliseconds count (a tiny request waits one engine step at most).
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 
@@ -189,12 +189,10 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
-        # A request's wait for the engine before its first forward, behind other requests' work
-        # and behind idle (speculative) work: each request observes both.
+        # A request's wait for the engine before its first forward (behind other requests' work).
         self.wait = Histogram(
             "semif_engine_wait_seconds",
-            "seconds a request waited for the engine before its first forward, by what it waited behind",
-            ["behind"],
+            "seconds a request waited for the engine before its first forward (behind other requests' work)",
             buckets=WAIT_BUCKETS,
             registry=self.registry,
         )
@@ -229,8 +227,7 @@ class Metrics:
         self.rows.inc(record.rows)
         self.by_model.labels(record.adapter or "(base)").inc()
         self.forward.observe(record.forward_seconds)
-        self.wait.labels("requests").observe(record.wait_seconds - record.wait_idle_seconds)
-        self.wait.labels("idle").observe(record.wait_idle_seconds)
+        self.wait.observe(record.wait_seconds)
         if record.prefix_tokens is not None:
             self.prefix.observe(record.prefix_tokens)
         if record.images:

@@ -199,7 +199,7 @@ class RequestTrace:
             )
             for name, seconds, extra in (
                 ("encode", stages.encode_seconds, {}),
-                ("queue wait", stages.wait_seconds, {"semif.wait_idle_seconds": record.wait_idle_seconds}),
+                ("queue wait", stages.wait_seconds, {}),
                 ("prefill", stages.prefill_seconds, {"semif.prefill": record.prefill or "none"}),
                 ("forwards", stages.forward_seconds, {"semif.forward_batches": record.forward_batches or 1}),
             ):

@@ -107,7 +107,7 @@ class LevOutcome:
     @property
     def wait_seconds(self) -> float:
         """The whole wait for the engine."""
-        return self.wait.behind_requests_seconds + self.wait.behind_idle_seconds
+        return self.wait.seconds
 
 
 @dataclass(frozen=True)
@@ -359,7 +359,5 @@ class LevCore:
             else (lev_answers(release, rows, readouts))
         )
         engine_seconds = sum(r.forward_seconds for r in readouts)
-        wait = max(
-            (r.wait for r in readouts), key=lambda w: w.behind_requests_seconds + w.behind_idle_seconds
-        )
+        wait = max((r.wait for r in readouts), key=lambda w: w.seconds)
         return LevOutcome(reply, len(rows.plan.rows), engine_seconds, wait, encoded)

@@ -37,7 +37,7 @@ class EngineStages:
         prefill = timing.prefill_seconds
         return cls(
             encode_seconds=max(encode, 0.0),
-            wait_seconds=wait.behind_requests_seconds + wait.behind_idle_seconds,
+            wait_seconds=wait.seconds,
             prefill_seconds=prefill,
             forward_seconds=max(forward_seconds - prefill, 0.0),
             finished=time.perf_counter(),
@@ -60,7 +60,6 @@ class RequestRecord:
     workloads: tuple[str, ...] = ()
     images: int | None = None  # images the request showed the model (None: text only)
     wait_seconds: float = 0.0  # its wait for the engine before its first forward
-    wait_idle_seconds: float = 0.0  # the part of that wait spent behind idle (speculative) work
     model: str | None = None  # the model's name as the reply gives it
     adapter: str | None = None  # the served model over the base that read it (None: the base); metrics
     stages: EngineStages | None = None  # for traces; not a log field
@@ -96,8 +95,7 @@ class RequestRecord:
             prefill=timing.prefill if timing else None,
             workloads=tuple(sorted(set(workloads))),
             images=images or None,
-            wait_seconds=round(wait.behind_requests_seconds + wait.behind_idle_seconds, 6),
-            wait_idle_seconds=round(wait.behind_idle_seconds, 6),
+            wait_seconds=round(wait.seconds, 6),
             model=model,
             adapter=adapter,
             stages=stages,
