@@ -1,5 +1,5 @@
 """The vision tower in engine steps, on the demo's vision checkpoint: an image whose tower costs
-more than one prefill chunk goes through it a piece at a time (`engine.vision.stepped_tower`),
+more than one prefill chunk goes through it a piece at a time (`engine.tower_steps.stepped_tower`),
 each step at most about one chunk's FLOPs, with other requests' steps between. Its features
 equal the tower's own forward bit for bit, its answers equal the independent full forward
 (tests/support/vision_reference.py), the cost model equals torch's own FLOP count, and a tiny request
@@ -26,7 +26,8 @@ from semif_serve.engine.batching import UNFINISHED, Group
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.runner import TorchEngine, _whole
 from semif_serve.engine.state_cache import StateCache
-from semif_serve.engine.vision import ATTENTION_ROWS, ImageSet, TowerPrices, TowerRun, query_slices
+from semif_serve.engine.tower_steps import ATTENTION_ROWS, TowerPrices, TowerRun, query_slices
+from semif_serve.engine.vision import ImageSet
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.startup import Service
 from tests.engine.test_images_engine import PHOTO, RED, SHAPE, STATE, assert_row, asset, expected
@@ -155,9 +156,9 @@ def assert_served_within_one_tower_step(events: list[str]) -> None:
 def test_a_tower_step_that_fails_ends_its_run_and_a_retry_reads_the_image_afresh(
     vision_engine, vision_reference, monkeypatch
 ):
-    from semif_serve.engine import vision
+    from semif_serve.engine import tower_steps
 
-    real = vision.stepped_tower
+    real = tower_steps.stepped_tower
     failures = [RuntimeError("out of memory in the third piece")]
 
     def stepped(*args):
@@ -168,7 +169,7 @@ def test_a_tower_step_that_fails_ends_its_run_and_a_retry_reads_the_image_afresh
             raise failures.pop()
         return (yield from pieces)
 
-    monkeypatch.setattr(vision, "stepped_tower", stepped)
+    monkeypatch.setattr(tower_steps, "stepped_tower", stepped)
     stepping = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=CHUNK)
     data = noise_png(34, size=(128, 128))
     prepared = stepping.prepare(

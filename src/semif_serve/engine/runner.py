@@ -35,7 +35,8 @@ from semif_serve.engine.rows import PreparedRows, Readout, Results, ScoredRow, r
 from semif_serve.engine.sharing import prefill_pays
 from semif_serve.engine.state_cache import StateCache, prefix_digest
 from semif_serve.engine.threads import EngineThreads
-from semif_serve.engine.vision import ImageSet, VisionTower, text_chunk_flops
+from semif_serve.engine.tower_steps import text_chunk_flops
+from semif_serve.engine.vision import ImageSet, VisionTower
 
 __all__ = ["DIRECT_PATHS", "DirectPath", "EngineOptions", "TorchEngine"]
 
