@@ -51,7 +51,7 @@ def test_a_releases_adapter_is_held_once_by_the_engines_bank_and_counted_there(
 
     service, _ = start(engine, checkpoint, tmp_path, f'release = "{release}"')
     served = service.lev.releases["lev-tiny"]
-    assert served.model == service.engine.adapters.index("lev-tiny")  # the release is an entry of the bank
+    assert served.adapter == service.engine.adapters.index("lev-tiny")  # the release is an entry of the bank
     with safe_open(str(release / "adapter_model.safetensors"), framework="pt") as saved:
         saved_bytes = sum(saved.get_tensor(k).numel() for k in saved.keys()) * 4  # float32 on the CPU
     assert service.engine.adapters.nbytes == saved_bytes

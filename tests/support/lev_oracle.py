@@ -27,7 +27,7 @@ def lev_per_row(release: Any, model: Any, bank: Any, state: Any, questions: Mapp
     suffixes = [tokenizer.encode(row.suffix, add_special_tokens=False) for row in plan.rows]
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     scores: list[list[float]] = []
-    with torch.no_grad(), bank.rows(release.model):
+    with torch.no_grad(), bank.rows(release.adapter):
         candidates = {}
         for qid, question in plan.questions.items():
             if plan.routes[qid].mode != "B":
@@ -59,5 +59,5 @@ def lev_per_row(release: Any, model: Any, bank: Any, state: Any, questions: Mapp
 def lev_on_engine(release: Any, engine: Any, state: Any, questions: Mapping[str, LevQuestion]) -> LevReply:
     """The serving path's answers, its jobs read one after another on this thread."""
     rows = lev_rows(release, LevEncoder(release.tokenizer), state, questions, None)
-    readouts = [engine.read_prepared(job()) for job in lev_jobs(rows, engine, release.model)]
+    readouts = [engine.read_prepared(job()) for job in lev_jobs(rows, engine, release.adapter)]
     return lev_answers(release, rows, readouts)

@@ -39,7 +39,7 @@ class LevRelease:
     directory: Path
     manifest: LevManifest
     options: LevOptions
-    model: int  # its adapter's index in the engine's bank (BASE: lev's method over the frozen base)
+    adapter: int  # its adapter's index in the engine's bank (BASE: lev's method over the frozen base)
     adapter_scale: float  # the serving-time multiplier: the operator's, else the manifest's, else 1.0
     head: Any | None  # LevHead in float32 on the base's device, or None (Mode A only)
     calibration: LevCalibration
@@ -54,7 +54,7 @@ class LevRelease:
     @property
     def frozen_base(self) -> bool:
         """lev's method over the base alone (`base_release`): no adapter, no head, no calibration."""
-        return self.model == BASE
+        return self.adapter == BASE
 
 
 def _read_json(path: Path) -> Any:
@@ -209,7 +209,7 @@ def load_lev_release(
         directory=directory,
         manifest=manifest,
         options=options,
-        model=bank.serve(name or str(directory), weights, multiplier=scale),
+        adapter=bank.serve(name or str(directory), weights, multiplier=scale),
         adapter_scale=scale,
         head=head,
         calibration=calibration,
@@ -232,7 +232,7 @@ def base_release(
         directory=Path(directory),
         manifest=manifest,
         options=options,
-        model=BASE,
+        adapter=BASE,
         adapter_scale=1.0,
         head=None,
         calibration=UNCALIBRATED,

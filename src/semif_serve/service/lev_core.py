@@ -235,12 +235,13 @@ def lev_rows(
 
 
 def lev_jobs(
-    rows: LevRows, engine: TorchEngine, model: int, encode_seconds: float = 0.0
+    rows: LevRows, engine: TorchEngine, adapter: int, encode_seconds: float = 0.0
 ) -> list[Callable[[], PreparedRows]]:
-    """The request's rows as the batcher's jobs (each made on an encoder thread): the label rows
-    over lev's prefix, read at their codes; the head's rows over it, read as hidden states; every
-    Mode B question's candidates as whole rows, read as hidden states."""
-    prepare = functools.partial(engine.prepare_ids, model=model, encode_seconds=encode_seconds)
+    """The request's rows as the batcher's jobs under the bank's `adapter` (each made on an
+    encoder thread): the label rows over lev's prefix, read at their codes; the head's rows over
+    it, read as hidden states; every Mode B question's candidates as whole rows, read as hidden
+    states."""
+    prepare = functools.partial(engine.prepare_ids, model=adapter, encode_seconds=encode_seconds)
     plan = rows.plan
     jobs: list[Callable[[], PreparedRows]] = []
     if rows.label_rows:
@@ -351,7 +352,7 @@ class LevCore:
         rows = await asyncio.to_thread(self.check, model_name, state, questions, limits)
         encoded = time.perf_counter() - started
         key = state_digest(state, (), model_name)
-        jobs = lev_jobs(rows, self.worker.engine, release.model, encoded)
+        jobs = lev_jobs(rows, self.worker.engine, release.adapter, encoded)
         readouts = await asyncio.gather(*(self.worker.score_prepared(key, job) for job in jobs))
         reply = (
             await asyncio.to_thread(lev_answers, release, rows, readouts)
