@@ -11,6 +11,7 @@ import torch
 
 from semif_serve.engine.lev_release import base_release
 from semif_serve.engine.state_cache import StateCache
+from semif_serve.service.lev_core import LevRequest
 from semif_serve.service.models import LEV, load_models
 from semif_serve.service.startup import Service
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME
@@ -79,7 +80,7 @@ def test_a_lev_entry_without_a_release_serves_the_base_by_lev_method(
     assert entry.lev_options == {"noul_readout": "binary"}  # as lev's server reads the frozen base
     service = Service.start(make_settings(checkpoint, models=models), engine=engine)
     assert "lev-base" not in [a.name for a in service.engine.adapters.adapters]  # no adapter loaded
-    outcome = asyncio.run(service.lev.decide("lev-base", STATE, {"urgent": URGENT}))
+    outcome = asyncio.run(service.lev.decide(LevRequest("lev-base", STATE, {"urgent": URGENT})))
     want = expected(fresh_base, engine.codec.tokenizer, BINARY["plain"], [[0, 1], [1, 0]], [" A", " B"])
     close(outcome.reply.answers["urgent"].distribution, want)
 

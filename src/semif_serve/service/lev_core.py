@@ -85,6 +85,17 @@ def load_lev_releases(
 
 
 @dataclass(frozen=True)
+class LevRequest:
+    """One call on a lev model, from the door to the core: the served model's name, the state,
+    lev's questions in the caller's order and the door's limits (None: unchecked)."""
+
+    model: str
+    state: Any
+    questions: Mapping[str, LevQuestion]
+    limits: Limits | None = None
+
+
+@dataclass(frozen=True)
 class LevReply:
     """One request's answers with one release, and lev's token counts."""
 
@@ -329,29 +340,23 @@ class LevCore:
             raise LookupError(f"{model_name!r} is not a lev model of this service")
         return release
 
-    def check(
-        self, model_name: str, state: Any, questions: Mapping[str, LevQuestion], limits: Limits | None
-    ) -> LevRows:
-        """`lev_rows` for the release served as `model_name`."""
-        return lev_rows(self.release(model_name), self.encoders[model_name], state, questions, limits)
+    def check(self, asked: LevRequest) -> LevRows:
+        """`lev_rows` for the release served as `asked.model`."""
+        return lev_rows(
+            self.release(asked.model), self.encoders[asked.model], asked.state, asked.questions, asked.limits
+        )
 
-    async def decide(
-        self,
-        model_name: str,
-        state: Any,
-        questions: Mapping[str, LevQuestion],
-        limits: Limits | None = None,
-    ) -> LevOutcome:
-        """Answer `questions` about `state` with the release `model_name`, exactly as lev does:
-        rendered, encoded and checked off the event loop, then every row a job of the worker's
-        batcher (merged with other requests' rows, the prefix prefilled once where it pays).
-        Raises the refusals of `lev_rows`, and the worker's OutOfMemory or EngineFailure."""
-        release = self.release(model_name)
+    async def decide(self, asked: LevRequest) -> LevOutcome:
+        """Answer `asked` with its release exactly as lev does: rendered, encoded and checked off
+        the event loop, then every row a job of the worker's batcher (merged with other requests'
+        rows, the prefix prefilled once where it pays). Raises the refusals of `lev_rows`, and the
+        worker's OutOfMemory or EngineFailure."""
+        release = self.release(asked.model)
         assert self.worker is not None  # release() refuses a core without one
         started = time.perf_counter()
-        rows = await asyncio.to_thread(self.check, model_name, state, questions, limits)
+        rows = await asyncio.to_thread(self.check, asked)
         encoded = time.perf_counter() - started
-        key = state_digest(state, (), model_name)
+        key = state_digest(asked.state, (), asked.model)
         jobs = lev_jobs(rows, self.worker.engine, release.adapter, encoded)
         readouts = await asyncio.gather(*(self.worker.score_prepared(key, job) for job in jobs))
         reply = (

@@ -51,7 +51,7 @@ from semif_serve.doors.systemone.schemas import (
 from semif_serve.doors.systemone.sizes import lev_reply_bytes
 from semif_serve.engine.lev_release import LevRelease
 from semif_serve.http.errors import ServiceError
-from semif_serve.service.lev_core import LevOutcome
+from semif_serve.service.lev_core import LevOutcome, LevRequest
 from semif_serve.service.models import ModelEntry
 from semif_serve.service.records import RequestRecord
 from semif_serve.service.startup import Service
@@ -180,7 +180,7 @@ async def answer_lev(
         remedy = "ask fewer questions or options, shorten the names, or split it across requests"
         raise refusal_of(LEV_ERRORS, ReplyTooLarge(need, limits.max_reply_bytes, remedy), True, [])
     try:
-        outcome = await service.lev.decide(entry.name, parsed.state, questions, limits)
+        outcome = await service.lev.decide(LevRequest(entry.name, parsed.state, questions, limits))
     except DecisionError as exc:
         named = () if isinstance(exc, ModeBUnavailable) else list(questions)  # its message names it
         raise refusal_of(LEV_ERRORS, exc, True, named) from None
