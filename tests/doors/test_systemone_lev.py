@@ -38,6 +38,7 @@ from tests.engine.test_lev_release import (
     tokens_of,
 )
 from tests.support import in_process_client, make_settings
+from tests.support.peft_oracle import peft_model
 
 MODELS = """
 [models.lev-tiny]
@@ -96,14 +97,7 @@ def client(engine, checkpoint, release_dirs):
 @pytest.fixture(scope="module")
 def references(checkpoint, release_dirs):
     """PEFT's own LoRA over a fresh copy of the base, one per release."""
-    from peft import PeftModel
-    from transformers import Qwen3_5ForCausalLM
-
-    models = {}
-    for style in ("plain", "chat"):
-        fresh = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-        models[style] = PeftModel.from_pretrained(fresh, str(release_dirs / style)).eval()
-    return models
+    return {style: peft_model(checkpoint, release_dirs / style) for style in ("plain", "chat")}
 
 
 def ask(client, model, questions=QUESTIONS, **extra):

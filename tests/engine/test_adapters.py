@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM
 
 from semif_serve.engine.adapters import BASE, AdapterBank, AdapterError
 from semif_serve.engine.loader import CheckpointSpec, load_model
+from tests.support.peft_oracle import fresh_base, peft_model
 
 LEV_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LINEAR_ATTENTION = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
@@ -92,9 +93,7 @@ def prompts(n: int, length: int, seed: int = 7) -> torch.Tensor:
 
 def peft_logits(checkpoint: Path, adapter: Path | None, ids: torch.Tensor) -> torch.Tensor:
     """Each row alone through PEFT's own LoRA forward of `adapter` (None: the plain base)."""
-    model: torch.nn.Module = plain_base(checkpoint)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    model = fresh_base(checkpoint) if adapter is None else peft_model(checkpoint, adapter)
     with torch.no_grad():
         return torch.cat([model(input_ids=row[None]).logits for row in ids])
 

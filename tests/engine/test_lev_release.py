@@ -3,7 +3,7 @@
 The release is built in lev's on-disk format over the tiny random Qwen3.5 checkpoint (PEFT saves
 the adapter; the head and calibration are written as lev writes them). The expected prompts are
 written out here by hand in lev's format; the reference forward is transformers + PEFT's own
-LoRA (`PeftModel.from_pretrained`, the scale through `rescale_adapter_scale`); the softmax with
+LoRA (`tests/support/peft_oracle.py`: `PeftModel.from_pretrained`, the scale through `rescale_adapter_scale`); the softmax with
 temperature, the order averaging and the head's attention are written out below.
 """
 
@@ -28,6 +28,7 @@ from semif_serve.engine.state_cache import StateCache
 from semif_serve.tools.demo import DEMO_REVISION
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME, DEFAULT_TEMPERATURES, write_lev_release
 from tests.support.lev_oracle import lev_on_engine, lev_per_row
+from tests.support.peft_oracle import peft_last, peft_model
 
 TOL = 1e-5
 STATE = {"ticket": "Ça ne marche pas", "id": 7}
@@ -89,14 +90,7 @@ def releases(base, bank, release_dirs, checkpoint):
 @pytest.fixture(scope="module")
 def references(checkpoint, release_dirs):
     """PEFT's own LoRA over a fresh copy of the base, one per release."""
-    from peft import PeftModel
-    from transformers import Qwen3_5ForCausalLM
-
-    models = {}
-    for style, path in release_dirs.items():
-        fresh = Qwen3_5ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-        models[style] = PeftModel.from_pretrained(fresh, str(path)).eval()
-    return models
+    return {style: peft_model(checkpoint, path) for style, path in release_dirs.items()}
 
 
 @pytest.fixture(scope="module", params=["per-row", "engine, whole rows", "engine, kept prefix"])
@@ -128,12 +122,8 @@ def with_options(release, **changes):
 
 def reference_last(reference, tok, prefix: str, suffix: str, scale: float):
     """Logits and final hidden state at the last token: prefix and suffix encoded apart, joined."""
-    from peft.helpers import rescale_adapter_scale
-
     ids = tok.encode(prefix, add_special_tokens=True) + tok.encode(suffix, add_special_tokens=False)
-    with torch.no_grad(), rescale_adapter_scale(reference, scale):
-        out = reference(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    return out.logits[0, -1], out.hidden_states[-1][0, -1]
+    return peft_last(reference, ids, scale)
 
 
 def softmax_t(scores, temperature):
@@ -366,11 +356,7 @@ def head_scores(state: dict, question_state, candidate_states):
 
 
 def candidate_state(reference, tok, text, scale=0.25):
-    from peft.helpers import rescale_adapter_scale
-
-    ids = tok.encode(text, add_special_tokens=False)[:64]
-    with torch.no_grad(), rescale_adapter_scale(reference, scale):
-        return reference(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+    return peft_last(reference, tok.encode(text, add_special_tokens=False)[:64], scale)[1]
 
 
 MODE_B = {
