@@ -1,6 +1,6 @@
 """semif-serve beside its peers, on the same checkpoint and the same work, in one run.
 
-    PYTHONPATH=src:. python bench/peers.py                      # every peer found, ~6 min
+    PYTHONPATH=src:. python bench/peers.py                      # every peer found, ~20 min
     PYTHONPATH=src:. python bench/peers.py --only lev --rounds 1
     PYTHONPATH=src:. python bench/peers.py --only lev-release   # lev and semif-serve on one lev release
     PYTHONPATH=src:. python bench/peers.py --only lev,lev-base,lev-release --settings defaults,1
