@@ -1,8 +1,9 @@
 """semif-serve beside its peers, on the same checkpoint and the same work, in one run.
 
-    PYTHONPATH=src:. python bench/peers.py                      # every peer found, ~6 min
+    PYTHONPATH=src:. python bench/peers.py                      # every peer found, ~20 min
     PYTHONPATH=src:. python bench/peers.py --only lev --rounds 1
     PYTHONPATH=src:. python bench/peers.py --only lev-release   # lev and semif-serve on one lev release
+    PYTHONPATH=src:. python bench/peers.py --only lev,lev-base,lev-release --settings defaults,1
 
 Peers are built from their public source in scratch environments outside the repository (see
 bench/README.md "Peers" and ../shared/docs/PEERS.md); each is found by a flag or variable and
@@ -15,6 +16,12 @@ skipped with a line saying so when absent:
 - lev's own server, frozen base (--lev-dir, SEMIF_PEER_LEV_DIR), which always loads bfloat16 and
   reads choice and binary noul in two orders; semif-serve in bfloat16 with
   noul=rotations,choice=reversal,score=none (the same two orders).
+- `lev-base` (issue 39): the same lev server over the frozen base, its frozen defaults spelled out
+  (`--noul-readout binary --prompt-style plain --score-order-average off`), beside semif-serve's
+  entry that reads the base with lev's method (SEMIF_MODELS `[models.lev-base] method = "lev"`
+  with the same three keys; the requests name `lev-base`): both read lev's plain prompt (the
+  short noul is 64 tokens), choice and binary noul in two orders. The `lev` peer above compares
+  lev's prompt with SemIf's (145 tokens) on the same base.
 - `lev-release`: lev's own server and semif-serve both serving one lev-format release (issue 26),
   written once beside the checkpoint (`<model>-lev-release/`, by `write_lev_release`: a random
   rank-32 LoRA adapter on every attention and MLP projection, adapter_scale 0.25, a candidate
@@ -49,11 +56,21 @@ for the descheduled one (measured: upstream's short noul at 350-900 ms a request
 threads, 130-165 ms with one, under a load of 5).
 Reported: req/s, semif-serve/peer, the median request, and, since lev reads a shorter prompt,
 ms per 1,000 input tokens as each server counts them.
+
+Concurrent clients (issue 37, `lev-release` only; `--clients`, default 16, 1 turns them off):
+after its two workloads, workload (b) again with 1 and with N clients, each client sending its
+next request as soon as its answer arrives (asyncio, one connection each), for semif-serve on
+the release, semif-serve on the base (SemIf's method, the same questions, the same process) and
+lev on the release, interleaved per round, the other server stopped. Reported per side: req/s
+at 1 and at N, the gain, and for semif-serve the `semif_forwards_total`,
+`semif_merged_forwards_total` and `semif_forward_rows_total` that /metrics counted during the N-client
+cells against the requests sent; and semif-serve / lev at N.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -89,6 +106,10 @@ LEV_RELEASE_RANK = 32
 LEV_RELEASE_SCALE = 0.25
 # lev's server flags for the release, the same on both sides (SEMIF_MODELS keys and `lev serve`).
 LEV_RELEASE_OPTIONS = {"noul_readout": "rating", "prompt_style": "plain", "score_order_average": "off"}
+LEV_BASE = "lev-base"  # semif-serve's entry reading the frozen base with lev's method (issue 39)
+# lev's frozen-base defaults (`lev serve` without --checkpoint), pinned on both sides of `lev-base`.
+LEV_BASE_OPTIONS = {"noul_readout": "binary", "prompt_style": "plain", "score_order_average": "off"}
+CLIENTS = 16  # concurrent clients of the concurrency cells (issue 37)
 _LEV_RELEASE_MARKER = "BENCH.json"
 
 
@@ -164,6 +185,19 @@ def release_models_toml(release: Path, base_model: str) -> str:
         "[aliases]",
         f"{LEV_RELEASE_ALIAS} = {json.dumps(LEV_RELEASE)}",
     ]
+    return "\n".join(lines) + "\n"
+
+
+def release_models(model: Path) -> str:
+    """The `lev-release` peer's SEMIF_MODELS text: the bench's release, written once over `model`."""
+    return release_models_toml(ensure_release(model), str(model))
+
+
+def lev_base_models_toml(_model: Path | None = None) -> str:
+    """semif-serve's SEMIF_MODELS file for `lev-base`: the base itself read with lev's method,
+    lev's frozen-base flags as the entry's keys."""
+    lines = [f"[models.{LEV_BASE}]", 'method = "lev"']
+    lines += [f"{key} = {json.dumps(value)}" for key, value in LEV_BASE_OPTIONS.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -317,25 +351,37 @@ def jev_peer(directory: Path, model: Path, work: Path, threads: int | None) -> P
     return peer
 
 
-def lev_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
-    """lev's own server over the frozen base (`lev serve --model`), bfloat16, two orders."""
+def _lev_serve(name: str, directory: Path, work: Path, threads: int | None, args: list[str]) -> PeerProcess:
+    """`lev serve ARGS` on a free loopback port (lev always loads bfloat16)."""
     port = free_port()
-    argv = [str(directory / ".venv/bin/lev"), "serve", "--model", str(model)]
-    argv += ["--host", LOOPBACK, "--port", str(port)]
-    peer = PeerProcess("lev", argv, directory, _peer_env({}, threads), "/health", "ok", work)
+    argv = [str(directory / ".venv/bin/lev"), "serve", *args, "--host", LOOPBACK, "--port", str(port)]
+    peer = PeerProcess(name, argv, directory, _peer_env({}, threads), "/health", "ok", work)
     peer.url = f"http://{LOOPBACK}:{port}"
     return peer
+
+
+def lev_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
+    """lev's own server over the frozen base (`lev serve --model`), bfloat16, two orders."""
+    return _lev_serve("lev", directory, work, threads, ["--model", str(model)])
+
+
+def lev_base_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
+    """lev's own server over the frozen base with its frozen defaults spelled out (`lev-base`)."""
+    return _lev_serve(
+        "lev-base", directory, work, threads, ["--model", str(model), *lev_flags(LEV_BASE_OPTIONS)]
+    )
 
 
 def lev_release_peer(directory: Path, model: Path, work: Path, threads: int | None) -> PeerProcess:
     """lev's own server over the bench's lev release (`lev serve --checkpoint`), bfloat16."""
-    port = free_port()
-    argv = [str(directory / ".venv/bin/lev"), "serve", "--model", str(model)]
-    argv += ["--checkpoint", str(release_directory(model)), *lev_flags(LEV_RELEASE_OPTIONS)]
-    argv += ["--host", LOOPBACK, "--port", str(port)]
-    peer = PeerProcess("lev-release", argv, directory, _peer_env({}, threads), "/health", "ok", work)
-    peer.url = f"http://{LOOPBACK}:{port}"
-    return peer
+    args = [
+        "--model",
+        str(model),
+        "--checkpoint",
+        str(release_directory(model)),
+        *lev_flags(LEV_RELEASE_OPTIONS),
+    ]
+    return _lev_serve("lev-release", directory, work, threads, args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,12 +392,9 @@ class Peer:
     build: Any
     dtype: str
     orderings: str
-    release: bool = False  # semif-serve serves the bench's lev release, and the requests name it
-
-    @property
-    def served(self) -> str:
-        """The model the requests name."""
-        return LEV_RELEASE if self.release else BASE_MODEL
+    served: str = BASE_MODEL  # the model the requests name
+    models: Any = None  # (checkpoint) -> semif-serve's SEMIF_MODELS text declaring `served`
+    concurrent: bool = False  # also measure CLIENTS concurrent clients (issue 37)
 
 
 def peers_from(args: argparse.Namespace) -> list[Peer]:
@@ -359,8 +402,28 @@ def peers_from(args: argparse.Namespace) -> list[Peer]:
         Peer("semif_api", args.semif_api_dir, ".venv/bin/python", semif_api_peer, "float32", MATCH_NONE),
         Peer("jev", args.jev_dir, ".venv/bin/python", jev_peer, "float32", MATCH_NONE),
         Peer("lev", args.lev_dir, ".venv/bin/lev", lev_peer, "bfloat16", MATCH_LEV),
-        # SEMIF_SYSTEMONE_ORDERINGS reaches the base only; a release reads lev's own orders.
-        Peer("lev-release", args.lev_dir, ".venv/bin/lev", lev_release_peer, "bfloat16", MATCH_LEV, True),
+        # SEMIF_SYSTEMONE_ORDERINGS reaches the base only; lev's method reads lev's own orders.
+        Peer(
+            "lev-base",
+            args.lev_dir,
+            ".venv/bin/lev",
+            lev_base_peer,
+            "bfloat16",
+            MATCH_LEV,
+            LEV_BASE,
+            lev_base_models_toml,
+        ),
+        Peer(
+            "lev-release",
+            args.lev_dir,
+            ".venv/bin/lev",
+            lev_release_peer,
+            "bfloat16",
+            MATCH_LEV,
+            LEV_RELEASE,
+            release_models,
+            concurrent=True,
+        ),
     ]
 
 
@@ -521,6 +584,153 @@ def summarize(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
+# -- concurrent clients (issue 37) ---------------------------------------------------------------
+
+
+def measure_clients(
+    url: str, headers: Mapping[str, str], workload: Workload, clients: int, n: int, budget: float
+) -> dict[str, Any]:
+    """`clients` clients, each sending its next request as soon as its answer arrives, until
+    about n requests (every client stops issuing once `budget` seconds are spent); req/s over
+    the wall time, as `measure` reports one client."""
+    return asyncio.run(_clients(url, headers, workload, clients, n, budget))
+
+
+async def _clients(
+    url: str, headers: Mapping[str, str], workload: Workload, clients: int, n: int, budget: float
+) -> dict[str, Any]:
+    tokens: list[int] = []
+    latencies: list[float] = []
+    issued = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=600.0, headers=dict(headers), limits=limits) as http:
+        started = time.perf_counter()
+
+        async def client() -> None:
+            nonlocal issued
+            while issued < n and time.perf_counter() - started < budget:
+                issued += 1
+                sent = time.perf_counter()
+                reply = await http.post(url + SYSTEMONE, json=workload.next())
+                latencies.append(time.perf_counter() - sent)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:300]}")
+                tokens.append(int(reply.json()["usage"]["input_tokens"]))
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - started
+    done = len(tokens)
+    return {
+        "clients": clients,
+        "requests": done,
+        "seconds": wall,
+        "rps": done / wall,
+        "input_tokens": sum(tokens) / max(1, done),
+        "latencies": latencies,
+    }
+
+
+FORWARD_COUNTERS = ("semif_forwards_total", "semif_merged_forwards_total", "semif_forward_rows_total")
+
+
+def forward_counters(url: str) -> dict[str, float]:
+    """semif-serve's batcher counters from /metrics (the forwards it ran, and their rows)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in FORWARD_COUNTERS:
+            values[name] = float(value)
+    return values
+
+
+def settled_counters(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """The counters once two reads 0.2 s apart agree: a reply may leave before its forward is counted."""
+    deadline = time.monotonic() + timeout
+    last = forward_counters(url)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = forward_counters(url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def concurrent_cells(
+    ours: tuple[str, str, int],
+    theirs: tuple[str, int],
+    clients: int,
+    n: int,
+    rounds: int,
+    budget: float,
+    model: str,
+) -> dict[str, Any]:
+    """Issue 37's cells on the short noul, interleaved per round, the other server stopped:
+    semif-serve on `model` and on the base (SemIf's method, the same questions) with 1 and with
+    `clients` concurrent clients, and the peer with 1 and `clients`; for semif-serve's
+    concurrent cells, the forwards /metrics counted against the requests sent."""
+    our_url, token, our_pid = ours
+    peer_url, peer_pid = theirs
+    mine = {"authorization": f"Bearer {token}"}
+    sides = {  # cell name -> (url, headers, pid, other pid, the model the requests name)
+        f"semif-serve {model}": (our_url, mine, our_pid, peer_pid, model),
+        f"semif-serve {BASE_MODEL}": (our_url, mine, our_pid, peer_pid, BASE_MODEL),
+        "peer": (peer_url, {}, peer_pid, our_pid, model),
+    }
+    cells: dict[str, dict[int, list[dict[str, Any]]]] = {name: {1: [], clients: []} for name in sides}
+    for url, headers, pid, other, served in sides.values():
+        with only_running(pid, [other]):
+            measure_clients(url, headers, Workload("noul", 0, served), clients, clients, budget)  # warm-up
+    for r in range(rounds):
+        log(f"peers:   noul, {clients} concurrent clients, round {r + 1}/{rounds}")
+        for name, (url, headers, pid, other, served) in sides.items():
+            for count in (1, clients):
+                with only_running(pid, [other]):
+                    before = settled_counters(url) if pid == our_pid else {}
+                    cell = measure_clients(url, headers, Workload("noul", 0, served), count, n, budget)
+                    if pid == our_pid:
+                        after = settled_counters(url)
+                        cell["counted"] = {
+                            k: after.get(k, 0.0) - before.get(k, 0.0) for k in FORWARD_COUNTERS
+                        }
+                cells[name][count].append(cell)
+            one, many = cells[name][1][-1]["rps"], cells[name][clients][-1]["rps"]
+            log(
+                f"peers:     {name}: 1 client {one:.2f} req/s, {clients} clients {many:.2f}"
+                f" ({many / one:.2f}x)"
+            )
+    return summarize_concurrent(cells, clients, model)
+
+
+def summarize_concurrent(
+    cells: dict[str, dict[int, list[dict[str, Any]]]], clients: int, model: str
+) -> dict[str, Any]:
+    """Per side: median req/s at 1 and `clients` clients and the gain per round; semif-serve's
+    forwards and rows per request at `clients`; semif-serve / peer at `clients`."""
+    out: dict[str, Any] = {"clients": clients, "model": model, "sides": {}, "cells": cells}
+    for name, by_count in cells.items():
+        ones, manys = by_count[1], by_count[clients]
+        side = {
+            "rps_1": median([c["rps"] for c in ones]),
+            "rps_n": median([c["rps"] for c in manys]),
+            "gains": [b["rps"] / a["rps"] for a, b in zip(ones, manys, strict=True)],
+            "median_ms_n": 1000.0 * median([x for c in manys for x in c["latencies"]]),
+        }
+        side["gain"] = median(side["gains"])
+        counted = [c for c in manys if "counted" in c]
+        if counted:
+            requests = sum(c["requests"] for c in counted)
+            side["requests_n"] = requests
+            side["forwards_n"] = sum(c["counted"]["semif_forwards_total"] for c in counted)
+            side["merged_forwards_n"] = sum(c["counted"]["semif_merged_forwards_total"] for c in counted)
+            side["rows_n"] = sum(c["counted"]["semif_forward_rows_total"] for c in counted)
+        out["sides"][name] = side
+    ours, theirs = cells[f"semif-serve {model}"][clients], cells["peer"][clients]
+    out["ratios_n"] = [a["rps"] / b["rps"] for a, b in zip(ours, theirs, strict=True)]
+    out["ratio_n"] = median(out["ratios_n"])
+    return out
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -566,24 +776,24 @@ def _run_setting(
     from semif_serve.tools.demo import DEMO_REVISION
 
     setting = setting_name(threads)
-    groups: dict[tuple[str, str, bool], list[Peer]] = {}
+    groups: dict[tuple[str, str, str, Any], list[Peer]] = {}
     for peer in wanted:
         if peer.directory is None or not (peer.directory / peer.marker).exists():
             line = f"{peer.name}: no scratch environment at {peer.directory} (see bench/README.md, Peers)"
             print(f"SKIPPED {line}")
             results["skipped"][peer.name] = line
             continue
-        groups.setdefault((peer.dtype, peer.orderings, peer.release), []).append(peer)
-    for (dtype, orderings, release), group in groups.items():
+        groups.setdefault((peer.dtype, peer.orderings, peer.served, peer.models), []).append(peer)
+    for (dtype, orderings, served_model, models_text), group in groups.items():
         settings = {"device": "cpu", "dtype": dtype, "systemone_orderings": orderings}
         extra = thread_env(threads)
         where = f"semif-{dtype}-{setting.replace(' ', '-')}"
-        if release:
-            models = work / "models.toml"
-            models.write_text(release_models_toml(ensure_release(model), str(model)), encoding="utf-8")
+        if models_text is not None:
+            models = work / f"models-{served_model}.toml"
+            models.write_text(models_text(model), encoding="utf-8")
             extra["SEMIF_MODELS"] = str(models)
-            where += "-release"
-        served = ", the lev release" if release else ""
+            where += f"-{served_model}"
+        served = "" if models_text is None else f", serving {served_model}"
         log(f"peers: {setting}: semif-serve ({dtype}, orderings {orderings}{served}) ...")
         with ServiceProcess(model, DEMO_REVISION, settings, work / where, extra_env=extra) as ours:
             for peer in group:
@@ -600,6 +810,16 @@ def _run_setting(
                         args.cell_seconds,
                         peer.served,
                     )
+                    if peer.concurrent and args.clients > 1:
+                        measured["concurrent"] = concurrent_cells(
+                            (ours.url, ours.token, ours.pid),
+                            (theirs.url, theirs.pid),
+                            args.clients,
+                            args.requests_concurrent,
+                            args.rounds,
+                            args.cell_seconds,
+                            peer.served,
+                        )
                 results["peers"][f"{peer.name} @ {setting}"] = {
                     "peer": peer.name,
                     "setting": setting,
@@ -652,6 +872,63 @@ HEADERS = [
 ]
 
 
+CONCURRENT_HEADERS = [
+    "peer",
+    "threads",
+    "server, model",
+    "1 client req/s",
+    "N clients req/s",
+    "gain (per round)",
+    "median ms at N",
+    "forwards / requests at N (merged)",
+    "rows / forward",
+]
+
+
+def concurrent_rows(results: dict[str, Any]) -> list[list[str]]:
+    """One row per side of each concurrency section, then semif-serve / peer at N clients."""
+    rows = []
+    for peer in results["peers"].values():
+        section = peer.get("concurrent")
+        if not section:
+            continue
+        for name, side in section["sides"].items():
+            label = f"{peer['peer']} ({section['model']})" if name == "peer" else name
+            counted = "-"
+            per_forward = "-"
+            if "forwards_n" in side:
+                counted = f"{side['forwards_n']:.0f} / {side['requests_n']} ({side['merged_forwards_n']:.0f})"
+                per_forward = f"{side['rows_n'] / max(1.0, side['forwards_n']):.1f}"
+            rows.append(
+                [
+                    peer["peer"],
+                    peer["setting"],
+                    label,
+                    f"{side['rps_1']:.2f}",
+                    f"{side['rps_n']:.2f}",
+                    f"{side['gain']:.2f}x (" + " ".join(f"{g:.2f}" for g in side["gains"]) + ")",
+                    f"{side['median_ms_n']:.0f}",
+                    counted,
+                    per_forward,
+                ]
+            )
+        ratios = " ".join(f"{x:.2f}" for x in section["ratios_n"])
+        rows.append(
+            [
+                peer["peer"],
+                peer["setting"],
+                f"semif-serve / peer at N={section['clients']}",
+                "",
+                "",
+                f"{section['ratio_n']:.2f}x ({ratios})",
+                "",
+                "",
+                "",
+            ]
+        )
+    return rows
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
@@ -659,6 +936,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"| {name} | skipped | {line} |" + " |" * (len(HEADERS) - 3)
         for name, line in results["skipped"].items()
     ]
+    concurrent = concurrent_rows(results)
+    if concurrent:
+        lines += ["", "| " + " | ".join(CONCURRENT_HEADERS) + " |", "|" + "---|" * len(CONCURRENT_HEADERS)]
+        lines += ["| " + " | ".join(row) + " |" for row in concurrent]
     return "\n".join(lines)
 
 
@@ -671,10 +952,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jev-dir", type=Path, default=Path(env("SEMIF_PEER_JEV_DIR") or "/work/peers/jev"))
     parser.add_argument("--lev-dir", type=Path, default=Path(env("SEMIF_PEER_LEV_DIR") or "/work/peers/lev"))
-    parser.add_argument("--only", default="semif_api,jev,lev,lev-release", help="comma-separated peers")
+    parser.add_argument(
+        "--only", default="semif_api,jev,lev,lev-base,lev-release", help="comma-separated peers"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload")
     parser.add_argument("--requests-eight", type=int, default=20, help="requests per cell, workload (a)")
     parser.add_argument("--requests-noul", type=int, default=40, help="requests per cell, workload (b)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=CLIENTS,
+        help="concurrent clients of lev-release's concurrency cells (1: none)",
+    )
+    parser.add_argument(
+        "--requests-concurrent", type=int, default=240, help="requests per concurrency cell (short noul)"
+    )
     parser.add_argument(
         "--cell-seconds", type=float, default=10.0, help="stop a cell after this long (at least one request)"
     )
@@ -698,6 +990,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{results['load_average_before'][0]:.2f}/{results['load_average_after'][0]:.2f}"
     )
     print(format_table(HEADERS, table_rows(results)))
+    if concurrent_rows(results):
+        print(format_table(CONCURRENT_HEADERS, concurrent_rows(results)))
     for line in results["skipped"].values():
         print(f"skipped: {line}")
     print()

@@ -1,13 +1,16 @@
-"""bench/peers.py's pure parts for the `lev-release` peer: the SEMIF_MODELS file it gives
-semif-serve reads back as the release with lev's flags, lev's flags are spelled as `lev serve`
-takes them, and the requests name the model the peer serves."""
+"""bench/peers.py's own parts: the SEMIF_MODELS files it gives semif-serve for `lev-release`
+and `lev-base` read back as the entries they mean, with lev's flags; lev's flags are spelled
+as `lev serve` takes them; the requests name the model the peer serves; the concurrent
+clients keep exactly N requests in flight, each sending its next one only after its answer."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
 
+from acceptance.server import LoopbackServer
 from bench import peers
 from semif_serve.service.models import LEV, load_models
 
@@ -26,6 +29,17 @@ def test_release_models_file_reads_back_as_the_release_with_levs_options(tmp_pat
     assert entry.base_model == "/models/ckpt"
     assert loaded.resolve("local") is entry
     assert loaded.resolve("jev-latest").is_base  # the base is still the base
+
+
+def test_lev_base_models_file_reads_back_as_the_base_with_levs_method_and_frozen_flags(tmp_path):
+    models = tmp_path / "models.toml"
+    models.write_text(peers.lev_base_models_toml())
+    loaded = load_models(models, "Qwen/Qwen3.5-4B@bench")
+    entry = loaded.resolve(peers.LEV_BASE)
+    assert entry.method == LEV and entry.lev_base and entry.release is None and entry.adapter is None
+    assert dict(entry.lev_options) == peers.LEV_BASE_OPTIONS
+    assert entry.lev_options["noul_readout"] == "binary"  # lev's reading of a noul without a checkpoint
+    assert loaded.resolve("jev-latest").is_base
 
 
 def test_lev_flags_spell_levs_cli():
@@ -56,8 +70,11 @@ def test_requests_name_the_served_model():
         "semif_api": "jev-latest",
         "jev": "jev-latest",
         "lev": "jev-latest",
+        "lev-base": "lev-base",
         "lev-release": "lev-bench",
     }
+    concurrent = [peer.name for peer in peers.peers_from(args) if peer.concurrent]
+    assert concurrent == ["lev-release"]
 
 
 def test_no_two_workloads_of_one_run_ask_about_the_same_state():
@@ -73,3 +90,39 @@ def test_the_defaults_setting_pins_no_thread_count_and_a_number_pins_every_serve
     assert "OMP_NUM_THREADS" not in defaults and "MKL_NUM_THREADS" not in defaults
     assert peers._peer_env({}, 1)["OMP_NUM_THREADS"] == peers._peer_env({}, 1)["MKL_NUM_THREADS"] == "1"
     assert peers.thread_env(None) == {}
+
+
+class _InFlight:
+    """An ASGI app answering /v1/systemone after a short sleep, counting requests in flight."""
+
+    def __init__(self) -> None:
+        self.now = self.most = self.answered = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        self.now += 1
+        self.most = max(self.most, self.now)
+        await asyncio.sleep(0.01)
+        self.now -= 1
+        self.answered += 1
+        body = json.dumps({"usage": {"input_tokens": 7}}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_concurrent_clients_keep_n_in_flight_and_send_exactly_the_requests_asked():
+    app = _InFlight()
+    with LoopbackServer(app) as server:
+        cell = peers.measure_clients(server.url, {}, peers.Workload("noul", 0), 16, 80, budget=60.0)
+    assert cell["requests"] == app.answered == 80
+    assert app.most == 16  # 16 clients, never a 17th request before an answer
+    assert cell["clients"] == 16 and cell["input_tokens"] == 7 and len(cell["latencies"]) == 80
