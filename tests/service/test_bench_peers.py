@@ -10,8 +10,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from acceptance.server import LoopbackServer
 from bench import peers
+from harness.server import LoopbackServer
 from semif_serve.service.models import LEV, load_models
 
 
