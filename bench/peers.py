@@ -89,7 +89,7 @@ import httpx
 
 from bench.run import environment
 from harness.report import format_table, log, write_result
-from harness.server import LOOPBACK, ServiceProcess, free_port
+from harness.server import LOOPBACK, ServiceProcess, free_port, stop_process
 from harness.stats import median
 from harness.workloads import filler
 
@@ -261,13 +261,8 @@ class PeerProcess:
 
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+            os.kill(self.process.pid, signal.SIGCONT)  # a stopped server cannot drain
+            stop_process(self.process)
         self._log.close()
 
 

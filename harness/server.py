@@ -53,6 +53,18 @@ class LoopbackServer:
         self.thread.join(timeout=30)
 
 
+def stop_process(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """End a child server: SIGTERM (its drain), then SIGKILL after `grace` seconds."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 class ServiceProcess:
     """`semif-serve serve` as a child process on a free loopback port, configured through SEMIF_*.
 
@@ -135,13 +147,8 @@ class ServiceProcess:
         return self.process.pid
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        if self.process is not None:
+            stop_process(self.process)
         self._log.close()
 
 

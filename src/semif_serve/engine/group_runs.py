@@ -23,7 +23,7 @@ from semif_serve.engine.lone import LoneRowPolicy
 from semif_serve.engine.memory import MemoryEstimate
 from semif_serve.engine.options import EngineOptions
 from semif_serve.engine.rows import PREFILL_KINDS, GroupRun, PreparedRows, Results, ScoredRow
-from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, StoredState, prefix_digest
+from semif_serve.engine.state_cache import QUESTION, STATE, StoredState, prefix_digest
 from semif_serve.engine.stepped import SteppedPrefill
 from semif_serve.engine.vision import ImageSet
 
@@ -37,26 +37,15 @@ class GroupRunner:
         adapters: AdapterBank,
         options: EngineOptions,
         estimate: MemoryEstimate,
-        slots: Sequence[int],
+        slot_ids: Any,
         pad_id: int,
-        device: Any,
     ) -> None:
         import torch
 
-        self.torch = torch
-        self.model = model
-        self.adapters = adapters
-        self.options = options
-        self.estimate = estimate
-        self.slots = slots
-        self.slot_ids = torch.tensor(slots, device=device)
-        self.pad_id = pad_id
-        self.device = device
-        self.memory = options.memory
-        self.cache: StateCache = options.cache
-        self.headroom_bytes = options.headroom_bytes
-        self.prefill_chunk_tokens = options.prefill_chunk_tokens
-        chunk = options.prefill_chunk_tokens
+        self.torch, self.model, self.adapters, self.estimate = torch, model, adapters, estimate
+        self.slot_ids, self.pad_id, self.device = slot_ids, pad_id, slot_ids.device  # SemIf's answer slots
+        self.memory, self.cache, self.headroom_bytes = options.memory, options.cache, options.headroom_bytes
+        self.prefill_chunk_tokens = chunk = options.prefill_chunk_tokens
         self.stepped = SteppedPrefill(self.cache, estimate, self.memory, chunk, self._prefill)
         self.lone = LoneRowPolicy(self.cache, options.keep_state_tokens)
 
@@ -164,7 +153,7 @@ class GroupRunner:
         and where each id sits among them."""
         if all(r is None for r in reads):
             return self.slot_ids, {}
-        ids = [int(t) for t in self.slots] if any(r is None for r in reads) else []
+        ids = [int(t) for t in self.slot_ids.tolist()] if any(r is None for r in reads) else []
         at = {t: i for i, t in enumerate(ids)}
         for own in reads:
             for token in own or ():

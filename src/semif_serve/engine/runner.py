@@ -79,9 +79,7 @@ class TorchEngine:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.model_info = identity.as_dict()
-        self.groups = GroupRunner(
-            model, self.adapters, options, self.estimate, codec.slots, self.pad_id, self.device
-        )
+        self.groups = GroupRunner(model, self.adapters, options, self.estimate, self.slot_ids, self.pad_id)
         self.stepped, self.lone = self.groups.stepped, self.groups.lone
         # On a CPU every forward sets its intra-op threads from its size (a GPU's forward runs on the device).
         self.threads = EngineThreads(options.threads, torch) if self.device.type == "cpu" else None
