@@ -82,7 +82,6 @@ def lone_question(engine, tokens: int, rounds: int) -> dict[str, Any]:
             out[name] = readout
             if r:  # the first round warms up
                 seconds[name].append(readout.total_seconds)
-        reuse.drop_deferred()
         a = torch.tensor(out["reuse"].rows[0].option_logits)
         b = torch.tensor(out["plain"].rows[0].option_logits)
         c = torch.tensor(out["shared"].rows[0].option_logits)
@@ -313,7 +312,8 @@ def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int 
 def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, float]:
     """Median milliseconds per stage of one System One request on a new state, on this thread."""
     from semif_serve.doors.systemone import api as s1
-    from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
+    from semif_serve.doors.systemone.mapping import answer_body, to_question
+    from semif_serve.doors.systemone.schemas import BatchTimingBlock, SystemOneResponse, Usage, parse_request
     from semif_serve.service.core import plan_rows, question_outcome
 
     door = s1.SystemOneDoor(service)
@@ -324,7 +324,7 @@ def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, fl
         raw = json.dumps({**body, "state": f"[{tag} {r}] " + body["state"]}).encode()
         marks = [("start", time.perf_counter())]
         parsed = parse_request(raw, door.max_options)
-        questions = [s1.to_question(qid, q, door.policy) for qid, q in parsed.questions.items()]
+        questions = [to_question(qid, q, door.policy) for qid, q in parsed.questions.items()]
         marks.append(("parse", time.perf_counter()))
         planned, rows = plan_rows(
             questions, max_rows=limits.max_rows, max_options=limits.max_options, calibration=core.calibration
@@ -348,15 +348,22 @@ def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, fl
         outcomes = [question_outcome(p, readout, core.calibration) for p in planned]
         marks.append(("readout", time.perf_counter()))
         answers = {
-            qid: s1.answer_body(parsed.questions[qid].type, a)
+            qid: answer_body(parsed.questions[qid].type, a)
             for qid, a in zip(parsed.questions, outcomes, strict=True)
         }
+        timing = BatchTimingBlock(
+            **readout.timing.as_dict(),
+            forward_seconds=readout.forward_seconds,
+            total_seconds=readout.total_seconds,
+        )
         reply = SystemOneResponse(
-            model=door.model_name, answers=answers, usage=Usage(input_tokens=1, output_tokens=0)
+            model=door.model_name,
+            answers=answers,
+            usage=Usage(input_tokens=1, output_tokens=0),
+            x_timing=timing,
         )
         json.dumps(reply.model_dump(mode="json", exclude_unset=True))
         marks.append(("reply", time.perf_counter()))
-        engine.drop_deferred()
         if not r:
             continue
         for (_, a), (name, b) in zip(marks, marks[1:], strict=False):
