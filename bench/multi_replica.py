@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 from bench.gateway import REPLICA_HEADER, STATE_KEY_HEADER, Gateway, free_port, state_key
+from harness.server import wait_healthy
 
 TOKEN = "bench-multi-replica-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -95,16 +96,13 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, seconds: float = 300) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"replica {self.index} exited"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"replica {self.index} not ready")
+        wait_healthy(
+            self.url,
+            self.process,
+            seconds,
+            lambda: f"replica {self.index} exited",
+            f"replica {self.index} not ready",
+        )
 
     def cache(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()["state_cache"]

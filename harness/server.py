@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,24 @@ class LoopbackServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def wait_healthy(
+    url: str, process: subprocess.Popen, seconds: float, exited: Callable[[], str], late: str
+) -> None:
+    """Until `url`/health answers 200: RuntimeError(`exited()`) if the process ends first,
+    RuntimeError(`late`) after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(exited())
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(late)
 
 
 def stop_process(process: subprocess.Popen, grace: float = 30.0) -> None:
@@ -117,21 +135,15 @@ class ServiceProcess:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"semif-serve exited with {self.process.returncode} during startup; "
-                    f"see {self.log_path}:\n{self.tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(
-            f"semif-serve was not ready within {self.startup_timeout:.0f} s; see {self.log_path}"
+        wait_healthy(
+            self.url,
+            self.process,
+            self.startup_timeout,
+            lambda: (
+                f"semif-serve exited with {self.process.returncode} during startup; "
+                f"see {self.log_path}:\n{self.tail()}"
+            ),
+            f"semif-serve was not ready within {self.startup_timeout:.0f} s; see {self.log_path}",
         )
 
     def tail(self, lines: int = 30) -> str:
