@@ -27,13 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from semif_serve.domain.peft_files import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, PEFT_PREFIX
 from semif_serve.engine.loader import CheckpointError
 from semif_serve.engine.state_cache import BASE_MODEL
 
 BASE = BASE_MODEL  # a row of the base model (no adapter)
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
 VL_TEXT_PREFIX = "model.language_model."  # an adapter saved over the vision-language class
 LINEAR_STATES = ("conv_states", "recurrent_states")  # a linear-attention cache layer's per-row states
 TENSOR_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
@@ -277,8 +275,8 @@ def read_adapter(directory: Path, model: Any, base_names: Sequence[str] = ()) ->
     that do not fit the layer or the rank, a module with A and not B."""
     import torch
 
-    config_path = directory / ADAPTER_CONFIG
-    weights_path = directory / ADAPTER_WEIGHTS
+    config_path = directory / ADAPTER_CONFIG_FILE
+    weights_path = directory / ADAPTER_WEIGHTS_FILE
     for path in (config_path, weights_path):
         if not path.is_file():
             raise AdapterError(f"{path}: missing (a PEFT LoRA adapter directory holds {path.name})")

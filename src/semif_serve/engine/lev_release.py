@@ -21,13 +21,13 @@ from semif_serve.domain.lev.calibration import UNCALIBRATED, LevCalibration, par
 from semif_serve.domain.lev.release import LevManifest, LevOptions, parse_manifest, serving_options
 from semif_serve.domain.lev.routing import CODE_COUNT, LevCodes, all_codes
 from semif_serve.domain.lev.types import (
-    ADAPTER_CONFIG_FILE,
     CALIBRATION_FILE,
     HEAD_FILE,
     MANIFEST_FILE,
     TOKENIZER_FILE,
     LevReleaseError,
 )
+from semif_serve.domain.peft_files import ADAPTER_CONFIG_FILE
 from semif_serve.engine.adapters import BASE, AdapterBank, AdapterError, LoraWeights
 from semif_serve.engine.lev_head import load_head
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from semif_serve.domain.lev.types import MANIFEST_FILE
+from semif_serve.domain.peft_files import ADAPTER_FILES
 from semif_serve.domain.types import ConfigurationError
 
 Method = Literal["semif", "lev"]
 SEMIF: Method = "semif"  # SemIf's prompt and readout (the base, and any PEFT adapter)
 LEV: Method = "lev"  # lev's prompt and readout (a lev release)
 JEV_ALIASES = ("jev-latest", "jev-preview")
-RELEASE_MANIFEST = "lev_release.json"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # lev's server flags a release entry may set, and the values lev accepts.
 LEV_OPTIONS: dict[str, tuple[str, ...]] = {
     "noul_readout": ("binary", "rating"),
@@ -204,8 +204,8 @@ def _entry(name: str, table: dict[str, Any], where: str, key: str, root: Path) -
                 f"{where}: {key}.{k}: unknown key for a {kind} (keys: {', '.join(allowed)})"
             )
     directory = _directory(table[kind], where, f"{key}.{kind}", root)
-    if kind == "release" and not (directory / RELEASE_MANIFEST).is_file():
-        raise ConfigurationError(f"{where}: {key}.release: {directory} has no {RELEASE_MANIFEST}")
+    if kind == "release" and not (directory / MANIFEST_FILE).is_file():
+        raise ConfigurationError(f"{where}: {key}.release: {directory} has no {MANIFEST_FILE}")
     if kind == "adapter":
         for file in ADAPTER_FILES:
             if not (directory / file).is_file():

@@ -16,7 +16,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from semif_serve.domain.lev.types import ADAPTER_CONFIG_FILE, CALIBRATION_FILE, HEAD_FILE, MANIFEST_FILE
+from semif_serve.domain.lev.types import CALIBRATION_FILE, HEAD_FILE, MANIFEST_FILE
+from semif_serve.domain.peft_files import ADAPTER_CONFIG_FILE
 
 # Attention and MLP projections of both of Qwen3.5's layer kinds.
 DEFAULT_TARGETS = (

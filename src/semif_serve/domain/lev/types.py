@@ -10,8 +10,6 @@ from typing import Any, Literal, get_args
 from semif_serve.domain.types import ConfigurationError, Refusal
 
 MANIFEST_FILE = "lev_release.json"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 HEAD_FILE = "mode_b_head.pt"
 CALIBRATION_FILE = "calibration.json"
 TOKENIZER_FILE = "tokenizer.json"
