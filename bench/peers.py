@@ -44,12 +44,15 @@ skipped with a line saying so when absent:
 
 Workloads, one client that sends the next request as soon as the answer arrives:
 (a) eight choices (3 options each) over a NEW ~1,000-token state every request;
-(b) one short noul over a NEW short state every request.
+(b) one short noul over a NEW short state every request;
+(c), (d) the same two over ONE state every request of the cell, the question asked differently
+each time (each side saw the state once in its warm-up; `--no-again` leaves them out).
 Cells are interleaved A, B, A, B; while one server is measured the other is stopped
-(SIGSTOP), so neither steals the two cores with idle work. Each thread setting of --settings
-(default `defaults,1`) is measured in the same run: `defaults` starts every server as users
+(SIGSTOP), so neither steals the two cores with idle work. Each setting of --settings
+(default `defaults,plain,1`) is measured in the same run: `defaults` starts every server as users
 run it (no OMP_NUM_THREADS or MKL_NUM_THREADS: torch's own count for the peers, semif-serve's
-thread policy, engine/threads.py), a number pins every server to that many intra-op threads
+thread policy, engine/threads.py), `plain` the same with semif-serve's SEMIF_DIRECT_PATH=plain
+(lone rows as SemIf's plain forward, no state reuse for them), a number pins every server to that many intra-op threads
 (OMP_NUM_THREADS and MKL_NUM_THREADS). On this shared machine another process usually holds a
 core, and a server whose torch runs two OpenMP threads then waits at every parallel op's barrier
 for the descheduled one (measured: upstream's short noul at 350-900 ms a request with two
@@ -268,23 +271,30 @@ class PeerProcess:
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 DEFAULTS = "defaults"  # the --settings entry that pins nothing
+# The --settings entry that runs every server at its defaults and semif-serve's lone rows as
+# SemIf's plain forward (SEMIF_DIRECT_PATH=plain: no state cache for them), beside the defaults.
+PLAIN = "plain"
+Setting = int | str | None  # a thread count, PLAIN, or None (the defaults)
 
 
-def thread_env(threads: int | None) -> dict[str, str]:
-    """The intra-op thread settings every server gets, ours and the peers' alike (None: none,
-    each server's own defaults)."""
-    if threads is None:
+def thread_env(threads: Setting) -> dict[str, str]:
+    """The intra-op thread settings every server gets, ours and the peers' alike (None or PLAIN:
+    none, each server's own defaults)."""
+    if not isinstance(threads, int):
         return {}
     return dict.fromkeys(THREAD_VARIABLES, str(threads))
 
 
-def parse_settings(text: str) -> list[int | None]:
-    """`defaults,1,2` -> [None, 1, 2]."""
-    return [None if item == DEFAULTS else int(item) for item in (p.strip() for p in text.split(",")) if item]
+def parse_settings(text: str) -> list[Setting]:
+    """`defaults,plain,1,2` -> [None, "plain", 1, 2]."""
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    return [None if item == DEFAULTS else item if item == PLAIN else int(item) for item in items]
 
 
-def setting_name(threads: int | None) -> str:
-    return DEFAULTS if threads is None else f"{threads} thread" + ("s" if threads > 1 else "")
+def setting_name(threads: Setting) -> str:
+    if threads == PLAIN:
+        return "defaults, plain path"
+    return DEFAULTS if threads is None else f"{threads} thread" + ("s" if int(threads) > 1 else "")
 
 
 def _peer_env(extra: Mapping[str, str], threads: int | None) -> dict[str, str]:
@@ -443,34 +453,40 @@ _STATE_SERIALS = itertools.count(1)
 
 
 class Workload:
-    """Request bodies, each over a state no earlier request of this process saw."""
+    """Request bodies: each over a state no earlier request of this process saw, or (a name
+    ending `-again`) every one over the same state, the question asked differently each time."""
 
     def __init__(self, name: str, words: int, model: str = BASE_MODEL) -> None:
         self.name = name
         self.words = words
         self.model = model
+        self.again: int | None = next(_STATE_SERIALS) if name.endswith(AGAIN) else None
 
     def next(self) -> dict[str, Any]:
-        n = next(_STATE_SERIALS)
-        if self.name == "eight":
+        asked = next(_STATE_SERIALS)
+        n = asked if self.again is None else self.again
+        if self.name.startswith("eight"):
             state = f"Incident {n}. " + filler(self.words, seed=n)
             questions = {
                 f"c{i}": {
                     "type": "choice",
-                    "instructions": f"Which team owns follow-up {i}?",
+                    "instructions": f"Which team owns follow-up {i} of ask {asked}?",
                     "criteria": {"platform": None, "payments": None, "search": None},
                 }
                 for i in range(8)
             }
         else:
             state = f"Health checks passed in zone {n % 7} after deploy {n}."
-            questions = {"ok": {"type": "noul", "instructions": "Did the deployment succeed?"}}
+            questions = {"ok": {"type": "noul", "instructions": f"Did deployment check {asked} succeed?"}}
         return {"model": self.model, "state": state, "questions": questions}
 
 
+AGAIN = "-again"
 WORKLOADS = {
     "eight": "(a) 8 choices, new ~1k-token state",
     "noul": "(b) 1 short noul, new state",
+    "eight-again": "(c) 8 choices, the same ~1k-token state again",
+    "noul-again": "(d) 1 short noul, the same state again",
 }
 
 
@@ -733,6 +749,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = ensure_checkpoint(args.model.resolve())  # the peers run in their own directories
     words = fit_state_words(model, STATE_TOKENS)
     counts = {"eight": args.requests_eight, "noul": args.requests_noul}
+    counts.update({f"{name}{AGAIN}": counts[name] for name in list(counts) if args.states_again})
     results: dict[str, Any] = {
         "model": str(model),
         "rounds": args.rounds,
@@ -763,7 +780,7 @@ def _run_setting(
     words: int,
     counts: Mapping[str, int],
     wanted: list[Peer],
-    threads: int | None,
+    threads: Setting,
     work: Path,
     results: dict[str, Any],
 ) -> None:
@@ -782,7 +799,9 @@ def _run_setting(
     for (dtype, orderings, served_model, models_text), group in groups.items():
         settings = {"device": "cpu", "dtype": dtype, "systemone_orderings": orderings}
         extra = thread_env(threads)
-        where = f"semif-{dtype}-{setting.replace(' ', '-')}"
+        if threads == PLAIN:
+            extra["SEMIF_DIRECT_PATH"] = "plain"
+        where = f"semif-{dtype}-{setting.replace(' ', '-').replace(',', '')}"
         if models_text is not None:
             models = work / f"models-{served_model}.toml"
             models.write_text(models_text(model), encoding="utf-8")
@@ -795,7 +814,8 @@ def _run_setting(
                 log(f"peers: {peer.name} ...")
                 assert peer.directory is not None
                 with ExitStack() as stack:
-                    theirs = stack.enter_context(peer.build(peer.directory, model, work, threads))
+                    peer_threads = None if threads == PLAIN else threads
+                    theirs = stack.enter_context(peer.build(peer.directory, model, work, peer_threads))
                     measured = side_by_side(
                         (ours.url, ours.token, ours.pid),
                         (theirs.url, theirs.pid),
@@ -833,6 +853,8 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for peer in results["peers"].values():
         for workload, label in WORKLOADS.items():
+            if workload not in peer:
+                continue
             r = peer[workload]
             rows.append(
                 [
@@ -967,8 +989,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--settings",
-        default="defaults,1",
-        help="thread settings, each measured in turn: defaults (nothing pinned) or N (OMP_NUM_THREADS=N)",
+        default="defaults,plain,1",
+        help="settings, each measured in turn: defaults (nothing pinned), plain (the defaults with "
+        "semif-serve's SEMIF_DIRECT_PATH=plain) or N (OMP_NUM_THREADS=N)",
+    )
+    parser.add_argument(
+        "--no-again",
+        dest="states_again",
+        action="store_false",
+        help="only new states (no cells over the same state asked again)",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
     args = parser.parse_args(argv)
