@@ -44,6 +44,7 @@ class GroupRunner:
 
         self.torch, self.model, self.adapters, self.estimate = torch, model, adapters, estimate
         self.slot_ids, self.pad_id, self.device = slot_ids, pad_id, slot_ids.device  # SemIf's answer slots
+        self.slots = [int(t) for t in slot_ids.tolist()]  # read once: a forward never syncs for them
         self.memory, self.cache, self.headroom_bytes = options.memory, options.cache, options.headroom_bytes
         self.prefill_chunk_tokens = chunk = options.prefill_chunk_tokens
         self.stepped = SteppedPrefill(self.cache, estimate, self.memory, chunk, self._prefill)
@@ -153,7 +154,7 @@ class GroupRunner:
         and where each id sits among them."""
         if all(r is None for r in reads):
             return self.slot_ids, {}
-        ids = [int(t) for t in self.slot_ids.tolist()] if any(r is None for r in reads) else []
+        ids = list(self.slots) if any(r is None for r in reads) else []
         at = {t: i for i, t in enumerate(ids)}
         for own in reads:
             for token in own or ():

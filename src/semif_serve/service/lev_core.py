@@ -358,7 +358,13 @@ class LevCore:
         encoded = time.perf_counter() - started
         key = state_digest(asked.state, (), asked.model)
         jobs = lev_jobs(rows, self.worker.engine, release.adapter, encoded)
-        readouts = await asyncio.gather(*(self.worker.score_prepared(key, job) for job in jobs))
+        tasks = [asyncio.ensure_future(self.worker.score_prepared(key, job)) for job in jobs]
+        try:
+            readouts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # a refused or cancelled job takes its siblings with it: no orphan forwards
+                task.cancel()
+            raise
         reply = (
             await asyncio.to_thread(lev_answers, release, rows, readouts)
             if rows.head_rows
