@@ -1,20 +1,26 @@
-"""How many CPU threads a forward uses: chosen per forward from the machine and the work.
+"""How many CPU threads a forward uses: chosen per forward, and per matmul, from the machine and
+the work.
 
-torch's intra-op threads run every parallel op of a forward; on a CPU a small forward cannot
-use two (each op's work is too small to split) and, on a machine where another process holds
-a core, a second OpenMP thread makes every op wait at its barrier for the descheduled one
-(`bench/threads.py` measures both). So the engine thread asks `EngineThreads.use(tokens)` before
-each forward: one thread below `PARALLEL_TOKENS` tokens computed per added thread, and never
-more threads than cores other processes leave free (read from /proc/stat, at most every
-`SAMPLE_SECONDS`); a long prefill on an idle machine uses every core. `torch.set_num_threads`
-is called only when the count changes (it costs well under a microsecond, but resizing
-OpenMP's pool does not).
+torch's intra-op threads run every parallel op of a forward. On a CPU most ops of a small
+forward cannot use two (each is too small to split: the fork and join cost more than the op),
+and on a machine where another process holds a core a second OpenMP thread makes every op wait
+at its barrier for the descheduled one (`bench/threads.py` measures both). Its Linear layers
+are the exception: a matmul of a million multiply-adds already runs faster on two threads, and
+they are most of a small forward's time. So the engine thread asks `EngineThreads.use(tokens)`
+before each forward: the forward's count, one thread below `PARALLEL_TOKENS` tokens computed per
+added thread, never more threads than cores other processes leave free (read from /proc/stat,
+at most every `SAMPLE_SECONDS`), so a long prefill on an idle machine uses every core; and, in a
+forward kept on fewer threads than the free cores, each Linear layer of the model
+(`attach_matmul_threads`, once at load) runs on one more thread per `MATMUL_MACS`
+multiply-adds it computes, up to the free cores, then returns the count to the forward's.
+`torch.set_num_threads` costs a few microseconds a call (`bench/threads.py --only matmul`).
 
 The operator pins the count with `SEMIF_TORCH_THREADS`, or with `OMP_NUM_THREADS` /
-`MKL_NUM_THREADS` in the environment (the engine then never changes it). Inter-op threads are
-set once at load (`set_interop_threads`): the engine runs no inter-op parallel work, so one.
-The tokenizer encodes one text per call (its Rust pool runs only for batch encodes, which the
-engine never makes) and Pillow decodes an image on one thread: neither needs a setting.
+`MKL_NUM_THREADS` in the environment (the engine then never changes it, per forward or per
+matmul). Inter-op threads are set once at load (`set_interop_threads`): the engine runs no
+inter-op parallel work, so one. The tokenizer encodes one text per call (its Rust pool runs
+only for batch encodes, which the engine never makes) and Pillow decodes an image on one
+thread: neither needs a setting.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ log = logging.getLogger("semif_serve.engine")
 # prefill, 8 x ~60 suffix tokens) faster on two (1.76 vs 1.42) (`bench/peers.py`, RESULTS.md).
 # Under load two lost at every size, which the free-core count below answers, not this number.
 PARALLEL_TOKENS = 192
+# Multiply-adds per added thread of one Linear in a forward kept on fewer threads: measured on this
+# machine, a Linear of 1M multiply-adds (8 rows of 256 -> 512) ran 1.2x faster on two threads,
+# half that 0.9x, 40M (77 rows of 256 -> 2,048) 1.7x, switching the count there and back included
+# (`bench/threads.py --only matmul`).
+MATMUL_MACS = 1_000_000
 # How often the free cores are read again (a read costs two small /proc reads).
 SAMPLE_SECONDS = 0.5
 # A core counts as free when others use less than this much of it over the last sample.
@@ -104,25 +115,52 @@ class OtherLoad:
 
 @dataclass(frozen=True)
 class ThreadPolicy:
-    """The intra-op thread count for a forward: `pinned` where the operator pinned it, else one
-    per `parallel_tokens` tokens computed, at most the cores others leave free."""
+    """The intra-op thread count for a forward and for each Linear in it: `pinned` where the
+    operator pinned it, else one per `parallel_tokens` tokens computed (a Linear: one more per
+    `matmul_macs` multiply-adds), at most the cores others leave free."""
 
     cores: int
     pinned: int | None = None
     parallel_tokens: int = PARALLEL_TOKENS
+    matmul_macs: int = MATMUL_MACS
 
     @classmethod
     def of_machine(cls, setting: int | None = None) -> ThreadPolicy:
         """The policy for this machine under the operator's pin (`SEMIF_TORCH_THREADS`)."""
         return cls(usable_cores(), pinned_threads(setting))
 
+    def free(self, others_busy: float = 0.0) -> int:
+        """The cores left to this process while others keep `others_busy` cores busy (at least one)."""
+        held = max(0, math.ceil(others_busy - BUSY_CORE))  # cores others hold, a sliver of one not counted
+        return max(1, self.cores - held)
+
     def wanted(self, tokens: int, others_busy: float = 0.0) -> int:
         """Threads for a forward computing `tokens` tokens while others keep `others_busy` cores busy."""
         if self.pinned is not None:
             return self.pinned
-        by_work = max(1, tokens // self.parallel_tokens)
-        held = max(0, math.ceil(others_busy - BUSY_CORE))  # cores others hold, a sliver of one not counted
-        return max(1, min(by_work, self.cores - held))
+        return min(max(1, tokens // self.parallel_tokens), self.free(others_busy))
+
+    def matmul(self, macs: int, forward: int, free: int) -> int:
+        """Threads for one Linear of `macs` multiply-adds inside a forward on `forward` threads
+        with `free` cores left (never fewer than the forward's, never more than the free cores)."""
+        if self.pinned is not None:
+            return self.pinned
+        return max(forward, min(1 + macs // self.matmul_macs, free))
+
+
+@dataclass
+class _Forward:
+    """The forward running on this thread: its count, the Linear's count while one runs."""
+
+    policy: ThreadPolicy
+    torch: Any
+    threads: int
+    free: int
+    raised: bool = False
+
+
+# The forward each engine thread runs now (set by `EngineThreads.use`; none on other threads).
+_RUNNING = threading.local()
 
 
 class EngineThreads:
@@ -147,8 +185,10 @@ class EngineThreads:
 
     def use(self, tokens: int) -> int:
         """Set the intra-op threads of the calling thread for a forward computing `tokens`
-        tokens (a pinned count once per thread); the count set."""
+        tokens (a pinned count once per thread), and what its Linear layers may raise it to;
+        the count set."""
         if self.policy.pinned is not None:
+            _RUNNING.forward = None
             if self.torch.get_num_threads() != self.policy.pinned:
                 self._set(self.policy.pinned)
             return self.policy.pinned
@@ -158,14 +198,52 @@ class EngineThreads:
                 self._others = self.load.busy_cores()
                 self._sampled = now
             wanted = self.policy.wanted(tokens, self._others)
+            free = self.policy.free(self._others)
             # OpenMP's count is the calling thread's own: read it here, not from another thread.
             if wanted != self.torch.get_num_threads():
                 self._set(wanted)
+            _RUNNING.forward = _Forward(self.policy, self.torch, wanted, free) if free > wanted else None
             return wanted
 
     def _set(self, count: int) -> None:
         self.torch.set_num_threads(count)
         self.switches += 1
+
+
+def attach_matmul_threads(model: Any) -> int:
+    """Let each Linear layer of `model` (the output head aside: the engine reads its columns
+    itself) raise the intra-op threads while it runs, by the running forward's policy; once per
+    model; how many layers that covers. Outside a forward set up by `EngineThreads.use` (another
+    thread, a pinned policy) the hooks change nothing."""
+    import torch
+
+    if getattr(model, "__semif_matmul_threads__", False):
+        return 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    for linear in linears:
+        linear.register_forward_pre_hook(_matmul_entered)
+        linear.register_forward_hook(_matmul_left, always_call=True)
+    model.__semif_matmul_threads__ = True
+    return len(linears)
+
+
+def _matmul_entered(module: Any, args: tuple[Any, ...]) -> None:
+    forward: _Forward | None = getattr(_RUNNING, "forward", None)
+    if forward is None or not args:
+        return
+    macs = args[0].numel() * module.out_features  # rows x in_features x out_features
+    count = forward.policy.matmul(macs, forward.threads, forward.free)
+    if count != forward.threads:
+        forward.torch.set_num_threads(count)
+        forward.raised = True
+
+
+def _matmul_left(_module: Any, _args: tuple[Any, ...], _output: Any) -> None:
+    forward: _Forward | None = getattr(_RUNNING, "forward", None)
+    if forward is not None and forward.raised:
+        forward.torch.set_num_threads(forward.threads)
+        forward.raised = False
 
 
 def set_interop_threads(torch: Any, count: int = 1) -> None:
