@@ -52,11 +52,11 @@ Cells are interleaved A, B, A, B; while one server is measured the other is stop
 (default `defaults,plain,1`) is measured in the same run: `defaults` starts every server as users
 run it (no OMP_NUM_THREADS or MKL_NUM_THREADS: torch's own count for the peers, semif-serve's
 thread policy, engine/threads.py), `plain` the same with semif-serve's SEMIF_DIRECT_PATH=plain
-(lone rows as SemIf's plain forward, no state reuse for them), a number pins every server to that many intra-op threads
-(OMP_NUM_THREADS and MKL_NUM_THREADS). On this shared machine another process usually holds a
-core, and a server whose torch runs two OpenMP threads then waits at every parallel op's barrier
-for the descheduled one (measured: upstream's short noul at 350-900 ms a request with two
-threads, 130-165 ms with one, under a load of 5).
+(lone rows as SemIf's plain forward, no state reuse for them), a number pins every server to
+that many intra-op threads (OMP_NUM_THREADS and MKL_NUM_THREADS). On this shared machine another
+process usually holds a core, and a server whose torch runs two OpenMP threads then waits at
+every parallel op's barrier for the descheduled one (measured: upstream's short noul at 350-900
+ms a request with two threads, 130-165 ms with one, under a load of 5).
 Reported: req/s, semif-serve/peer, the median request, and, since lev reads a shorter prompt,
 ms per 1,000 input tokens as each server counts them.
 

@@ -1,5 +1,6 @@
 """The thread policy (engine.threads): a forward's intra-op threads from its size and the free
-cores, the operator's pin respected, over the real engine and the tiny checkpoint."""
+cores, each Linear's raised count inside a forward kept on fewer, the operator's pin respected,
+over the real engine and the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ import torch
 
 from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import PromptRow
-from semif_serve.engine.threads import EngineThreads, OtherLoad, ThreadPolicy, pinned_threads
+from semif_serve.engine import threads as engine_threads
+from semif_serve.engine.threads import (
+    EngineThreads,
+    OtherLoad,
+    ThreadPolicy,
+    attach_matmul_threads,
+    pinned_threads,
+)
 
 TOL = 1e-5
 ROWS = [PromptRow(f"Which team owns step {i}?", ("platform", "payments", "search")) for i in range(4)]
@@ -36,6 +44,13 @@ def restore_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def no_running_forward():
+    """`EngineThreads.use` leaves its forward on the calling thread: none is left to later tests."""
+    yield
+    engine_threads._RUNNING.forward = None
 
 
 def test_the_operator_pins_with_the_setting_or_the_openmp_variables():
@@ -114,3 +129,150 @@ def test_the_count_is_set_on_the_thread_that_runs_the_forward(restore_threads):
     runner.join()
     assert seen == [2, 1]
     assert threads.use(10**4) == 2 and torch.get_num_threads() == 2  # each thread's own count
+
+
+def test_a_linear_takes_one_more_thread_per_matmul_macs_between_the_forwards_count_and_the_free_cores():
+    policy = ThreadPolicy(cores=8, matmul_macs=100)
+    assert policy.matmul(8, 50, 1, 8) == 1
+    assert policy.matmul(8, 100, 1, 8) == 2  # one more thread per 100 multiply-adds
+    assert policy.matmul(8, 10**6, 1, 8) == 8  # never more than the free cores
+    assert policy.matmul(8, 10**6, 1, 3) == 3
+    assert policy.matmul(8, 0, 4, 8) == 4  # never fewer than the forward's
+    assert policy.matmul(7, 10**6, 1, 8) == 1  # under matmul_rows rows it keeps the forward's
+    assert policy.matmul(7, 10**6, 3, 8) == 3
+    assert ThreadPolicy(cores=8, pinned=3, matmul_macs=100).matmul(8, 10**6, 1, 8) == 3
+
+
+def test_the_free_cores_are_the_cores_less_those_others_hold_and_at_least_one():
+    policy = ThreadPolicy(cores=8)
+    assert policy.free() == 8
+    assert policy.free(2.9) == 5
+    assert policy.free(0.2) == 8  # a sliver of a core is not held
+    assert policy.free(50.0) == 1
+
+
+def _decoder_linear(engine):
+    return engine.model.model.layers[0].mlp.up_proj
+
+
+def _read_recording_a_linears_threads(engine, policy, load):
+    """The readout of a read under `policy` and `load`, and the intra-op count each call of a
+    decoder Linear ran on (seen after the engine's own hook raised it)."""
+    request = RowsRequest.of({"log": "deploy 7 finished"}, ROWS, shared=True, max_input_tokens=4096)
+    reader = engine.with_options(threads=policy)
+    assert reader.threads is not None
+    reader.threads.load = load
+    seen = []
+    handle = _decoder_linear(engine).register_forward_pre_hook(
+        lambda *_: seen.append(torch.get_num_threads())
+    )
+    try:
+        readout = reader.read(request)
+    finally:
+        handle.remove()
+    assert seen  # the Linear ran
+    return readout, seen
+
+
+def test_a_linear_in_a_forward_kept_on_one_thread_runs_on_the_free_cores_and_reads_the_same_numbers(
+    engine, restore_threads
+):
+    torch.set_num_threads(1)
+    reference, pinned_seen = _read_recording_a_linears_threads(
+        engine, ThreadPolicy(cores=2, pinned=1), FixedLoad(0.0)
+    )
+    assert set(pinned_seen) == {1}
+    policy = ThreadPolicy(cores=2, parallel_tokens=10**9, matmul_macs=1, matmul_rows=1)
+    raised, seen = _read_recording_a_linears_threads(engine, policy, FixedLoad(0.0))
+    assert set(seen) == {2}
+    assert torch.get_num_threads() == 1  # back to the forward's count after each Linear
+    for a, b in zip(reference.rows, raised.rows, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.option_logits, b.option_logits, strict=True)) <= TOL
+
+
+@pytest.mark.parametrize(
+    ("policy", "busy"),
+    [
+        (ThreadPolicy(cores=2, parallel_tokens=10**9, matmul_macs=10**12, matmul_rows=1), 0.0),
+        (ThreadPolicy(cores=2, parallel_tokens=10**9, matmul_macs=1, matmul_rows=10**9), 0.0),
+        (ThreadPolicy(cores=2, pinned=1, matmul_macs=1, matmul_rows=1), 0.0),
+        (ThreadPolicy(cores=2, parallel_tokens=10**9, matmul_macs=1, matmul_rows=1), 5.0),
+    ],
+    ids=["small-matmuls", "few-rows", "pinned", "no-free-core"],
+)
+def test_a_linear_keeps_the_forwards_thread_when_small_pinned_or_without_a_free_core(
+    engine, restore_threads, policy, busy
+):
+    torch.set_num_threads(1)
+    _, seen = _read_recording_a_linears_threads(engine, policy, FixedLoad(busy))
+    assert set(seen) == {1} and torch.get_num_threads() == 1
+
+
+def _hook_counts(model):
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_the_output_head_carries_no_hook_and_a_second_attach_adds_none(engine):
+    head = engine.model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Linear)
+    assert not head._forward_pre_hooks and not head._forward_hooks  # its column read keeps its fast path
+    linear = _decoder_linear(engine)
+    assert len(linear._forward_pre_hooks) >= 1 and len(linear._forward_hooks) >= 1
+    before = _hook_counts(engine.model)
+    assert attach_matmul_threads(engine.model) == 0
+    assert _hook_counts(engine.model) == before
+
+
+def test_a_model_without_an_output_head_hooks_every_linear():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert not hasattr(model, "get_output_embeddings")
+    assert attach_matmul_threads(model) == 2
+    assert all(len(model[i]._forward_pre_hooks) == 1 and len(model[i]._forward_hooks) == 1 for i in (0, 2))
+
+
+@pytest.mark.parametrize("failure", ["hook", "shape"])
+def test_a_linear_that_raises_returns_the_count_to_the_forwards(restore_threads, failure):
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    assert attach_matmul_threads(model) == 1
+    seen = []
+    model[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    threads = EngineThreads(ThreadPolicy(cores=2, matmul_macs=1, matmul_rows=1), torch, FixedLoad(0.0))
+    assert threads.use(1) == 1
+    if failure == "hook":
+
+        def refuse(*_):
+            raise RuntimeError("refused")
+
+        refusal = model[0].register_forward_pre_hook(refuse)
+        with pytest.raises(RuntimeError, match="refused"):
+            model(torch.ones(16, 64))
+        refusal.remove()
+    else:
+        with pytest.raises(RuntimeError):
+            model(torch.ones(16, 32))  # 512 values: 8 rows of 64 to the hook, the wrong shape to F.linear
+    assert seen == [2] and torch.get_num_threads() == 1
+    model(torch.ones(16, 64))  # and the next call raises it again
+    assert seen == [2, 2] and torch.get_num_threads() == 1
+
+
+def test_a_linear_outside_a_forward_set_up_by_the_engine_leaves_the_count(restore_threads):
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    attach_matmul_threads(model)
+    seen = []
+    model[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    threads = EngineThreads(ThreadPolicy(cores=2, matmul_macs=1, matmul_rows=1), torch, FixedLoad(0.0))
+    assert threads.use(1) == 1  # a forward on this thread: not on the other one
+
+    def other_thread():
+        torch.set_num_threads(1)
+        model(torch.ones(16, 64))
+        seen.append(torch.get_num_threads())
+
+    runner = threading.Thread(target=other_thread)
+    runner.start()
+    runner.join()
+    assert seen == [1, 1]
+    model(torch.ones(16, 64))  # on the engine's thread it is raised
+    assert seen == [1, 1, 2] and torch.get_num_threads() == 1

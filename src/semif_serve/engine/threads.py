@@ -11,8 +11,9 @@ before each forward: the forward's count, one thread below `PARALLEL_TOKENS` tok
 added thread, never more threads than cores other processes leave free (read from /proc/stat,
 at most every `SAMPLE_SECONDS`), so a long prefill on an idle machine uses every core; and, in a
 forward kept on fewer threads than the free cores, each Linear layer of the model
-(`attach_matmul_threads`, once at load) runs on one more thread per `MATMUL_MACS`
-multiply-adds it computes, up to the free cores, then returns the count to the forward's.
+(`attach_matmul_threads`, once at load) with at least `MATMUL_ROWS` rows runs on one more thread
+per `MATMUL_MACS` multiply-adds it computes, up to the free cores, then returns the count to the
+forward's.
 `torch.set_num_threads` costs a few microseconds a call (`bench/threads.py --only matmul`).
 
 The operator pins the count with `SEMIF_TORCH_THREADS`, or with `OMP_NUM_THREADS` /
@@ -44,11 +45,14 @@ log = logging.getLogger("semif_serve.engine")
 # prefill, 8 x ~60 suffix tokens) faster on two (1.76 vs 1.42) (`bench/peers.py`, RESULTS.md).
 # Under load two lost at every size, which the free-core count below answers, not this number.
 PARALLEL_TOKENS = 192
-# Multiply-adds per added thread of one Linear in a forward kept on fewer threads: measured on this
-# machine, a Linear of 1M multiply-adds (8 rows of 256 -> 512) ran 1.2x faster on two threads,
-# half that 0.9x, 40M (77 rows of 256 -> 2,048) 1.7x, switching the count there and back included
-# (`bench/threads.py --only matmul`).
+# One Linear in a forward kept on fewer threads runs on one more thread per MATMUL_MACS
+# multiply-adds, when it has at least MATMUL_ROWS rows. Measured on this machine, switching the
+# count there and back included (`bench/threads.py --only matmul`): 8 rows of 256 -> 512 (1M
+# multiply-adds) 1.19x on two threads, 8 rows of 1,024 -> 256 (2M) 1.21x, 77 rows of 256 -> 2,048
+# 1.70x; under 8 rows two threads lost at every width (4 rows of 256 -> 2,048, 2M: 0.97x), and
+# under 1M multiply-adds the gain is a few microseconds at most.
 MATMUL_MACS = 1_000_000
+MATMUL_ROWS = 8
 # How often the free cores are read again (a read costs two small /proc reads).
 SAMPLE_SECONDS = 0.5
 # A core counts as free when others use less than this much of it over the last sample.
@@ -123,6 +127,7 @@ class ThreadPolicy:
     pinned: int | None = None
     parallel_tokens: int = PARALLEL_TOKENS
     matmul_macs: int = MATMUL_MACS
+    matmul_rows: int = MATMUL_ROWS
 
     @classmethod
     def of_machine(cls, setting: int | None = None) -> ThreadPolicy:
@@ -140,11 +145,14 @@ class ThreadPolicy:
             return self.pinned
         return min(max(1, tokens // self.parallel_tokens), self.free(others_busy))
 
-    def matmul(self, macs: int, forward: int, free: int) -> int:
-        """Threads for one Linear of `macs` multiply-adds inside a forward on `forward` threads
-        with `free` cores left (never fewer than the forward's, never more than the free cores)."""
+    def matmul(self, rows: int, macs: int, forward: int, free: int) -> int:
+        """Threads for one Linear of `rows` rows and `macs` multiply-adds inside a forward on
+        `forward` threads with `free` cores left (never fewer than the forward's, never more than
+        the free cores)."""
         if self.pinned is not None:
             return self.pinned
+        if rows < self.matmul_rows:
+            return forward
         return max(forward, min(1 + macs // self.matmul_macs, free))
 
 
@@ -232,8 +240,10 @@ def _matmul_entered(module: Any, args: tuple[Any, ...]) -> None:
     forward: _Forward | None = getattr(_RUNNING, "forward", None)
     if forward is None or not args:
         return
-    macs = args[0].numel() * module.out_features  # rows x in_features x out_features
-    count = forward.policy.matmul(macs, forward.threads, forward.free)
+    rows = args[0].numel() // max(1, module.in_features)
+    count = forward.policy.matmul(
+        rows, rows * module.in_features * module.out_features, forward.threads, forward.free
+    )
     if count != forward.threads:
         forward.torch.set_num_threads(count)
         forward.raised = True
