@@ -86,6 +86,50 @@ def test_another_process_burning_a_core_counts_as_busy():
     assert others >= 0.3  # the burner's share of a core (the machine is shared: not a whole one)
 
 
+class ScriptedReadings(OtherLoad):
+    """/proc's counters as the test writes them: (seconds, busy ticks of all, ticks of this process)."""
+
+    def __init__(self, readings: list[tuple[float, int, int]]) -> None:
+        super().__init__()
+        self.readings = readings
+        self._ticks = 100
+
+    def _read(self) -> tuple[float, int, int] | None:
+        return self.readings.pop(0)
+
+
+def test_a_reading_over_a_stopped_stretch_leaves_the_estimate_as_it_was():
+    load = ScriptedReadings([(0.0, 0, 0), (0.5, 50, 0), (30.0, 3050, 0), (30.5, 3055, 5)])
+    load.busy_cores()
+    assert load.busy_cores() == pytest.approx(1.0)  # others used 50 ticks of 50: one core
+    assert load.busy_cores() == pytest.approx(1.0)  # 30 s unseen (stopped): says nothing of now
+    assert load.busy_cores() == pytest.approx(0.0)  # the next half second is read again
+
+
+class CountingLoad(OtherLoad):
+    """Others keep one core busy; counts how often it was read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def busy_cores(self) -> float:
+        self.reads += 1
+        return 1.0
+
+
+def test_the_load_is_sampled_by_its_own_thread_and_a_forward_only_reads_the_last_value():
+    inner = CountingLoad()
+    sampled = engine_threads.SampledLoad(inner, period=0.01)
+    deadline = time.monotonic() + 5
+    while inner.reads < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inner.reads >= 3  # read without any forward asking
+    reads = inner.reads
+    assert [sampled.busy_cores() for _ in range(1000)] == [1.0] * 1000
+    assert inner.reads - reads < 1000  # the forward's reads did not read /proc
+
+
 def test_the_engine_sets_its_threads_per_forward_and_reads_the_same_numbers(engine, restore_threads):
     torch.set_num_threads(1)
     request = RowsRequest.of({"log": "deploy 7 finished"}, ROWS, shared=True, max_input_tokens=4096)

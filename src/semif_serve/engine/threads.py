@@ -4,17 +4,17 @@ the work.
 torch's intra-op threads run every parallel op of a forward. On a CPU most ops of a small
 forward cannot use two (each is too small to split: the fork and join cost more than the op),
 and on a machine where another process holds a core a second OpenMP thread makes every op wait
-at its barrier for the descheduled one (`bench/threads.py` measures both). Its Linear layers
-are the exception: a matmul of a million multiply-adds already runs faster on two threads, and
-they are most of a small forward's time. So the engine thread asks `EngineThreads.use(tokens)`
-before each forward: the forward's count, one thread below `PARALLEL_TOKENS` tokens computed per
-added thread, never more threads than cores other processes leave free (read from /proc/stat,
-at most every `SAMPLE_SECONDS`), so a long prefill on an idle machine uses every core; and, in a
-forward kept on fewer threads than the free cores, each Linear layer of the model
-(`attach_matmul_threads`, once at load) with at least `MATMUL_ROWS` rows runs on one more thread
-per `MATMUL_MACS` multiply-adds it computes, up to the free cores, then returns the count to the
-forward's.
-`torch.set_num_threads` costs a few microseconds a call (`bench/threads.py --only matmul`).
+at its barrier for the descheduled one (`bench/threads.py` measures both). Its Linear layers are
+the exception: a matmul of a million multiply-adds over 8 rows already runs faster on two
+threads, and they are most of a small forward's time. So the engine thread asks
+`EngineThreads.use(tokens)` before each forward:
+- the forward's count: one thread per `PARALLEL_TOKENS` tokens computed, never more than the
+  cores other processes leave free (from /proc/stat, read every `SAMPLE_SECONDS` by a thread of
+  its own, `SampledLoad`), so a long prefill on an idle machine uses every core;
+- in a forward kept on fewer threads than the free cores, each Linear layer of the model
+  (`attach_matmul_threads`, once at load) of at least `MATMUL_ROWS` rows runs on one more thread
+  per `MATMUL_MACS` multiply-adds it computes, up to the free cores, and sets the forward's count
+  back after (`torch.set_num_threads` costs a few microseconds a call).
 
 The operator pins the count with `SEMIF_TORCH_THREADS`, or with `OMP_NUM_THREADS` /
 `MKL_NUM_THREADS` in the environment (the engine then never changes it, per forward or per
@@ -55,6 +55,10 @@ MATMUL_MACS = 1_000_000
 MATMUL_ROWS = 8
 # How often the free cores are read again (a read costs two small /proc reads).
 SAMPLE_SECONDS = 0.5
+# A reading over a window this long says nothing of now: this process did not run to read sooner
+# (stopped, or starved), so the estimate stays as it was (a server resumed after SIGSTOP otherwise
+# counted the other server that ran meanwhile, and ran its next long prefill on one thread).
+STALE_SECONDS = 4 * SAMPLE_SECONDS
 # A core counts as free when others use less than this much of it over the last sample.
 BUSY_CORE = 0.25
 PIN_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -82,7 +86,8 @@ def pinned_threads(setting: int | None, environ: Mapping[str, str] = os.environ)
 
 class OtherLoad:
     """The cores other processes keep busy, from /proc/stat less this process's own CPU time
-    (/proc/self/stat), over the interval since the last reading."""
+    (/proc/self/stat), over the interval since the last reading (kept as it was when that
+    interval is longer than `STALE_SECONDS`)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -96,8 +101,9 @@ class OtherLoad:
         if reading is None:
             return 0.0
         if self._last is not None:
-            wall = (reading[0] - self._last[0]) * self._ticks
-            if wall > 0:
+            elapsed = reading[0] - self._last[0]
+            wall = elapsed * self._ticks
+            if 0 < elapsed <= STALE_SECONDS:
                 others = (reading[1] - self._last[1]) - (reading[2] - self._last[2])
                 self._busy = max(0.0, others / wall)
         self._last = reading
@@ -115,6 +121,40 @@ class OtherLoad:
         values = [int(v) for v in fields[:8]]
         busy = sum(values) - values[3] - values[4]
         return self.clock(), busy, int(mine[11]) + int(mine[12])  # utime + stime
+
+
+class SampledLoad:
+    """An `OtherLoad` read every `SAMPLE_SECONDS` by a daemon thread of its own: a forward reads
+    the last window's estimate (no /proc read on its path), however long the engine was idle."""
+
+    def __init__(self, load: OtherLoad | None = None, period: float = SAMPLE_SECONDS) -> None:
+        self.load = load if load is not None else OtherLoad()
+        self.period = period
+        self._busy = self.load.busy_cores()
+        self._thread = threading.Thread(target=self._sample, name="semif-load", daemon=True)
+        self._thread.start()
+
+    def busy_cores(self) -> float:
+        """Cores others kept busy over the last sampled window."""
+        return self._busy
+
+    def _sample(self) -> None:
+        while True:
+            time.sleep(self.period)
+            self._busy = self.load.busy_cores()
+
+
+_SAMPLED: SampledLoad | None = None
+_SAMPLED_LOCK = threading.Lock()
+
+
+def sampled_load() -> SampledLoad:
+    """The process's one `SampledLoad` (started on the first call: a pinned engine never starts it)."""
+    global _SAMPLED
+    with _SAMPLED_LOCK:
+        if _SAMPLED is None:
+            _SAMPLED = SampledLoad()
+        return _SAMPLED
 
 
 @dataclass(frozen=True)
@@ -175,20 +215,10 @@ class EngineThreads:
     """Applies a `ThreadPolicy` on the thread that runs the forwards (torch's count is per
     process; only the engine thread calls `use`)."""
 
-    def __init__(
-        self,
-        policy: ThreadPolicy,
-        torch: Any,
-        load: OtherLoad | None = None,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
+    def __init__(self, policy: ThreadPolicy, torch: Any, load: OtherLoad | SampledLoad | None = None) -> None:
         self.policy = policy
         self.torch = torch
-        self.load = load if load is not None else OtherLoad()
-        self.clock = clock or time.monotonic
-        self._lock = threading.Lock()
-        self._sampled = -float("inf")
-        self._others = 0.0
+        self.load = load  # None: the process's `sampled_load()`, started by the first adaptive forward
         self.switches = 0
 
     def use(self, tokens: int) -> int:
@@ -200,18 +230,16 @@ class EngineThreads:
             if self.torch.get_num_threads() != self.policy.pinned:
                 self._set(self.policy.pinned)
             return self.policy.pinned
-        with self._lock:
-            now = self.clock()
-            if now - self._sampled >= SAMPLE_SECONDS:
-                self._others = self.load.busy_cores()
-                self._sampled = now
-            wanted = self.policy.wanted(tokens, self._others)
-            free = self.policy.free(self._others)
-            # OpenMP's count is the calling thread's own: read it here, not from another thread.
-            if wanted != self.torch.get_num_threads():
-                self._set(wanted)
-            _RUNNING.forward = _Forward(self.policy, self.torch, wanted, free) if free > wanted else None
-            return wanted
+        if self.load is None:
+            self.load = sampled_load()
+        others = self.load.busy_cores()
+        wanted = self.policy.wanted(tokens, others)
+        free = self.policy.free(others)
+        # OpenMP's count is the calling thread's own: read it here, not from another thread.
+        if wanted != self.torch.get_num_threads():
+            self._set(wanted)
+        _RUNNING.forward = _Forward(self.policy, self.torch, wanted, free) if free > wanted else None
+        return wanted
 
     def _set(self, count: int) -> None:
         self.torch.set_num_threads(count)
