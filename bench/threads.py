@@ -12,7 +12,7 @@
    is the smallest R x T at which two threads beat one here on free cores.
 2. `matmul`: one Linear (the checkpoint's projection shapes, 4 to 77 rows) on one thread, and
    with the count raised to 2, 3, ... for it and set back after, as the engine's per-Linear hooks
-   do (`engine.threads.attach_matmul_threads`), switches included; medians of interleaved runs.
+   do (`engine.threads.LinearHooks`), switches included; medians of interleaved runs.
    `engine.threads.MATMUL_MACS` is the size from which the raise pays here.
 3. `servers`: semif-serve at its defaults (nothing pinned: `engine.threads` chooses) against the
    same server pinned (`OMP_NUM_THREADS` = 1, 2, ...), and upstream SemIf's `semif_api`

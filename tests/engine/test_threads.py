@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,9 +19,9 @@ from semif_serve.domain.types import PromptRow
 from semif_serve.engine import threads as engine_threads
 from semif_serve.engine.threads import (
     EngineThreads,
+    LinearHooks,
     OtherLoad,
     ThreadPolicy,
-    attach_matmul_threads,
     pinned_threads,
 )
 
@@ -207,15 +208,26 @@ def _read_recording_a_linears_threads(engine, policy, load):
     assert reader.threads is not None
     reader.threads.load = load
     seen = []
-    handle = _decoder_linear(engine).register_forward_pre_hook(
-        lambda *_: seen.append(torch.get_num_threads())
-    )
-    try:
+    with _recording(_decoder_linear(engine), seen):
         readout = reader.read(request)
-    finally:
-        handle.remove()
     assert seen  # the Linear ran
     return readout, seen
+
+
+@contextmanager
+def _recording(linear, seen):
+    """Record the intra-op count inside `linear`'s forward (between the engine's hooks)."""
+    original = linear.forward
+
+    def forward(x):
+        seen.append(torch.get_num_threads())
+        return original(x)
+
+    linear.forward = forward
+    try:
+        yield
+    finally:
+        del linear.forward
 
 
 def test_a_linear_in_a_forward_kept_on_one_thread_runs_on_the_free_cores_and_reads_the_same_numbers(
@@ -252,61 +264,80 @@ def test_a_linear_keeps_the_forwards_thread_when_small_pinned_or_without_a_free_
     assert set(seen) == {1} and torch.get_num_threads() == 1
 
 
-def _hook_counts(model):
-    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+def _hooked(module):
+    return len(module._forward_pre_hooks) + len(module._forward_hooks)
 
 
-def test_the_output_head_carries_no_hook_and_a_second_attach_adds_none(engine):
-    head = engine.model.get_output_embeddings()
+def test_the_linears_carry_hooks_only_while_a_forward_raises_them_and_the_head_never(engine, restore_threads):
+    torch.set_num_threads(1)
+    linear, head = _decoder_linear(engine), engine.model.get_output_embeddings()
     assert isinstance(head, torch.nn.Linear)
-    assert not head._forward_pre_hooks and not head._forward_hooks  # its column read keeps its fast path
-    linear = _decoder_linear(engine)
-    assert len(linear._forward_pre_hooks) >= 1 and len(linear._forward_hooks) >= 1
-    before = _hook_counts(engine.model)
-    assert attach_matmul_threads(engine.model) == 0
-    assert _hook_counts(engine.model) == before
+    raising = ThreadPolicy(cores=2, parallel_tokens=10**9, matmul_macs=1, matmul_rows=1)
+    _read_recording_a_linears_threads(engine, raising, FixedLoad(0.0))
+    assert _hooked(linear) == 2  # left on while forwards raise
+    assert _hooked(head) == 0  # its column read keeps its fast path
+    wide = ThreadPolicy(cores=2, parallel_tokens=1)  # every forward already on both cores
+    _read_recording_a_linears_threads(engine, wide, FixedLoad(0.0))
+    assert _hooked(linear) == 0
+    _read_recording_a_linears_threads(engine, raising, FixedLoad(0.0))
+    _read_recording_a_linears_threads(engine, ThreadPolicy(cores=2, pinned=1), FixedLoad(0.0))
+    assert _hooked(linear) == 0 and _hooked(head) == 0
+
+
+def test_engines_over_one_model_share_its_hooks():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert LinearHooks.of(model) is LinearHooks.of(model)
 
 
 def test_a_model_without_an_output_head_hooks_every_linear():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     assert not hasattr(model, "get_output_embeddings")
-    assert attach_matmul_threads(model) == 2
-    assert all(len(model[i]._forward_pre_hooks) == 1 and len(model[i]._forward_hooks) == 1 for i in (0, 2))
+    hooks = LinearHooks.of(model)
+    assert len(hooks.linears) == 2
+    hooks.hooked(True)
+    hooks.hooked(True)  # once
+    assert all(_hooked(model[i]) == 2 for i in (0, 2))
+    hooks.hooked(False)
+    assert all(_hooked(model[i]) == 0 for i in (0, 2))
 
 
 @pytest.mark.parametrize("failure", ["hook", "shape"])
 def test_a_linear_that_raises_returns_the_count_to_the_forwards(restore_threads, failure):
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    assert attach_matmul_threads(model) == 1
     seen = []
-    model[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
-    threads = EngineThreads(ThreadPolicy(cores=2, matmul_macs=1, matmul_rows=1), torch, FixedLoad(0.0))
+    linears = LinearHooks.of(model)
+    threads = EngineThreads(
+        ThreadPolicy(cores=2, matmul_macs=1, matmul_rows=1), torch, FixedLoad(0.0), linears
+    )
     assert threads.use(1) == 1
-    if failure == "hook":
+    with _recording(model[0], seen):
+        if failure == "hook":
 
-        def refuse(*_):
-            raise RuntimeError("refused")
+            def refuse(*_):
+                seen.append(torch.get_num_threads())
+                raise RuntimeError("refused")
 
-        refusal = model[0].register_forward_pre_hook(refuse)
-        with pytest.raises(RuntimeError, match="refused"):
-            model(torch.ones(16, 64))
-        refusal.remove()
-    else:
-        with pytest.raises(RuntimeError):
-            model(torch.ones(16, 32))  # 512 values: 8 rows of 64 to the hook, the wrong shape to F.linear
-    assert seen == [2] and torch.get_num_threads() == 1
-    model(torch.ones(16, 64))  # and the next call raises it again
-    assert seen == [2, 2] and torch.get_num_threads() == 1
+            refusal = model[0].register_forward_pre_hook(refuse)  # after the engine's: sees the raise
+            with pytest.raises(RuntimeError, match="refused"):
+                model(torch.ones(16, 64))
+            refusal.remove()
+        else:
+            with pytest.raises(RuntimeError):
+                model(torch.ones(16, 32))  # 512 values: 8 rows of 64 to the hook, the wrong shape to F.linear
+        assert seen == [2] and torch.get_num_threads() == 1
+        model(torch.ones(16, 64))  # and the next call raises it again
+        assert seen == [2, 2] and torch.get_num_threads() == 1
 
 
 def test_a_linear_outside_a_forward_set_up_by_the_engine_leaves_the_count(restore_threads):
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    attach_matmul_threads(model)
     seen = []
-    model[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
-    threads = EngineThreads(ThreadPolicy(cores=2, matmul_macs=1, matmul_rows=1), torch, FixedLoad(0.0))
+    linears = LinearHooks.of(model)
+    threads = EngineThreads(
+        ThreadPolicy(cores=2, matmul_macs=1, matmul_rows=1), torch, FixedLoad(0.0), linears
+    )
     assert threads.use(1) == 1  # a forward on this thread: not on the other one
 
     def other_thread():
@@ -314,9 +345,22 @@ def test_a_linear_outside_a_forward_set_up_by_the_engine_leaves_the_count(restor
         model(torch.ones(16, 64))
         seen.append(torch.get_num_threads())
 
-    runner = threading.Thread(target=other_thread)
-    runner.start()
-    runner.join()
-    assert seen == [1, 1]
-    model(torch.ones(16, 64))  # on the engine's thread it is raised
+    with _recording(model[0], seen):
+        runner = threading.Thread(target=other_thread)
+        runner.start()
+        runner.join()
+        assert seen == [1, 1]
+        model(torch.ones(16, 64))  # on the engine's thread it is raised
     assert seen == [1, 1, 2] and torch.get_num_threads() == 1
+
+
+def test_a_job_run_now_runs_on_the_engine_thread(engine):
+    from semif_serve.engine.memory import ReleasePolicy
+    from semif_serve.engine.worker import EngineWorker
+
+    worker = EngineWorker(engine, ReleasePolicy(engine.memory, 0, engine.cache), encoders=1)
+    try:
+        ran_on = worker.run_now(threading.current_thread)
+    finally:
+        worker.shutdown()
+    assert ran_on is not threading.current_thread() and ran_on.name.startswith("semif-engine")

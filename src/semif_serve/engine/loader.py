@@ -16,7 +16,7 @@ from semif_serve.domain.prompt import PromptCodec
 from semif_serve.domain.types import ConfigurationError
 from semif_serve.engine import linear_attention_cpu
 from semif_serve.engine.memory import CudaMemory, DeviceMemory, HostMemory
-from semif_serve.engine.threads import attach_matmul_threads, set_interop_threads
+from semif_serve.engine.threads import set_interop_threads
 from semif_serve.engine.vision import VisionTower, has_vision_tower
 
 log = logging.getLogger("semif_serve.engine")
@@ -160,7 +160,6 @@ def load_model(spec: CheckpointSpec, memory: DeviceMemory | None = None) -> Load
     model.eval()
     if spec.device == "cpu":
         set_interop_threads(torch)  # the intra-op threads are set per forward (engine.threads)
-        attach_matmul_threads(model)  # and raised per Linear in a forward kept on fewer threads
     if spec.device == "cpu" and spec.cpu_kernels:
         linear_attention_cpu.accelerate(model)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)

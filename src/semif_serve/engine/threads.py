@@ -11,10 +11,19 @@ threads, and they are most of a small forward's time. So the engine thread asks
 - the forward's count: one thread per `PARALLEL_TOKENS` tokens computed, never more than the
   cores other processes leave free (from /proc/stat, read every `SAMPLE_SECONDS` by a thread of
   its own, `SampledLoad`), so a long prefill on an idle machine uses every core;
-- in a forward kept on fewer threads than the free cores, each Linear layer of the model
-  (`attach_matmul_threads`, once at load) of at least `MATMUL_ROWS` rows runs on one more thread
-  per `MATMUL_MACS` multiply-adds it computes, up to the free cores, and sets the forward's count
-  back after (`torch.set_num_threads` costs a few microseconds a call).
+- in a forward kept on fewer threads than the free cores, each Linear layer of the model of at
+  least `MATMUL_ROWS` rows runs on one more thread per `MATMUL_MACS` multiply-adds it computes,
+  up to the free cores, and sets the forward's count back after (`torch.set_num_threads` costs a
+  few microseconds a call). `LinearHooks` does it with a pre- and a post-hook on each Linear,
+  present only while such forwards run: a hooked module leaves torch's fast call path, so a
+  forward that raises nothing (a long prefill already on every free core, a pinned count) runs
+  with none.
+
+Forwards run on the engine thread only (`EngineWorker.run_now` too): OpenMP keeps a team of
+threads per thread that opens parallel regions, and with more of its threads than cores it stops
+spinning between regions, so every parallel op of a forward waits for a sleeping thread to wake
+(measured: a warm-up that raised its Linears on the main thread left a ~1k-token prefill on the
+engine thread ~30% slower).
 
 The operator pins the count with `SEMIF_TORCH_THREADS`, or with `OMP_NUM_THREADS` /
 `MKL_NUM_THREADS` in the environment (the engine then never changes it, per forward or per
@@ -215,10 +224,17 @@ class EngineThreads:
     """Applies a `ThreadPolicy` on the thread that runs the forwards (torch's count is per
     process; only the engine thread calls `use`)."""
 
-    def __init__(self, policy: ThreadPolicy, torch: Any, load: OtherLoad | SampledLoad | None = None) -> None:
+    def __init__(
+        self,
+        policy: ThreadPolicy,
+        torch: Any,
+        load: OtherLoad | SampledLoad | None = None,
+        linears: LinearHooks | None = None,
+    ) -> None:
         self.policy = policy
         self.torch = torch
         self.load = load  # None: the process's `sampled_load()`, started by the first adaptive forward
+        self.linears = linears  # None: no Linear is raised
         self.switches = 0
 
     def use(self, tokens: int) -> int:
@@ -227,6 +243,8 @@ class EngineThreads:
         the count set."""
         if self.policy.pinned is not None:
             _RUNNING.forward = None
+            if self.linears is not None:
+                self.linears.hooked(False)
             if self.torch.get_num_threads() != self.policy.pinned:
                 self._set(self.policy.pinned)
             return self.policy.pinned
@@ -238,7 +256,10 @@ class EngineThreads:
         # OpenMP's count is the calling thread's own: read it here, not from another thread.
         if wanted != self.torch.get_num_threads():
             self._set(wanted)
-        _RUNNING.forward = _Forward(self.policy, self.torch, wanted, free) if free > wanted else None
+        raising = free > wanted and self.linears is not None
+        _RUNNING.forward = _Forward(self.policy, self.torch, wanted, free) if raising else None
+        if self.linears is not None:
+            self.linears.hooked(raising)
         return wanted
 
     def _set(self, count: int) -> None:
@@ -246,22 +267,41 @@ class EngineThreads:
         self.switches += 1
 
 
-def attach_matmul_threads(model: Any) -> int:
-    """Let each Linear layer of `model` (the output head aside: the engine reads its columns
-    itself) raise the intra-op threads while it runs, by the running forward's policy; once per
-    model; how many layers that covers. Outside a forward set up by `EngineThreads.use` (another
-    thread, a pinned policy) the hooks change nothing."""
-    import torch
+class LinearHooks:
+    """The per-Linear raise of one model: a pre- and a post-hook on each of its Linear layers (the
+    output head aside: the engine reads its columns itself), present only while `hooked(True)`;
+    one per model (`of`), switched only from the engine thread, before a forward."""
 
-    if getattr(model, "__semif_matmul_threads__", False):
-        return 0
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    for linear in linears:
-        linear.register_forward_pre_hook(_matmul_entered)
-        linear.register_forward_hook(_matmul_left, always_call=True)
-    model.__semif_matmul_threads__ = True
-    return len(linears)
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        self._handles: list[Any] = []
+
+    @classmethod
+    def of(cls, model: Any) -> LinearHooks:
+        """The model's one `LinearHooks` (engines over the same weights share it)."""
+        hooks: LinearHooks | None = getattr(model, "__semif_linear_hooks__", None)
+        if hooks is None:
+            hooks = cls(model)
+            model.__semif_linear_hooks__ = hooks
+        return hooks
+
+    @property
+    def on(self) -> bool:
+        return bool(self._handles)
+
+    def hooked(self, on: bool) -> None:
+        """Install the hooks (on) or remove them (off); nothing when they already are so."""
+        if on and not self._handles:
+            for linear in self.linears:
+                self._handles.append(linear.register_forward_pre_hook(_matmul_entered))
+                self._handles.append(linear.register_forward_hook(_matmul_left, always_call=True))
+        elif not on and self._handles:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
 
 
 def _matmul_entered(module: Any, args: tuple[Any, ...]) -> None:
@@ -269,9 +309,8 @@ def _matmul_entered(module: Any, args: tuple[Any, ...]) -> None:
     if forward is None or not args:
         return
     rows = args[0].numel() // max(1, module.in_features)
-    count = forward.policy.matmul(
-        rows, rows * module.in_features * module.out_features, forward.threads, forward.free
-    )
+    macs = rows * module.in_features * module.out_features
+    count = forward.policy.matmul(rows, macs, forward.threads, forward.free)
     if count != forward.threads:
         forward.torch.set_num_threads(count)
         forward.raised = True

@@ -92,7 +92,11 @@ class Service:
         )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
         bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens)
-        warm_up(EngineWorker(engine, policy, bounds, encoders=1), settings.max_input_tokens)
+        warming = EngineWorker(engine, policy, bounds, encoders=1)
+        try:
+            warm_up(warming, settings.max_input_tokens)
+        finally:
+            warming.shutdown()  # its engine thread exits, and OpenMP's threads of that thread with it
         baseline = policy.mark_baseline()
         cap = engine.memory.cap_bytes()
         if cap is not None and settings.split_batches:
