@@ -1,8 +1,7 @@
 """Issue 39's thread measurements, side by side in one run.
 
-    uv run python bench/threads.py                      # every part, ~12 min here
+    uv run python bench/threads.py                      # both parts, ~5 min here
     uv run python bench/threads.py --only crossover     # forwards at 1, 2, ... threads
-    uv run python bench/threads.py --only matmul        # one Linear at 1 thread, raised and back
     uv run python bench/threads.py --only servers --rounds 4
 
 1. `crossover`: one forward (the engine's `logits_over`, no cache) of R rows x T tokens on the
@@ -10,11 +9,7 @@
    core where the machine has more), interleaved per round; the median per cell and the ratio to
    one thread; and what `torch.set_num_threads` costs per call. `engine.threads.PARALLEL_TOKENS`
    is the smallest R x T at which two threads beat one here on free cores.
-2. `matmul`: one Linear (the checkpoint's projection shapes, 4 to 77 rows) on one thread, and
-   with the count raised to 2, 3, ... for it and set back after, as the engine's per-Linear hooks
-   do (`engine.threads.LinearHooks`), switches included; medians of interleaved runs.
-   `engine.threads.MATMUL_MACS` is the size from which the raise pays here.
-3. `servers`: semif-serve at its defaults (nothing pinned: `engine.threads` chooses) against the
+2. `servers`: semif-serve at its defaults (nothing pinned: `engine.threads` chooses) against the
    same server pinned (`OMP_NUM_THREADS` = 1, 2, ...), and upstream SemIf's `semif_api`
    (`--semif-api-dir`, as `bench/peers.py` starts it; skipped with a line when absent) at its
    defaults and pinned to one thread, each a process of its own, on the work of
@@ -55,10 +50,7 @@ from bench.peers import (
 from harness.report import format_table, log
 from harness.server import ServiceProcess
 
-# The Linear shapes of the peers' checkpoint (in -> out features) and the rows a short forward has.
-MATMUL_SHAPES = ((256, 2048), (1024, 256), (256, 512), (256, 64))
-MATMUL_ROWS = (4, 8, 16, 34, 77)
-SHAPES = ((1, 40), (1, 150), (1, 300), (1, 600), (1, 1100), (8, 40), (8, 150), (1, 2000))
+SHAPES = ((1, 8), (1, 16), (1, 40), (1, 150), (1, 300), (1, 600), (1, 1100), (8, 40), (8, 150), (1, 2000))
 
 
 def thread_counts() -> list[int]:
@@ -106,50 +98,6 @@ def crossover(model_dir: Path, rounds: int) -> dict[str, Any]:
         cells[f"{rows}x{tokens}"] = {"rows": rows, "tokens": tokens, "ms": ms}
         log("threads: " + f"{rows} x {tokens}: " + ", ".join(f"{n}t {m:.1f} ms" for n, m in ms.items()))
     return {"threads": counts, "set_num_threads_us": switch_us, "cells": cells}
-
-
-def matmul(rounds: int) -> dict[str, Any]:
-    """Each Linear shape and row count on one thread, and raised to each larger count for the
-    Linear alone (set there and back, as the engine's hooks do); medians in microseconds."""
-    import torch
-
-    from semif_serve.engine.threads import usable_cores
-
-    counts = [n for n in thread_counts() if n > 1] or [1]
-    calls = 200
-
-    def timed(x: Any, weight: Any, raised: int) -> float:
-        started = time.perf_counter()
-        for _ in range(calls):
-            if raised > 1:
-                torch.set_num_threads(raised)
-            torch.nn.functional.linear(x, weight)
-            if raised > 1:
-                torch.set_num_threads(1)
-        return (time.perf_counter() - started) / calls * 1e6
-
-    torch.set_num_threads(1)
-    cells: list[dict[str, Any]] = []
-    with torch.inference_mode():
-        for inputs, outputs in MATMUL_SHAPES:
-            weight = torch.randn(outputs, inputs)
-            for rows in MATMUL_ROWS:
-                x = torch.randn(rows, inputs)
-                times: dict[int, list[float]] = {n: [] for n in [1, *counts]}
-                for n in times:
-                    timed(x, weight, n)  # warm each count's pool on this shape
-                for _ in range(rounds):
-                    for n in times:
-                        times[n].append(timed(x, weight, n))
-                us = {n: statistics.median(v) for n, v in times.items()}
-                cells.append(
-                    {"shape": f"{inputs}->{outputs}", "rows": rows, "macs": rows * inputs * outputs, "us": us}
-                )
-                log(
-                    f"threads: {inputs}->{outputs} x {rows} rows: "
-                    + ", ".join(f"{n}t {u:.1f} us" for n, u in us.items())
-                )
-    return {"threads": counts, "cores": usable_cores(), "cells": cells}
 
 
 Server = tuple[Any, dict[str, str]]  # a started server (pid, url) and the headers its requests carry
@@ -247,7 +195,7 @@ def per_round(ours: list[float], theirs: list[float]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint (built if absent)")
-    parser.add_argument("--only", default="crossover,matmul,servers")
+    parser.add_argument("--only", default="crossover,servers")
     parser.add_argument(
         "--semif-api-dir",
         type=Path,
@@ -279,19 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nforwards, median of {args.rounds}; set_num_threads {result['set_num_threads_us']:.2f} us/call"
         )
-        print(format_table(headers, rows))
-    if "matmul" in only:
-        result = matmul(args.rounds)
-        counts = result["threads"]
-        headers = ["Linear", "rows", "M mult-adds", "1 thr us"] + [f"raised to {n} us" for n in counts]
-        headers += [f"raised to {n} speed-up" for n in counts]
-        rows = [
-            [cell["shape"], str(cell["rows"]), f"{cell['macs'] / 1e6:.2f}", f"{cell['us'][1]:.1f}"]
-            + [f"{cell['us'][n]:.1f}" for n in counts]
-            + [f"{cell['us'][1] / cell['us'][n]:.2f}x" for n in counts]
-            for cell in result["cells"]
-        ]
-        print(f"\none Linear, median of {args.rounds} runs of 200 calls each")
         print(format_table(headers, rows))
     if "servers" in only:
         measured = servers(

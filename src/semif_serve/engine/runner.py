@@ -34,7 +34,7 @@ from semif_serve.engine.options import DIRECT_PATHS, DirectPath, EngineOptions
 from semif_serve.engine.rows import PreparedRows, Readout, Results, ScoredRow, readout_of
 from semif_serve.engine.sharing import prefill_pays
 from semif_serve.engine.state_cache import StateCache, prefix_digest
-from semif_serve.engine.threads import EngineThreads, LinearHooks
+from semif_serve.engine.threads import EngineThreads
 from semif_serve.engine.tower_steps import text_chunk_flops
 from semif_serve.engine.vision import ImageSet, VisionTower
 
@@ -82,8 +82,7 @@ class TorchEngine:
         self.groups = GroupRunner(model, self.adapters, options, self.estimate, self.slot_ids, self.pad_id)
         self.stepped, self.lone = self.groups.stepped, self.groups.lone
         # On a CPU every forward sets its intra-op threads from its size (a GPU's forward runs on the device).
-        cpu = self.device.type == "cpu"
-        self.threads = EngineThreads(options.threads, torch, linears=LinearHooks.of(model)) if cpu else None
+        self.threads = EngineThreads(options.threads, torch) if self.device.type == "cpu" else None
 
     @classmethod
     def over(cls, loaded: LoadedModel, adapters: AdapterBank | None = None) -> TorchEngine:

@@ -1,36 +1,25 @@
-"""How many CPU threads a forward uses: chosen per forward, and per matmul, from the machine and
-the work.
+"""How many CPU threads a forward uses: chosen per forward from the machine and the work.
 
-torch's intra-op threads run every parallel op of a forward. On a CPU most ops of a small
-forward cannot use two (each is too small to split: the fork and join cost more than the op),
-and on a machine where another process holds a core a second OpenMP thread makes every op wait
-at its barrier for the descheduled one (`bench/threads.py` measures both). Its Linear layers are
-the exception: a matmul of a million multiply-adds over 8 rows already runs faster on two
-threads, and they are most of a small forward's time. So the engine thread asks
-`EngineThreads.use(tokens)` before each forward:
-- the forward's count: one thread per `PARALLEL_TOKENS` tokens computed, never more than the
-  cores other processes leave free (from /proc/stat, read every `SAMPLE_SECONDS` by a thread of
-  its own, `SampledLoad`), so a long prefill on an idle machine uses every core;
-- in a forward kept on fewer threads than the free cores, each Linear layer of the model of at
-  least `MATMUL_ROWS` rows runs on one more thread per `MATMUL_MACS` multiply-adds it computes,
-  up to the free cores, and sets the forward's count back after (`torch.set_num_threads` costs a
-  few microseconds a call). `LinearHooks` does it with a pre- and a post-hook on each Linear,
-  present only while such forwards run: a hooked module leaves torch's fast call path, so a
-  forward that raises nothing (a long prefill already on every free core, a pinned count) runs
-  with none.
+torch's intra-op threads run every parallel op of a forward. The engine thread asks
+`EngineThreads.use(tokens)` before each forward: one thread per `PARALLEL_TOKENS` tokens
+computed, never more than the cores other processes leave free (from /proc/stat, read every
+`SAMPLE_SECONDS` by a thread of its own, `SampledLoad`). On free cores two threads beat one at
+every forward size measured here, from 8 tokens (`bench/threads.py --only crossover`); on a
+machine where another process holds a core a second OpenMP thread makes every op wait at its
+barrier for the descheduled one, so a forward then runs on the cores left.
 
-Forwards run on the engine thread only (`EngineWorker.run_now` too): OpenMP keeps a team of
-threads per thread that opens parallel regions, and with more of its threads than cores it stops
-spinning between regions, so every parallel op of a forward waits for a sleeping thread to wake
-(measured: a warm-up that raised its Linears on the main thread left a ~1k-token prefill on the
-engine thread ~30% slower).
+Forwards run on the engine thread only (`EngineWorker.run_now` too). OpenMP keeps a team of
+threads for each thread that opens parallel regions, and with more of its threads than cores it
+stops spinning between regions: every parallel op of a forward then waits for a sleeping thread
+to wake. Measured: a warm-up forward on the main thread left the engine thread's ~1k-token
+prefill ~30% slower and a short forward slower on two threads than on one (which is why an
+earlier policy kept forwards under 384 tokens on one thread).
 
 The operator pins the count with `SEMIF_TORCH_THREADS`, or with `OMP_NUM_THREADS` /
-`MKL_NUM_THREADS` in the environment (the engine then never changes it, per forward or per
-matmul). Inter-op threads are set once at load (`set_interop_threads`): the engine runs no
-inter-op parallel work, so one. The tokenizer encodes one text per call (its Rust pool runs
-only for batch encodes, which the engine never makes) and Pillow decodes an image on one
-thread: neither needs a setting.
+`MKL_NUM_THREADS` in the environment (the engine then never changes it). Inter-op threads are set
+once at load (`set_interop_threads`): the engine runs no inter-op parallel work, so one. The
+tokenizer encodes one text per call (its Rust pool runs only for batch encodes, which the engine
+never makes) and Pillow decodes an image on one thread: neither needs a setting.
 """
 
 from __future__ import annotations
@@ -46,22 +35,13 @@ from typing import Any
 
 log = logging.getLogger("semif_serve.engine")
 
-# Tokens computed per forward for each intra-op thread: a forward of 384 tokens or more runs on
-# two. Measured on this 2-core machine with both cores free: alone, two threads beat one at every
-# size from 40 tokens (1.23x) to 2,000 (1.83x) (`bench/threads.py --only crossover`); in the
-# server, whose event loop and encoder share the cores, the short noul's forwards (77 and 2 x 34
-# tokens) ran faster on one (16.2 vs 14.7 req/s) and 8 choices over a ~1k state (a ~1,000-token
-# prefill, 8 x ~60 suffix tokens) faster on two (1.76 vs 1.42) (`bench/peers.py`, RESULTS.md).
-# Under load two lost at every size, which the free-core count below answers, not this number.
-PARALLEL_TOKENS = 192
-# One Linear in a forward kept on fewer threads runs on one more thread per MATMUL_MACS
-# multiply-adds, when it has at least MATMUL_ROWS rows. Measured on this machine, switching the
-# count there and back included (`bench/threads.py --only matmul`): 8 rows of 256 -> 512 (1M
-# multiply-adds) 1.19x on two threads, 8 rows of 1,024 -> 256 (2M) 1.21x, 77 rows of 256 -> 2,048
-# 1.70x; under 8 rows two threads lost at every width (4 rows of 256 -> 2,048, 2M: 0.97x), and
-# under 1M multiply-adds the gain is a few microseconds at most.
-MATMUL_MACS = 1_000_000
-MATMUL_ROWS = 8
+# Tokens computed per forward for each intra-op thread: a forward of 16 tokens or more runs on two.
+# Measured on this 2-core machine with both cores free and one OpenMP team in the process: two
+# threads beat one at every size, 8 tokens 1.13x, 40 1.27x, 300 1.61x, 2,000 1.86x
+# (`bench/threads.py --only crossover`); in the server the short noul's forwards (77 and 2 x 34
+# tokens) ran ~1.3x faster on two (`--only servers`). Only a second thread is measured here: a
+# larger machine re-measures its crossover with the same command.
+PARALLEL_TOKENS = 8
 # How often the free cores are read again (a read costs two small /proc reads).
 SAMPLE_SECONDS = 0.5
 # A reading over a window this long says nothing of now: this process did not run to read sooner
@@ -168,159 +148,55 @@ def sampled_load() -> SampledLoad:
 
 @dataclass(frozen=True)
 class ThreadPolicy:
-    """The intra-op thread count for a forward and for each Linear in it: `pinned` where the
-    operator pinned it, else one per `parallel_tokens` tokens computed (a Linear: one more per
-    `matmul_macs` multiply-adds), at most the cores others leave free."""
+    """The intra-op thread count for a forward: `pinned` where the operator pinned it, else one
+    per `parallel_tokens` tokens computed, at most the cores others leave free."""
 
     cores: int
     pinned: int | None = None
     parallel_tokens: int = PARALLEL_TOKENS
-    matmul_macs: int = MATMUL_MACS
-    matmul_rows: int = MATMUL_ROWS
 
     @classmethod
     def of_machine(cls, setting: int | None = None) -> ThreadPolicy:
         """The policy for this machine under the operator's pin (`SEMIF_TORCH_THREADS`)."""
         return cls(usable_cores(), pinned_threads(setting))
 
-    def free(self, others_busy: float = 0.0) -> int:
-        """The cores left to this process while others keep `others_busy` cores busy (at least one)."""
-        held = max(0, math.ceil(others_busy - BUSY_CORE))  # cores others hold, a sliver of one not counted
-        return max(1, self.cores - held)
-
     def wanted(self, tokens: int, others_busy: float = 0.0) -> int:
         """Threads for a forward computing `tokens` tokens while others keep `others_busy` cores busy."""
         if self.pinned is not None:
             return self.pinned
-        return min(max(1, tokens // self.parallel_tokens), self.free(others_busy))
-
-    def matmul(self, rows: int, macs: int, forward: int, free: int) -> int:
-        """Threads for one Linear of `rows` rows and `macs` multiply-adds inside a forward on
-        `forward` threads with `free` cores left (never fewer than the forward's, never more than
-        the free cores)."""
-        if self.pinned is not None:
-            return self.pinned
-        if rows < self.matmul_rows:
-            return forward
-        return max(forward, min(1 + macs // self.matmul_macs, free))
-
-
-@dataclass
-class _Forward:
-    """The forward running on this thread: its count, the Linear's count while one runs."""
-
-    policy: ThreadPolicy
-    torch: Any
-    threads: int
-    free: int
-    raised: bool = False
-
-
-# The forward each engine thread runs now (set by `EngineThreads.use`; none on other threads).
-_RUNNING = threading.local()
+        by_work = max(1, tokens // self.parallel_tokens)
+        held = max(0, math.ceil(others_busy - BUSY_CORE))  # cores others hold, a sliver of one not counted
+        return max(1, min(by_work, self.cores - held))
 
 
 class EngineThreads:
     """Applies a `ThreadPolicy` on the thread that runs the forwards (torch's count is per
     process; only the engine thread calls `use`)."""
 
-    def __init__(
-        self,
-        policy: ThreadPolicy,
-        torch: Any,
-        load: OtherLoad | SampledLoad | None = None,
-        linears: LinearHooks | None = None,
-    ) -> None:
+    def __init__(self, policy: ThreadPolicy, torch: Any, load: OtherLoad | SampledLoad | None = None) -> None:
         self.policy = policy
         self.torch = torch
         self.load = load  # None: the process's `sampled_load()`, started by the first adaptive forward
-        self.linears = linears  # None: no Linear is raised
         self.switches = 0
 
     def use(self, tokens: int) -> int:
         """Set the intra-op threads of the calling thread for a forward computing `tokens`
-        tokens (a pinned count once per thread), and what its Linear layers may raise it to;
-        the count set."""
+        tokens (a pinned count once per thread); the count set."""
         if self.policy.pinned is not None:
-            _RUNNING.forward = None
-            if self.linears is not None:
-                self.linears.hooked(False)
             if self.torch.get_num_threads() != self.policy.pinned:
                 self._set(self.policy.pinned)
             return self.policy.pinned
         if self.load is None:
             self.load = sampled_load()
-        others = self.load.busy_cores()
-        wanted = self.policy.wanted(tokens, others)
-        free = self.policy.free(others)
+        wanted = self.policy.wanted(tokens, self.load.busy_cores())
         # OpenMP's count is the calling thread's own: read it here, not from another thread.
         if wanted != self.torch.get_num_threads():
             self._set(wanted)
-        raising = free > wanted and self.linears is not None
-        _RUNNING.forward = _Forward(self.policy, self.torch, wanted, free) if raising else None
-        if self.linears is not None:
-            self.linears.hooked(raising)
         return wanted
 
     def _set(self, count: int) -> None:
         self.torch.set_num_threads(count)
         self.switches += 1
-
-
-class LinearHooks:
-    """The per-Linear raise of one model: a pre- and a post-hook on each of its Linear layers (the
-    output head aside: the engine reads its columns itself), present only while `hooked(True)`;
-    one per model (`of`), switched only from the engine thread, before a forward."""
-
-    def __init__(self, model: Any) -> None:
-        import torch
-
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-        self._handles: list[Any] = []
-
-    @classmethod
-    def of(cls, model: Any) -> LinearHooks:
-        """The model's one `LinearHooks` (engines over the same weights share it)."""
-        hooks: LinearHooks | None = getattr(model, "__semif_linear_hooks__", None)
-        if hooks is None:
-            hooks = cls(model)
-            model.__semif_linear_hooks__ = hooks
-        return hooks
-
-    @property
-    def on(self) -> bool:
-        return bool(self._handles)
-
-    def hooked(self, on: bool) -> None:
-        """Install the hooks (on) or remove them (off); nothing when they already are so."""
-        if on and not self._handles:
-            for linear in self.linears:
-                self._handles.append(linear.register_forward_pre_hook(_matmul_entered))
-                self._handles.append(linear.register_forward_hook(_matmul_left, always_call=True))
-        elif not on and self._handles:
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
-
-
-def _matmul_entered(module: Any, args: tuple[Any, ...]) -> None:
-    forward: _Forward | None = getattr(_RUNNING, "forward", None)
-    if forward is None or not args:
-        return
-    rows = args[0].numel() // max(1, module.in_features)
-    macs = rows * module.in_features * module.out_features
-    count = forward.policy.matmul(rows, macs, forward.threads, forward.free)
-    if count != forward.threads:
-        forward.torch.set_num_threads(count)
-        forward.raised = True
-
-
-def _matmul_left(_module: Any, _args: tuple[Any, ...], _output: Any) -> None:
-    forward: _Forward | None = getattr(_RUNNING, "forward", None)
-    if forward is not None and forward.raised:
-        forward.torch.set_num_threads(forward.threads)
-        forward.raised = False
 
 
 def set_interop_threads(torch: Any, count: int = 1) -> None:

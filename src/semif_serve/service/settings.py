@@ -54,8 +54,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="On the CPU, pin the intra-op threads of every forward (unset: chosen per forward from "
-        "its size and the free cores, and per Linear layer from its multiply-adds, unless OMP_NUM_THREADS "
-        "or MKL_NUM_THREADS pins them).",
+        "its size and the free cores, unless OMP_NUM_THREADS or MKL_NUM_THREADS pins them).",
     )
     dtype: Literal["bfloat16", "float32"] | None = Field(
         None, description="Weights dtype; default bfloat16 on cuda, float32 on cpu."
