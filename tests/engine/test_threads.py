@@ -59,7 +59,8 @@ def test_small_forwards_take_one_thread_long_ones_every_free_core():
     assert policy.wanted(250) == 2  # one thread per 100 tokens computed
     assert policy.wanted(10_000) == 8  # never more than the cores
     assert policy.wanted(10_000, others_busy=2.9) == 5  # what others hold is not ours
-    assert policy.wanted(10_000, others_busy=0.2) == 8  # a sliver of a core is not held
+    assert policy.wanted(10_000, others_busy=0.4) == 8  # a core others use 40% of the time is not held
+    assert policy.wanted(10_000, others_busy=0.6) == 7  # one they use 60% of the time is
     assert policy.wanted(10_000, others_busy=50.0) == 1
     assert ThreadPolicy(cores=8, pinned=3).wanted(10) == 3
 

@@ -3,7 +3,8 @@
 torch's intra-op threads run every parallel op of a forward. The engine thread asks
 `EngineThreads.use(tokens)` before each forward: one thread per `PARALLEL_TOKENS` tokens
 computed, never more than the cores other processes leave free (from /proc/stat, read every
-`SAMPLE_SECONDS` by a thread of its own, `SampledLoad`). On free cores two threads beat one at
+`SAMPLE_SECONDS` by a thread of its own, `SampledLoad`; a core others keep busy more than
+`BUSY_CORE` of the time is theirs). On free cores two threads beat one at
 every forward size measured here, from 8 tokens (`bench/threads.py --only crossover`); on a
 machine where another process holds a core a second OpenMP thread makes every op wait at its
 barrier for the descheduled one, so a forward then runs on the cores left.
@@ -48,8 +49,11 @@ SAMPLE_SECONDS = 0.5
 # (stopped, or starved), so the estimate stays as it was (a server resumed after SIGSTOP otherwise
 # counted the other server that ran meanwhile, and ran its next long prefill on one thread).
 STALE_SECONDS = 4 * SAMPLE_SECONDS
-# A core counts as free when others use less than this much of it over the last sample.
-BUSY_CORE = 0.25
+# A core counts as held when others keep it busy more than this share of the last sample. Measured
+# with a process busy part of each 20 ms (`bench/threads.py --only contention`): with others read at
+# up to 0.40 of a core, two threads were level with one at 40 tokens and ahead from 116 (1.08-1.22x);
+# from 0.56, one thread was ahead up to 116 tokens (1.1-1.2x) and level at 1,100.
+BUSY_CORE = 0.45
 PIN_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
