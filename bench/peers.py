@@ -518,14 +518,33 @@ def measure(
 @contextmanager
 def only_running(pid: int, others: list[int]) -> Iterator[None]:
     """Stop every other server while `pid` is measured, so idle work elsewhere costs it nothing."""
-    for other in others:
-        os.kill(other, signal.SIGSTOP)
-    os.kill(pid, signal.SIGCONT)
-    try:
+    with TakingTurns([pid, *others]) as turns:
+        turns.turn(pid)
         yield
-    finally:
-        for other in others:
-            os.kill(other, signal.SIGCONT)
+
+
+class TakingTurns:
+    """Servers that take turns on the CPU: `turn(pid)` stops every other and continues `pid`, and
+    nothing is continued between turns (a server continued for a moment between two others' turns
+    would read their load as its own machine's, and its next forward would pick its threads from
+    it); leaving the block continues them all."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def turn(self, pid: int) -> None:
+        """Only `pid` runs from now."""
+        for other in self.pids:
+            if other != pid:
+                os.kill(other, signal.SIGSTOP)
+        os.kill(pid, signal.SIGCONT)
+
+    def __enter__(self) -> TakingTurns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pid in self.pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def side_by_side(

@@ -19,9 +19,10 @@
    defaults and pinned to one thread, each a process of its own, on the work of
    `bench/peers.py` (8 choices over a new ~1k-token state; one short noul over a new state; the
    8 choices again while another process spins on one core), many short cells (`--cell-seconds`)
-   interleaved round by round, the others stopped (SIGSTOP) while one is measured. This VM's two
-   cores have slow stretches of seconds to a minute in which two threads run no faster than one
-   (every two-thread server alike); short cells put both sides of a ratio in the same stretches.
+   interleaved round by round, the others stopped while one is measured (`TakingTurns`: none
+   continued between turns). This VM's two cores have slow stretches of seconds to a minute in
+   which two threads run no faster than one (every two-thread server alike); short cells put both
+   sides of a ratio in the same stretches.
    Reported: each setting's req/s pooled over its cells; semif-serve's defaults / each pinned
    count and semif-serve / upstream at the defaults and at one thread, as the ratio of pooled
    req/s, with the quartiles of the per-round ratios and the rounds behind.
@@ -50,11 +51,11 @@ from bench.peers import (
     MATCH_NONE,
     STATE_TOKENS,
     PeerProcess,
+    TakingTurns,
     Workload,
     ensure_checkpoint,
     fit_state_words,
     measure,
-    only_running,
     semif_api_peer,
     thread_env,
 )
@@ -260,15 +261,18 @@ def servers(
         for workload, n in counts.items():
             load = Workload(workload.removesuffix("-contested"), words)
             cells: dict[str, list[dict[str, Any]]] = {name: [] for name in procs}
-            with other_process(1.0 if workload == CONTESTED else 0.0):
+            with (
+                other_process(1.0 if workload == CONTESTED else 0.0),
+                TakingTurns(list(pids.values())) as turns,
+            ):
                 for name, (proc, _) in procs.items():
-                    with only_running(pids[name], [pid for other, pid in pids.items() if other != name]):
-                        measure(clients[name], proc.url, load, 1)  # warm-up, not counted
+                    turns.turn(pids[name])
+                    measure(clients[name], proc.url, load, 1)  # warm-up, not counted
                 for r in range(rounds):
                     order = list(procs) if r % 2 == 0 else list(reversed(procs))
                     for name in order:
-                        with only_running(pids[name], [pid for other, pid in pids.items() if other != name]):
-                            cells[name].append(measure(clients[name], procs[name][0].url, load, n, budget))
+                        turns.turn(pids[name])
+                        cells[name].append(measure(clients[name], procs[name][0].url, load, n, budget))
                     log(
                         f"threads: {workload} round {r + 1}: "
                         + ", ".join(f"{k} {v[-1]['rps']:.2f}" for k, v in cells.items())

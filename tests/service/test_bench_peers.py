@@ -1,13 +1,18 @@
 """bench/peers.py's own parts: the SEMIF_MODELS files it gives semif-serve for `lev-release`
 and `lev-base` read back as the entries they mean, with lev's flags; lev's flags are spelled
 as `lev serve` takes them; the requests name the model the peer serves; the concurrent
-clients keep exactly N requests in flight, each sending its next one only after its answer."""
+clients keep exactly N requests in flight, each sending its next one only after its answer;
+servers taking turns on the CPU are never continued between two others' turns."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from bench import peers
@@ -126,3 +131,44 @@ def test_concurrent_clients_keep_n_in_flight_and_send_exactly_the_requests_asked
     assert cell["requests"] == app.answered == 80
     assert app.most == 16  # 16 clients, never a 17th request before an answer
     assert cell["clients"] == 16 and cell["input_tokens"] == 7 and len(cell["latencies"]) == 80
+
+
+def process_state(pid: int) -> str:
+    """R, S, T...: the state letter /proc gives the process."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def wait_for_state(pid: int, state: str, deadline_s: float = 10.0) -> str:
+    """The process's state once it is `state`, or whatever it is at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while process_state(pid) != state and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process_state(pid)
+
+
+def test_servers_taking_turns_stay_stopped_between_others_turns_and_all_run_after(monkeypatch):
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    a, b, c = (p.pid for p in sleepers)
+    continued: list[int] = []
+    real_kill = os.kill
+
+    def kill(pid: int, sig: int) -> None:
+        if sig == signal.SIGCONT:
+            continued.append(pid)
+        real_kill(pid, sig)
+
+    monkeypatch.setattr(peers.os, "kill", kill)
+    try:
+        with peers.TakingTurns([a, b, c]) as turns:
+            turns.turn(a)
+            assert [wait_for_state(pid, "T") for pid in (b, c)] == ["T", "T"]
+            assert wait_for_state(a, "S") == "S"
+            turns.turn(b)
+            assert [wait_for_state(pid, "T") for pid in (a, c)] == ["T", "T"]
+            assert wait_for_state(b, "S") == "S"
+            assert continued == [a, b]  # c was never continued for a moment between the two turns
+        assert [wait_for_state(pid, "S") for pid in (a, b, c)] == ["S", "S", "S"]
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
