@@ -149,13 +149,18 @@ ARGS = ("--window", "4", "--concurrency", "2", "--progress", "plain")
 
 def killed_midway(env: dict, source: Path, out: Path, sig: int, after: int) -> subprocess.CompletedProcess:
     """Start the batch, send `sig` once `after` lines of the output are written, wait for its end."""
-    process = subprocess.Popen(
-        ["semif-serve", "run-batch", "-i", str(source), "-o", str(out), *ARGS],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # A suite started in the background (`pytest &`) ignores SIGINT, and a child inherits that.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            ["semif-serve", "run-batch", "-i", str(source), "-o", str(out), *ARGS],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 180
     while not (out.exists() and out.read_bytes().count(b"\n") >= after):
         assert process.poll() is None, process.communicate()
