@@ -33,7 +33,8 @@ rewritten after every phase, so an error or the deadline loses only the phase it
    the issue's two goals gated on the engine's numbers;
 8. batching, with what time is left: issue 12's three measurements (`harness.batching`, which
    `bench/batching.py` runs on the CPU; quick: 16 clients vs 1, the second question about a
-   ~2,000-token state vs the first, prefills for 8 clients over one state) through the decision core;
+   ~2,000-token state vs the first, prefills for 8 clients over one state; issue 50's 16 clients vs 1
+   with a new state each, and the forwards they ran in) through the decision core;
 9. adapters (issue 26): 4 random BF16 rank-32 LoRA adapters on lev's targets over the run's
    model (`harness.adapters`, which `bench/adapters.py` runs on the CPU): a row's cost vs the
    base's (suffix forward over a ~1,000-token state, its prefill, a lone row, 8 lone rows), a
@@ -801,7 +802,13 @@ class GpuRun:
                 "one prefill for 8 clients",
                 measured["prefills_for_8_clients"] == 1,
                 f"{measured['prefills_for_8_clients']} prefills",
-            )
+            ),
+            Gate(
+                "16 clients on new states packed",
+                measured["forwards_16_new_states"] <= 4,
+                f"{measured['forwards_16_new_states']} forwards, "
+                f"{measured['gain_new_states']:.2f}x one client",
+            ),
         ]
         return measured, gates
 

@@ -3,7 +3,9 @@
 
 1. 16 concurrent clients of short distinct decisions vs 1 client: requests/s ratio, p50/p99;
 2. the second question about a ~2,000-token state vs the first: engine time ratio;
-3. 8 concurrent clients asking about the same state: prefills run (state cache misses).
+3. 8 concurrent clients asking about the same state: prefills run (state cache misses);
+4. (issue 50) 16 clients vs 1, every request a 4-option choice in rotations about a new
+   ~150-word state of its own: requests/s, and the forwards the 16 clients' requests ran in.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import statistics
 import time
 
+from harness.workloads import filler
 from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.domain.types import Option, Question
 from semif_serve.service.startup import Service
@@ -44,6 +47,23 @@ async def clients(service: Service, n_clients: int, each: int) -> tuple[float, l
     return n_clients * each / (time.perf_counter() - started), latencies
 
 
+async def clients_on_new_states(service: Service, n_clients: int, each: int) -> float:
+    """Requests/s of `n_clients` callers each asking `each` 4-option choices in rotations (4 rows),
+    every request about a new ~150-word state of its own (issue 50: rows of different requests
+    over different states share one packed forward)."""
+    options = tuple(Option(f"o{i}", f"Team {i} handles it.") for i in range(4))
+
+    async def client(c: int) -> None:
+        for k in range(each):
+            state = f"Client {c} request {k}: " + filler(150, seed=1000 * c + k)
+            q = Question(f"q{k}", "Which team handles this ticket?", options, orderings="rotations")
+            await service.core.decide(DecisionRequest(state, [q], True, Limits(**LIMITS)))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(n_clients)))
+    return n_clients * each / (time.perf_counter() - started)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -63,6 +83,15 @@ async def measure(service: Service, quick: bool) -> dict[str, float]:
         p99_1_ms=pct(lat1, 0.99),
         p50_16_ms=pct(lat16, 0.5),
         p99_16_ms=pct(lat16, 0.99),
+    )
+    new_1 = await clients_on_new_states(service, 1, 16 if quick else 32)
+    forwards = service.worker.batcher.stats().forwards
+    new_16 = await clients_on_new_states(service, 16, 1 if quick else 2)
+    out.update(
+        rps_1_new_states=new_1,
+        rps_16_new_states=new_16,
+        gain_new_states=new_16 / new_1,
+        forwards_16_new_states=service.worker.batcher.stats().forwards - forwards,
     )
     ratios = []
     for run in range(1 if quick else 3):

@@ -119,7 +119,10 @@ def test_a_workload_calibrated_on_an_adapter_picks_it_and_refuses_another(client
     calibrated = decide(client, workload="tickets").json()
     assert calibrated["model"]["adapter"] == "triage"
     assert calibrated["calibrated"]["temperature"] == 1.5
-    assert calibrated["option_logits"] == decide(client, model="triage").json()["option_logits"]
+    plain = decide(client, model="triage").json()[
+        "option_logits"
+    ]  # its state kept by the first: rounding apart
+    assert calibrated["option_logits"] == pytest.approx(plain, abs=1e-6)
     refused = decide(client, model="routing", workload="tickets")
     assert refused.status_code == 422
     error = refused.json()["error"]

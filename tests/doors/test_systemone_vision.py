@@ -122,7 +122,10 @@ def test_the_same_image_as_base64_and_as_a_multipart_part_gives_identical_answer
         headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
     )
     assert as_part.status_code == 200, as_part.text
-    assert as_part.json()["answers"] == as_json["answers"]
+    # The second reads the state the first kept, in a forward of another shape: float32 rounding apart.
+    got, want = as_part.json()["answers"]["c"], as_json["answers"]["c"]
+    assert got["choice"] == want["choice"]
+    assert got["probabilities"] == pytest.approx(want["probabilities"], abs=1e-6)
 
 
 def test_two_images_give_different_answers_and_prompt_digests(client):

@@ -215,8 +215,8 @@ def test_an_out_of_memory_forward_gets_503_returns_to_baseline_and_the_next_requ
 
 
 def test_a_burst_that_grows_past_the_margin_is_given_back(engine, checkpoint):
-    # Past baseline (floor + the state cache's 1 GiB budget) + the 512 MiB margin.
-    memory = SimulatedMemory(floor=100 * MIB, growth=800 * MIB)
+    # One forward (one sync) past baseline (floor + the state cache's 1 GiB budget) + the 512 MiB margin.
+    memory = SimulatedMemory(floor=100 * MIB, growth=1700 * MIB)
     service = service_on(engine, checkpoint, memory)
     app = create_app(service)
     before = memory.releases

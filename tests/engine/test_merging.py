@@ -65,12 +65,14 @@ class EngineGate:
     def bind(self, service: Service) -> None:
         """Run the gate's job on the engine thread in place of the engine (every other job as before)."""
         batcher = service.worker.batcher
-        real = batcher.run_group
+        real = batcher.run_groups
 
-        def run_group(group):
-            return self.run_group(group) if group.job_ids == ("gate",) else real(group)
+        def run_groups(groups):
+            if groups[0].job_ids == ("gate",):  # the gate runs alone: the engine was idle when it came
+                return [self.run_group(group) for group in groups]
+            return real(groups)
 
-        batcher.run_group = run_group
+        batcher.run_groups = run_groups
 
     async def hold(self, service: Service) -> asyncio.Task:
         self.bind(service)
@@ -208,7 +210,8 @@ def test_a_cancelled_request_is_dropped_before_its_forward_and_the_others_are_an
     before, results = asyncio.run(go())
     after = fresh.worker.batcher.stats()
     assert isinstance(results[1], asyncio.CancelledError)
-    assert results[0].timing.merged_requests == results[2].timing.merged_requests == 1
+    # The two live requests, over different states, shared one packed forward; the cancelled one none.
+    assert results[0].timing.merged_requests == results[2].timing.merged_requests == 2
     assert after.cancelled_dropped - before.cancelled_dropped == 1
     assert after.rows - before.rows == 1 + 2  # the gate's row, then the two live requests' rows
 
@@ -219,15 +222,15 @@ def test_out_of_memory_in_a_merged_forward_fails_only_the_request_that_cannot_ru
     memory = SimulatedMemory(floor=100 * MIB)
     service = Service.start(make_settings(checkpoint), engine=engine.with_options(memory=memory))
     service.engine.cache.put([1, 2, 3], prefill(engine.model, [1, 2, 3]))
-    real = TorchEngine.run_group
+    real = TorchEngine.run_groups
 
-    def runs_out_with_the_huge_one(self, group):
+    def runs_out_with_the_huge_one(self, groups):
         # OOM cannot happen on this CPU: the forward that carries the "huge" request fails.
-        if any(p.job.payload.prompts[0].text.count("HUGE") for p in group.parts):
+        if any(p.job.payload.prompts[0].text.count("HUGE") for group in groups for p in group.parts):
             raise cuda_oom()
-        return real(self, group)
+        return real(self, groups)
 
-    monkeypatch.setattr(TorchEngine, "run_group", runs_out_with_the_huge_one)
+    monkeypatch.setattr(TorchEngine, "run_groups", runs_out_with_the_huge_one)
     states = ["A small state.", "HUGE state.", "Another small state."]
     results = asyncio.run(
         held_burst(
@@ -240,7 +243,7 @@ def test_out_of_memory_in_a_merged_forward_fails_only_the_request_that_cannot_ru
             ],
         )
     )
-    monkeypatch.setattr(TorchEngine, "run_group", real)
+    monkeypatch.setattr(TorchEngine, "run_groups", real)
 
     assert isinstance(results[1], OutOfMemory)
     for i in (0, 2):

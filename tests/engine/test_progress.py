@@ -35,13 +35,13 @@ def ask_together(engine, states: list[str], seconds: float = 120) -> list:
     fails the test)."""
     worker = EngineWorker(engine, ReleasePolicy(HostMemory(), 1 << 30))
     started: list[object] = []
-    real = engine.run_group
+    real = engine.run_groups
 
-    def recording(group):
-        started.append(group.parts[0].job.id)
-        return real(group)
+    def recording(groups):
+        started.extend(group.parts[0].job.id for group in groups)
+        return real(groups)
 
-    engine.run_group = recording
+    engine.run_groups = recording
 
     async def main():
         asks = []

@@ -118,7 +118,7 @@ def events(monkeypatch) -> list[str]:
     for each step of the tower."""
     seen: list[str] = []
     real_step = ImageSet.tower_step
-    real_run = TorchEngine.run_group
+    real_run = TorchEngine.run_groups
     real_prepare = TorchEngine.prepare
 
     def prepare(self, *args, **kwargs):
@@ -133,13 +133,12 @@ def events(monkeypatch) -> list[str]:
             seen.append("tower")
         return stepped
 
-    def run_group(self, group):
-        if group.parts[0].job.payload.images is None:
-            seen.append("tiny")
-        return real_run(self, group)
+    def run_groups(self, groups):
+        seen.extend("tiny" for group in groups if group.parts[0].job.payload.images is None)
+        return real_run(self, groups)
 
     monkeypatch.setattr(ImageSet, "tower_step", tower_step)
-    monkeypatch.setattr(TorchEngine, "run_group", run_group)
+    monkeypatch.setattr(TorchEngine, "run_groups", run_groups)
     monkeypatch.setattr(TorchEngine, "prepare", prepare)
     return seen
 

@@ -704,13 +704,13 @@ def test_a_tiny_request_is_answered_while_a_long_prefill_is_still_running(engine
     stepping = engine.with_options(cache=StateCache(64 << 20), prefill_chunk_tokens=16)
     finished: list[str] = []
     starts: list[str] = []
-    real = stepping.run_group
+    real = stepping.run_groups
 
-    def recording(group):
-        starts.append(group.parts[0].job.id)
-        return real(group)
+    def recording(groups):
+        starts.extend(group.parts[0].job.id for group in groups)
+        return real(groups)
 
-    stepping.run_group = recording  # type: ignore[method-assign]
+    stepping.run_groups = recording  # type: ignore[method-assign]
     worker = EngineWorker(stepping, ReleasePolicy(HostMemory(), 1 << 30))
 
     async def ask(name: str, state: str) -> None:

@@ -97,13 +97,13 @@ def test_a_tiny_request_is_answered_while_a_long_state_of_any_model_is_prefilled
     long_state = f"The zones of {heavy_model.id} recovered after the release, then the errors stopped. " * 30
     finished: list[str] = []
     started = threading.Event()
-    real = service.worker.engine.run_group
+    real = service.worker.engine.run_groups
 
-    def recording(group):
+    def recording(groups):
         started.set()
-        return real(group)
+        return real(groups)
 
-    monkeypatch.setattr(service.worker.engine, "run_group", recording)
+    monkeypatch.setattr(service.worker.engine, "run_groups", recording)
     questions = {f"q{i}": noul(heavy_model, f"Is statement {i} true?") for i in range(3)}
     heavy = systemone_body(
         heavy_model, long_state, questions

@@ -165,6 +165,31 @@ class SimulatedCuda:
 
         decoder.register_forward_pre_hook(before, with_kwargs=True)
         decoder.register_forward_hook(after, with_kwargs=True, always_call=True)
+        self._track_packed(model)
+
+    def _track_packed(self, model) -> None:
+        """Allocate each packed forward's working set too (it runs the decoder's layers itself):
+        every sequence's row bytes and its whole chain's tokens."""
+        from semif_serve.engine import packed_runs
+
+        real = packed_runs.packed_forward
+
+        def packed_forward(over, segments, adapters=None):
+            if over is not model:
+                return real(over, segments, adapters)
+            chains: list[int] = []
+            for segment in segments:
+                before = chains[segment.parent] if segment.parent is not None else len(segment.start or ())
+                chains.append(before + len(segment.ids))
+            self.forwards.append((len(segments), 0, sum(len(s.ids) for s in segments)))
+            nbytes = sum(self.forward_bytes(1, 0, chain) for chain in chains)
+            self.allocate(nbytes)
+            try:
+                return real(over, segments, adapters)
+            finally:
+                self.free(nbytes)
+
+        packed_runs.packed_forward = packed_forward
 
     def track_vision(self, tower) -> None:
         """Account a vision tower's weights, and allocate `patches * patch_bytes` for each of its

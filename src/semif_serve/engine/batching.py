@@ -99,15 +99,25 @@ class Group(Generic[P]):
         return Group(self.prefix_key, self.prefix_tokens, parts) if parts else None
 
 
+# Tokens one packed forward computes (new states' tokens and rows, every group's), vLLM's
+# `max_num_batched_tokens`: on this CPU a sequence costs least packed 1-4k tokens deep (bf16 best
+# by 2k; docs/packing.md), and at one prefill chunk's worth the memory estimate stays exact.
+FORWARD_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class Bounds:
-    """Limits on one forward; a single row past them still runs alone (the engine judges it)."""
+    """Limits on one forward; a single row past them still runs alone (the engine judges it).
+    `max_batch_rows` and `max_batch_tokens` bound one group (rows over one state);
+    `max_forward_tokens` the tokens a packed forward of several groups computes (the first group
+    of a turn always runs)."""
 
     max_batch_rows: int = 64
     max_batch_tokens: int = 16_384
+    max_forward_tokens: int = FORWARD_TOKENS
 
     def __post_init__(self) -> None:
-        if self.max_batch_rows < 1 or self.max_batch_tokens < 1:
+        if self.max_batch_rows < 1 or self.max_batch_tokens < 1 or self.max_forward_tokens < 1:
             raise ValueError("batch bounds must be >= 1")
 
     def fits(self, group: Group[Any]) -> bool:
@@ -214,22 +224,38 @@ class _Pending(Generic[P]):
             self.future.set_exception(exc)
 
 
+Outcome = Mapping[Hashable, Sequence[Any]] | Unfinished  # what running one group returns
+
+
 class Batcher(Generic[P, R]):
     """Queues jobs with futures and runs them, merged, on the engine thread.
 
     `run_group(group)` runs on `executor` (one thread: the engine's) and returns, for every job
     in the group, the results of that job's rows in the group, in order; it raises to fail
-    the group. `submit(job)` resolves to the job's row results in row order. It runs nothing
-    but jobs: with none queued the engine thread is free.
+    the group. With `run_groups` (groups -> one outcome each, in order) every turn packs the
+    groups waiting into one call, up to `bounds.max_forward_tokens` by `cost` (the tokens a
+    group computes; the first group always runs), taken a group per round in turn. `submit(job)`
+    resolves to the job's row results in row order. It runs nothing but jobs: with none queued
+    the engine thread is free.
     """
 
     def __init__(
         self,
-        run_group: Callable[[Group[P]], Mapping[Hashable, Sequence[R]] | Unfinished],
+        run_group: Callable[[Group[P]], Outcome] | None,
         bounds: Bounds,
         executor: Executor | None = None,
+        *,
+        run_groups: Callable[[Sequence[Group[P]]], Sequence[Outcome]] | None = None,
+        cost: Callable[[Group[P]], int] | None = None,
     ) -> None:
-        self.run_group = run_group
+        if run_groups is None:
+            if run_group is None:
+                raise ValueError("a batcher needs run_group or run_groups")
+            one = run_group
+            run_groups = lambda groups: [one(g) for g in groups]  # noqa: E731 - one group per turn
+        self.run_groups = run_groups
+        self.packs = run_group is None  # several groups per turn
+        self._cost = cost
         self.bounds = bounds
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
@@ -282,8 +308,9 @@ class Batcher(Generic[P, R]):
             self.executor.shutdown(wait=False)
 
     async def _drain(self) -> None:
-        """Run the queued rounds a group at a time, taking turns, until nothing is left; what
-        arrives while a group runs becomes a round of its own, next in turn."""
+        """Run the queued rounds a turn at a time until nothing is left. A turn takes groups a
+        round at a time in turn order, the round that led the last turn after any newcomers, up
+        to the forward's token budget; what arrives while a turn runs becomes a round of its own."""
         rounds: deque[deque[Group[P]]] = deque()
         live: dict[Hashable, _Pending[P]] = {}
         current: deque[Group[P]] | None = None
@@ -296,15 +323,47 @@ class Batcher(Generic[P, R]):
                 if planned:
                     rounds.append(planned)
             if current:
-                rounds.append(current)  # after the newcomers: a heavy round yields between its groups
+                rounds.append(current)  # after the newcomers: a heavy round yields between its turns
+            rounds = deque(r for r in rounds if r)
             if not rounds:
                 return
+            turn = self._turn(rounds)
+            finished = await self._run([group for _, group in turn], live)
+            for (round_, group), done in zip(reversed(turn), reversed(finished), strict=True):
+                if not done:
+                    round_.appendleft(group)  # a step done; the rest at its round's next turn
             current = rounds.popleft()
-            group = current.popleft()
-            if not await self._run(group, live):
-                current.appendleft(group)  # a slice done; the rest at this round's next turn
             for job_id in [i for i, p in live.items() if p.future.done()]:
                 del live[job_id]
+
+    def _turn(self, rounds: deque[deque[Group[P]]]) -> list[tuple[deque[Group[P]], Group[P]]]:
+        """The groups of one turn, taken off their rounds: a group per round in turn order, again
+        and again, while they fit the token budget (the first always)."""
+        taken: list[tuple[deque[Group[P]], Group[P]]] = [(rounds[0], rounds[0].popleft())]
+        if not self.packs:
+            return taken
+        budget = self.bounds.max_forward_tokens - self.cost(taken[0][1])
+        full = {id(rounds[0])} if not rounds[0] else set()
+        while len(full) < len(rounds):
+            for round_ in rounds:
+                if id(round_) in full:
+                    continue
+                if not round_ or self.cost(round_[0]) > budget:
+                    full.add(id(round_))  # its next group waits: the order within a round holds
+                    continue
+                group = round_.popleft()
+                budget -= self.cost(group)
+                taken.append((round_, group))
+        return taken
+
+    def cost(self, group: Group[P]) -> int:
+        """The tokens `group` adds to a turn: the engine's count, else its rows and prefix."""
+        if self._cost is not None:
+            try:
+                return self._cost(group)
+            except Exception:  # noqa: BLE001 - a job the engine cannot count still runs
+                pass
+        return group.true_tokens + group.prefix_tokens
 
     def _started(self, group: Group[P], live: dict[Hashable, _Pending[P]]) -> None:
         """Record the wait of every job whose first forward starts now."""
@@ -335,30 +394,44 @@ class Batcher(Generic[P, R]):
             return True
         return False
 
-    async def _run(self, planned: Group[P], live: dict[Hashable, _Pending[P]]) -> bool:
-        """Run one step of `planned`; False when the group has work left (UNFINISHED)."""
-        group = planned.keeping({i for i in planned.job_ids if i in live and not live[i].future.done()})
-        if group is None:
-            return True
-        self._started(group, live)
+    async def _run(self, planned: Sequence[Group[P]], live: dict[Hashable, _Pending[P]]) -> list[bool]:
+        """Run one turn of `planned` (one call); for each group, False when it has work left."""
+        kept = [g.keeping({i for i in g.job_ids if i in live and not live[i].future.done()}) for g in planned]
+        running = [g for g in kept if g is not None]
+        if not running:
+            return [True] * len(planned)
+        for group in running:
+            self._started(group, live)
         try:
-            results = await self._forward(group)
+            outcomes = await self._forward(running)
         except Exception as exc:  # noqa: BLE001 - routed to the callers, never raised here
-            if len(set(group.job_ids)) == 1:
-                live[group.job_ids[0]].fail(exc)
-                return True
-            for part in group.parts:
-                with self._stats_lock:
-                    self._stats.isolated_retries += 1
-                alone = Group(group.prefix_key, group.prefix_tokens, (part,))
-                while not await self._run(alone, live):
-                    pass
-            return True
-        if isinstance(results, Unfinished):
-            self._deliver([p for p in group.parts if p.job.id in results.done], results.done, live)
-            return False
-        self._deliver(group.parts, results, live)
-        return True
+            await self._isolate(running, exc, live)
+            return [True] * len(planned)
+        finished: dict[int, bool] = {}
+        for group, outcome in zip(running, outcomes, strict=True):
+            if isinstance(outcome, Unfinished):
+                self._deliver([p for p in group.parts if p.job.id in outcome.done], outcome.done, live)
+                finished[id(group)] = False
+            else:
+                self._deliver(group.parts, outcome, live)
+                finished[id(group)] = True
+        return [True if g is None else finished[id(g)] for g in kept]
+
+    async def _isolate(
+        self, groups: Sequence[Group[P]], exc: Exception, live: dict[Hashable, _Pending[P]]
+    ) -> None:
+        """After a failed call: a lone request fails; otherwise each group, then each request,
+        runs again alone, so that only the failing request fails."""
+        parts = [part for group in groups for part in group.parts]
+        if len({p.job.id for p in parts}) == 1:
+            live[parts[0].job.id].fail(exc)
+            return
+        alone = [Group(g.prefix_key, g.prefix_tokens, (p,)) for g in groups for p in g.parts]
+        for group in alone:
+            with self._stats_lock:
+                self._stats.isolated_retries += 1
+            while not (await self._run([group], live))[0]:
+                pass
 
     @staticmethod
     def _deliver(
@@ -371,22 +444,25 @@ class Batcher(Generic[P, R]):
             except (KeyError, RuntimeError) as exc:
                 pending.fail(RuntimeError(f"run_group gave no usable results for job {part.job.id!r}: {exc}"))
 
-    async def _forward(self, group: Group[P]) -> Mapping[Hashable, Sequence[R]] | Unfinished:
+    async def _forward(self, groups: Sequence[Group[P]]) -> Sequence[Outcome]:
         loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self.executor, self.run_group, group)
-        if isinstance(results, Unfinished):
-            finished = group.keeping(set(results.done))
-            if finished is not None:
-                self._count(finished)  # the forward of the jobs it finished
-            return results
-        self._count(group)
-        return results
+        outcomes = await loop.run_in_executor(self.executor, self.run_groups, list(groups))
+        if len(outcomes) != len(groups):
+            raise RuntimeError(f"run_groups returned {len(outcomes)} outcomes for {len(groups)} groups")
+        finished = []
+        for group, outcome in zip(groups, outcomes, strict=True):
+            done = group.keeping(set(outcome.done)) if isinstance(outcome, Unfinished) else group
+            if done is not None:
+                finished.append(done)  # the forward of the jobs it finished
+        if finished:
+            self._count(finished)
+        return outcomes
 
-    def _count(self, group: Group[P]) -> None:
+    def _count(self, groups: Sequence[Group[P]]) -> None:
         with self._stats_lock:
             s = self._stats
             s.forwards += 1
-            s.rows += group.rows
-            s.true_tokens += group.true_tokens
-            s.padded_tokens += group.padded_tokens
-            s.merged_forwards += len(set(group.job_ids)) > 1
+            s.rows += sum(g.rows for g in groups)
+            s.true_tokens += sum(g.true_tokens for g in groups)
+            s.padded_tokens += sum(g.padded_tokens for g in groups)
+            s.merged_forwards += len({i for g in groups for i in g.job_ids}) > 1

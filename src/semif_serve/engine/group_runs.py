@@ -18,6 +18,7 @@ from typing import Any
 
 from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
+from semif_serve.engine.forward_shapes import ForwardShapes
 from semif_serve.engine.forwards import head_logits, logits_over, plain_logits, prefill, read_slots
 from semif_serve.engine.lone import LoneRowPolicy
 from semif_serve.engine.memory import MemoryEstimate
@@ -49,6 +50,7 @@ class GroupRunner:
         self.prefill_chunk_tokens = chunk = options.prefill_chunk_tokens
         self.stepped = SteppedPrefill(self.cache, estimate, self.memory, chunk, self._prefill)
         self.lone = LoneRowPolicy(self.cache, options.keep_state_tokens)
+        self.shapes = ForwardShapes()  # every forward's rows, requests, sequences and padding
 
     def run_planned(self, group: Group[PreparedRows]) -> Results | Unfinished:
         """Score one planned group on this thread: one state (cached or prefilled once) for
@@ -126,6 +128,10 @@ class GroupRunner:
                         readouts.append((_picked(logits[i], own, placed), [], None))
                 del logits, last
                 self.memory.synchronize()
+                true = sum(len(s) for s in suffixes)
+                self.shapes.observe(
+                    len(batch), len({p.job.id for p in parts}), 1, true, len(batch) * max(map(len, suffixes))
+                )
                 replicate_seconds += t1 - t0
                 suffix_seconds += time.perf_counter() - t1
                 forwards += 1

@@ -26,10 +26,11 @@ process (the tests' references) keeps transformers' code.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger("semif_serve.engine")
@@ -49,12 +50,12 @@ def decay_exp(log_decay: Any) -> Any:
 
 
 def _chunk_terms(query: Any, key: Any, value: Any, log_decay: Any, beta: Any) -> dict[str, Any]:
-    """The intra-chunk quantities of equal-length chunks `[rows, chunks, length, dim]`,
-    chunk-major (`[chunks, rows, ...]`, contiguous) for the scan."""
+    """The intra-chunk quantities of equal-length chunks, given and returned chunk-major
+    (`[chunks, rows, length, dim]`, contiguous) for the scan."""
     import torch
 
     length = query.shape[-2]
-    cumulative = log_decay.cumsum(dim=-1)  # [rows, chunks, length]
+    cumulative = log_decay.cumsum(dim=-1)  # [chunks, rows, length]
     later = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
     pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill_(later, 0.0)
     pairwise = decay_exp(pairwise).masked_fill_(later, 0.0)
@@ -66,16 +67,13 @@ def _chunk_terms(query: Any, key: Any, value: Any, log_decay: Any, beta: Any) ->
     solved = torch.linalg.solve_triangular(ut_system, right, upper=False, unitriangular=True)
     new_values, k_cumdecay = solved.split([value.shape[-1], key.shape[-1]], dim=-1)
     to_end = decay_exp(cumulative[..., -1:] - cumulative).unsqueeze(-1)
-    reads = torch.cat([k_cumdecay, query * from_start], dim=-2)  # both read the old state
-    chunk_major = {
-        "reads": reads,
+    return {
+        "reads": torch.cat([k_cumdecay, query * from_start], dim=-2),  # both read the old state
         "new_values": new_values,
         "intra": intra,
         "keys_t": (key * to_end).transpose(-1, -2),
+        "decay": decay_exp(cumulative[..., -1]),  # [chunks, rows]
     }
-    terms = {name: t.transpose(0, 1).contiguous() for name, t in chunk_major.items()}
-    terms["decay"] = decay_exp(cumulative[..., -1]).transpose(0, 1).contiguous()  # [chunks, rows]
-    return terms
 
 
 def _scan(terms: dict[str, Any], state: Any, out: Any) -> Any:
@@ -111,37 +109,49 @@ def chunk_gated_delta_rule(
     batch, tokens, heads, k_dim = key.shape
     v_dim = value.shape[-1]
     rows = batch * heads
-
-    def per_row(t: Any) -> Any:  # [batch, tokens, heads, ...] -> float32 [batch * heads, tokens, ...]
-        moved = t.transpose(1, 2).to(torch.float32)
-        return moved.reshape(rows, tokens, *t.shape[3:])
-
-    q, k, v, log_decay, beta_ = (per_row(t) for t in (query, key, value, g, beta))
     if use_qk_l2norm_in_kernel:
-        q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
-    q = q * k_dim**-0.5
+        query = query.float()
+        key = key.float()
+        query = query * torch.rsqrt((query * query).sum(dim=-1, keepdim=True) + 1e-6)
+        key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
     if initial_state is None:
-        state = torch.zeros(rows, k_dim, v_dim, dtype=torch.float32, device=q.device)
+        state = torch.zeros(rows, k_dim, v_dim, dtype=torch.float32, device=key.device)
     else:
         state = initial_state.to(torch.float32).reshape(rows, k_dim, v_dim)
-    out = torch.empty(rows, tokens, v_dim, dtype=torch.float32, device=q.device)
+    scale = k_dim**-0.5
+    pieces = []
     full = tokens // chunk_size * chunk_size
     for start, stop, length in ((0, full, chunk_size), (full, tokens, tokens - full)):
         if stop == start:
             continue
         n = (stop - start) // length
 
-        def chunked(t: Any, n: int = n, length: int = length, start: int = start, stop: int = stop) -> Any:
-            return t[:, start:stop].reshape(rows, n, length, *t.shape[2:])
+        def chunk_major(
+            t: Any, n: int = n, length: int = length, start: int = start, stop: int = stop
+        ) -> Any:
+            """`[batch, tokens, heads, ...]` -> float32 `[chunks, batch * heads, length, ...]`, one copy."""
+            part = t[:, start:stop].reshape(batch, n, length, heads, *t.shape[3:])
+            moved = part.permute(1, 0, 3, 2, *range(4, part.dim()))
+            return _copied(moved, torch.float32).view(n, rows, length, *t.shape[3:])
 
-        terms = _chunk_terms(*(chunked(t) for t in (q, k, v, log_decay, beta_)))
-        chunk_out = torch.empty(n, rows, length, v_dim, dtype=torch.float32, device=q.device)
+        q, k, v, log_decay, beta_ = (chunk_major(t) for t in (query, key, value, g, beta))
+        terms = _chunk_terms(q * scale, k, v, log_decay, beta_)
+        chunk_out = torch.empty(n, rows, length, v_dim, dtype=torch.float32, device=key.device)
         state = _scan(terms, state, chunk_out)
-        out[:, start:stop].view(rows, n, length, v_dim).copy_(chunk_out.transpose(0, 1))  # one copy
-    result = out.reshape(batch, heads, tokens, v_dim).transpose(1, 2).to(query.dtype)
+        # [chunks, batch, heads, length, v] -> [batch, chunks, length, heads, v], in the output dtype
+        moved = chunk_out.view(n, batch, heads, length, v_dim).permute(1, 0, 3, 2, 4)
+        pieces.append(_copied(moved, value.dtype).view(batch, n * length, heads, v_dim))
+    result = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
     final = state.reshape(batch, heads, k_dim, v_dim) if output_final_state else None
-    return result.contiguous(), final
+    return result, final
+
+
+def _copied(tensor: Any, dtype: Any) -> Any:
+    """A contiguous copy of `tensor` in `dtype`: one pass, whatever the strides and dtypes."""
+    import torch
+
+    out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+    return out.copy_(tensor)
 
 
 def causal_conv1d(
@@ -210,6 +220,26 @@ def _left(_module: Any, _args: Any, _output: Any) -> None:
     _ACTIVE.set(depth)
     if depth == 0:
         torch.set_flush_denormal(False)
+
+
+@contextlib.contextmanager
+def accelerated_kernels(decoder: Any) -> Iterator[tuple[Callable[..., Any], Callable[..., Any]]]:
+    """The gated delta rule and the causal convolution a forward outside the decoder's own code
+    (`engine.packed`) calls: these kernels, with subnormals flushed, where `accelerate` switched
+    the decoder and it runs on the CPU; else the modeling code's own (flash-linear-attention's
+    on a GPU image)."""
+    import sys
+
+    on_cpu = next(decoder.parameters()).device.type == "cpu"
+    if on_cpu and getattr(decoder, "__semif_accelerated__", False):
+        _entered(decoder, ())
+        try:
+            yield chunk_gated_delta_rule, causal_conv1d
+        finally:
+            _left(decoder, (), None)
+        return
+    module = sys.modules[type(decoder).__module__]
+    yield module.torch_chunk_gated_delta_rule, module.causal_conv1d_fn
 
 
 def accelerate(model: Any) -> int:

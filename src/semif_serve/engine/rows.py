@@ -92,6 +92,8 @@ class GroupRun:
     rows: int = 1
     forwards: int = 1
     direct: bool = False  # SemIf's plain forward of one lone row
+    forward_requests: int = 1  # requests whose rows ran in the same forward, this one included
+    packed: bool = False  # its rows ran packed end to end (no padding)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,14 @@ class ScoredRow:
     probabilities: list[float]
     run: GroupRun
     hidden: Any = None  # the row's last hidden state, where it reads that
+
+
+def _padded(run: GroupRun, prepared: PreparedRows, scored: Sequence[ScoredRow]) -> int:
+    """The suffix tokens `run` computed for this request's rows: each row's own where it ran
+    packed, else the group's widest for each row (right padding)."""
+    n_prefix = len(prepared.prefix)
+    mine = [len(p.ids) - n_prefix for p, row in zip(prepared.prompts, scored, strict=True) if row.run is run]
+    return sum(mine) if run.packed else run.width * len(mine)
 
 
 def readout_of(prepared: PreparedRows, scored: Sequence[ScoredRow]) -> Readout:
@@ -122,9 +132,9 @@ def readout_of(prepared: PreparedRows, scored: Sequence[ScoredRow]) -> Readout:
         suffix_forward_seconds=sum(r.suffix_forward_seconds for r in runs),
         batch_size=len(prepared.prompts),
         true_suffix_tokens=sum(len(p.ids) - n_prefix for p in prepared.prompts),
-        padded_suffix_tokens=sum(r.width * sum(1 for row in scored if row.run is r) for r in runs),
+        padded_suffix_tokens=sum(_padded(r, prepared, scored) for r in runs),
         forward_batches=sum(r.forwards for r in runs),
-        merged_requests=max(r.requests for r in runs),
+        merged_requests=max(max(r.requests, r.forward_requests) for r in runs),
         prefill=next((k for k in PREFILL_KINDS if k in prefills), "none"),
         prefill_shared=any(r.requests > 1 for r in runs) and n_prefix > 0,
     )

@@ -31,6 +31,7 @@ from semif_serve.engine.group_runs import GroupRunner
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
 from semif_serve.engine.options import DIRECT_PATHS, DirectPath, EngineOptions
+from semif_serve.engine.packed_runs import PackedRunner
 from semif_serve.engine.rows import PreparedRows, Readout, Results, ScoredRow, readout_of
 from semif_serve.engine.sharing import prefill_pays
 from semif_serve.engine.state_cache import StateCache, prefix_digest
@@ -81,6 +82,7 @@ class TorchEngine:
         self.model_info = identity.as_dict()
         self.groups = GroupRunner(model, self.adapters, options, self.estimate, self.slot_ids, self.pad_id)
         self.stepped, self.lone = self.groups.stepped, self.groups.lone
+        self.packed = PackedRunner(self.groups)
         # On a CPU every forward sets its intra-op threads from its size (a GPU's forward runs on the device).
         self.threads = EngineThreads(options.threads, torch) if self.device.type == "cpu" else None
 
@@ -216,17 +218,26 @@ class TorchEngine:
         return readout_of(prepared, scored)
 
     def run_group(self, group: Group[PreparedRows]) -> Results | Unfinished:
-        """Score one planned group on this thread; the results of each job's rows in the
-        group, in order. Lone rows (no shared prefix) go through `GroupRunner.run_direct`, which serves
-        them from a state where one is cached or wanted by several requests; everything else
-        through `GroupRunner.run_planned`. An image whose tower costs more than a prefill chunk first goes
-        through the tower one step per call (`_tower_step`), each returning UNFINISHED."""
-        self._threads_for(self._tokens_to_compute(group))
-        if self._tower_step(group):
-            return UNFINISHED
-        if group.prefix_key is None and self.direct_path == "reuse" and group.parts[0].job.payload.direct:
-            return self.groups.run_direct(group)
-        return self.groups.run_planned(group)
+        """Score one planned group on this thread (`run_groups` of it alone)."""
+        return self.run_groups([group])[0]
+
+    def run_groups(self, groups: Sequence[Group[PreparedRows]]) -> list[Results | Unfinished]:
+        """Score the groups of one engine turn on this thread, in one packed forward
+        (`PackedRunner`); for each group the results of each job's rows in it, in order, or
+        UNFINISHED (a prefill step or a step of the vision tower ran; it runs again next turn).
+        An image whose tower costs more than a prefill chunk first goes through the tower one step
+        per turn (`_tower_step`)."""
+        self._threads_for(sum(self._tokens_to_compute(g) for g in groups))
+        outcomes: list[Results | Unfinished] = [UNFINISHED] * len(groups)
+        ready = [n for n, g in enumerate(groups) if not self._tower_step(g)]
+        packed = self.packed.run([groups[n] for n in ready], self.direct_path == "reuse")
+        for n, outcome in zip(ready, packed, strict=True):
+            outcomes[n] = outcome
+        return outcomes
+
+    def forward_cost(self, group: Group[PreparedRows]) -> int:
+        """The tokens a forward computes for this group (the batcher's budget counts them)."""
+        return self._tokens_to_compute(group)
 
     def _tokens_to_compute(self, group: Group[PreparedRows]) -> int:
         """About the tokens this group's forwards compute: each state unless it is cached as it is

@@ -139,6 +139,15 @@ class StoredState:
         """A consumable cache over `rows` rows; the stored tensors stay bit-unchanged."""
         return fork_cache(self._cache, rows)
 
+    def layer_state(self, layer: int) -> tuple[Any, Any]:
+        """What a forward continuing this state reads at decoder layer `layer` (read only): the
+        keys and values of a full-attention layer, or a linear-attention layer's last convolution
+        inputs and recurrent state."""
+        cached = self._cache.layers[layer]
+        if hasattr(cached, "recurrent_states"):
+            return cached.conv_states[0], cached.recurrent_states[0]
+        return cached.keys, cached.values
+
     def tensors(self) -> list[Any]:
         """The stored tensors themselves (read-only use: tests, accounting)."""
         return list(_state_tensors(self._cache))

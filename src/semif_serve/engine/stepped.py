@@ -38,6 +38,19 @@ class _InProgress:
     seen: int = 0
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step to prefill: `ids` (a prefix's first tokens) from `start`, into tier `kind`;
+    `superseded`: `start` is an earlier step's slice, dropped before the store."""
+
+    key: str
+    ids: list[int]
+    start: StoredState | None
+    kind: str
+    superseded: bool
+    state_tokens: int
+
+
 class SteppedPrefill:
     """Which prefixes are being prefilled in steps, their slices in the cache, and their time."""
 
@@ -57,8 +70,9 @@ class SteppedPrefill:
         self._seconds: dict[str, float] = {}  # prefixes being prefilled in steps -> seconds so far
         self._slices: set[str] = set()  # the step slices stored in the cache, by digest
         self._in_progress: dict[str, _InProgress] = {}  # by prefix key, the oldest first
-        self._turn = 0  # step calls so far
-        self._last_turn: dict[Hashable, int] = {}  # each caller's last step call
+        self._turn = 0  # engine turns so far (`next_turn`; a lone `step` call is a turn of its own)
+        self._last_turn: dict[Hashable, int] = {}  # each caller's last turn
+        self._unkept: set[str] = set()  # prefixes whose step the cache could not keep
 
     @property
     def in_progress(self) -> int:
@@ -78,6 +92,24 @@ class SteppedPrefill:
         False when what is left fits in one step (or the cache cannot keep the state), so the
         caller finishes it now. `caller` names who asks (the group's requests), so a prefix whose
         callers are gone gives its place up."""
+        self.next_turn()
+        planned = self.plan(prefix, state_tokens, model, caller)
+        if not isinstance(planned, Step):
+            return planned
+        t0 = time.perf_counter()
+        stored = self.fill(planned.ids, planned.start, planned.kind, images, model, planned.superseded)
+        self.memory.synchronize()
+        return self.finish(planned, stored, time.perf_counter() - t0)
+
+    def next_turn(self) -> None:
+        """A new engine turn: every caller planned in it counts as seen at it, whatever its order."""
+        self._turn += 1
+
+    def plan(
+        self, prefix: list[int], state_tokens: int, model: int = BASE_MODEL, caller: Hashable = None
+    ) -> Step | bool:
+        """`step` without running it: the `Step` to prefill now (then `finish` it with what was
+        stored), True while it waits its turn, False when the caller finishes the prefix now."""
         if not prefix or not self.chunk_tokens or self.cache.has(prefix, model=model):
             return False
         step = self.chunk_tokens * PREFILL_STEP_CHUNKS
@@ -89,25 +121,34 @@ class SteppedPrefill:
         if len(prefix) - done <= step:
             return False
         key = state_key(prefix, model)
+        if key in self._unkept:
+            return False
         if not self._holds_place(key, whole_state, caller):
             return True  # waits: the prefills in progress finish first
         boundary = state_tokens if done < state_tokens else len(prefix)
         target = min(boundary, done + step)
-        t0 = time.perf_counter()
         kind = STATE if target <= state_tokens else QUESTION
         superseded = start is not None and start.digest in self._slices and len(start) != state_tokens
-        stored = self.fill(prefix[:target], start, kind, images, model, superseded)
-        self.memory.synchronize()
-        if not self.cache.has(stored.ids, model=model):
-            self._give_up(key)
+        return Step(key, prefix[:target], start, kind, superseded, state_tokens)
+
+    def finish(self, planned: Step, stored: StoredState, seconds: float) -> bool:
+        """Record a step that ran (`stored`: what the cache was given), pinning its slice; False
+        when the cache could not keep it (the caller then finishes the prefix in one go)."""
+        if not self.cache.has(stored.ids, model=stored.model):
+            self._give_up(planned.key)
+            if len(self._unkept) > MAX_STEPPED:
+                self._unkept.clear()  # abandoned prefixes: they only step again
+            self._unkept.add(planned.key)  # its next turn finishes it in one go
             return False
-        self.drop_slice(start, state_tokens)
+        self.drop_slice(planned.start, planned.state_tokens)
         if len(self._seconds) > MAX_STEPPED:
             self._seconds.clear()  # abandoned states' counters; only their timing is lost
-        self._seconds[key] = self._seconds.get(key, 0.0) + time.perf_counter() - t0
+        self._seconds[planned.key] = self._seconds.get(planned.key, 0.0) + seconds
         self._slices.add(stored.digest)
         self.cache.pin(stored.digest)
-        self._in_progress[key].slice_key = stored.digest
+        progress = self._in_progress.get(planned.key)
+        if progress is not None:
+            progress.slice_key = stored.digest
         return True
 
     def take(self, prefix: list[int], model: int = BASE_MODEL) -> float | None:
@@ -115,6 +156,7 @@ class SteppedPrefill:
         forgotten now, and its place in the cache given up (its last slice may go)."""
         key = state_key(prefix, model)
         self._give_up(key)
+        self._unkept.discard(key)
         return self._seconds.pop(key, None)
 
     def drop_slice(self, start: StoredState | None, state_tokens: int) -> None:
@@ -128,7 +170,6 @@ class SteppedPrefill:
     def _holds_place(self, key: str, whole_bytes: int, caller: Hashable) -> bool:
         """Whether the prefix `key` may take its step now: it is in progress, or its whole state
         fits beside those in progress (then it is from now on)."""
-        self._turn += 1
         previous = self._last_turn.pop(caller, None)
         self._last_turn[caller] = self._turn
         if len(self._last_turn) > MAX_STEPPED:

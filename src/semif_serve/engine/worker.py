@@ -78,7 +78,7 @@ class EngineWorker:
         # Requests with images are prepared one at a time: decoded pixels' memory stays one request's.
         self._image_encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-images")
         self.batcher: Batcher[PreparedRows, ScoredRow] = Batcher(
-            self._run_group, bounds or Bounds(), self._executor
+            None, bounds or Bounds(), self._executor, run_groups=self._run_groups, cost=engine.forward_cost
         )  # no idle work: nothing is prefilled for a request that may never come
         self._job_ids = itertools.count()
         self.pending = 0
@@ -137,8 +137,10 @@ class EngineWorker:
             engine.cache.demand.leave(demand_key)
             self.pending -= 1
 
-    def _run_group(self, group: Group[PreparedRows]) -> Mapping[Hashable, Sequence[ScoredRow]] | Unfinished:
-        return self._guarded(lambda: self.engine.run_group(group))
+    def _run_groups(
+        self, groups: Sequence[Group[PreparedRows]]
+    ) -> Sequence[Mapping[Hashable, Sequence[ScoredRow]] | Unfinished]:
+        return self._guarded(lambda: self.engine.run_groups(groups))
 
     async def run(self, job: Callable[[], T]) -> T:
         """Run `job` on the engine thread; a cancelled caller's job is skipped if not yet started."""

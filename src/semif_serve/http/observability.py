@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
@@ -86,6 +86,15 @@ class StatusCollector(Collector):
         yield from _cache_metrics(now)
 
 
+# The forward-shape histograms (engine.forward_shapes), named `semif_per_forward_<name>`.
+FORWARD_SHAPES = {
+    "rows": "rows per forward",
+    "requests": "requests per forward (packed together whatever their states)",
+    "sequences": "sequences per forward (each packed without padding)",
+    "padding_share": "share of a forward's computed tokens that was padding",
+}
+
+
 def _batch_metrics(now: StatusSnapshot) -> Iterator[Metric]:
     b = now.batches
     yield CounterMetricFamily("semif_forwards", "engine forwards run by the batcher", value=b.forwards)
@@ -111,6 +120,12 @@ def _batch_metrics(now: StatusSnapshot) -> Iterator[Metric]:
         "share of padding in the forwards' suffix tokens so far",
         value=1 - b.true_tokens / b.padded_tokens if b.padded_tokens else 0,
     )
+    for name, help_text in FORWARD_SHAPES.items():
+        shape = now.shapes.get(name)
+        if shape is not None:
+            yield HistogramMetricFamily(
+                f"semif_per_forward_{name}", help_text, buckets=shape.cumulative(), sum_value=shape.total
+            )
     yield CounterMetricFamily(
         "semif_isolated_retries",
         "requests rerun alone after their merged forward failed",

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from semif_serve.domain.orderings import orderings_policy, parse_type_map
 from semif_serve.domain.types import ConfigurationError, DirectPath
+from semif_serve.engine.batching import FORWARD_TOKENS
 
 ENV_PREFIX = "SEMIF_"
 # Averaging every type over a few orders (see contract.md, System One, for the measured cost).
@@ -110,6 +111,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Padded tokens (rows x widest suffix) of merged requests per forward; the prefilled "
         "state is not charged.",
+    )
+    max_forward_tokens: int = Field(
+        FORWARD_TOKENS,
+        ge=1,
+        description="Tokens one packed forward computes across requests (new states' and rows'); "
+        "the first request of a turn always runs (vLLM's max_num_batched_tokens).",
     )
     calibration: Path | None = Field(None, description="calibration.json: workload temperatures.")
     metrics_public: bool = Field(True, description="Serve /metrics without the token.")

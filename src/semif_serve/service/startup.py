@@ -91,7 +91,7 @@ class Service:
             threads=ThreadPolicy.of_machine(settings.torch_threads),
         )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
-        bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens)
+        bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens, settings.max_forward_tokens)
         warming = EngineWorker(engine, policy, bounds, encoders=1)
         try:
             warm_up(warming, settings.max_input_tokens)

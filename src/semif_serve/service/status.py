@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from semif_serve.engine.batching import BatchStats, Bounds
+from semif_serve.engine.forward_shapes import Histogram
 from semif_serve.engine.state_cache import CacheStats
 from semif_serve.service.startup import Service
 
@@ -41,6 +42,9 @@ class StatusSnapshot:
     prefill_chunk_tokens: int | None
     batches: BatchStats
     cache: CacheStats
+    shapes: dict[str, Histogram] = field(
+        default_factory=dict
+    )  # each forward's rows, requests, sequences, padding
     cap_bytes: int | None = None  # the device's hard memory cap (None: none, the CPU)
     release_margin_bytes: int = 0  # reserved memory above baseline that triggers a release
 
@@ -71,6 +75,7 @@ def take_snapshot(service: Service, admission: QueueState | None) -> StatusSnaps
         prefill_chunk_tokens=service.engine.prefill_chunk_tokens,
         batches=service.worker.batcher.stats(),
         cache=service.engine.cache.stats(),
+        shapes=service.engine.groups.shapes.snapshot(),
         cap_bytes=policy.memory.cap_bytes(),
         release_margin_bytes=policy.margin_bytes,
     )

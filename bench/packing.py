@@ -1,0 +1,369 @@
+"""Many clients, many states (issue 50): the packed forward, and semif-serve beside vLLM.
+
+  uv run python bench/packing.py --only limit
+      In process, this CPU's limit for the work: one packed forward over 16 SemIf prompts of
+      ~150-token new states against the same 16 run one by one (packed forwards of one, and
+      transformers' own plain forward), in float32 and bfloat16.
+
+  uv run python bench/packing.py --only servers [--vllm /work/peers/vllm] [--rounds 3]
+      Real servers on the peers' checkpoint (hidden 256, 8 layers, linear head dim 64, the real
+      vocabulary): semif-serve at its defaults in bf16 and float32, and vLLM's CPU build in bf16
+      (its own venv, PEERS.md), each request a new ~150-token state and one 4-option question,
+      1 client and 16 clients sending the next request as soon as the answer arrives. vLLM gets
+      SemIf's own prompt ids, `allowed_token_ids` = the four codes and processed log-probabilities.
+      Rounds interleave the servers; the others are stopped (SIGSTOP) while one is measured.
+
+Results are printed and written to bench/results/packing-<part>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from harness.report import log, print_table, write_result
+from harness.server import ServiceProcess
+from harness.stats import percentile
+from harness.workloads import filler
+
+QUESTION = "Which team should handle this ticket?"
+OPTIONS = ("The billing team.", "The platform team.", "The security team.", "The support desk.")
+STATE_TOKENS = 150  # about: each state's words fitted once to this many prompt tokens
+CLIENTS = 16
+RESULTS = Path(__file__).parent / "results"
+
+
+def peers_checkpoint(directory: Path) -> Path:
+    """The peers' checkpoint (linear head dim 64: vLLM's CPU kernel takes 64 or 128)."""
+    from bench.peers import ensure_checkpoint
+
+    return ensure_checkpoint(directory)
+
+
+def codec_of(model: Path, dtype: str = "float32") -> Any:
+    from semif_serve.engine.loader import load_model
+    from semif_serve.service.settings import Settings
+    from semif_serve.service.startup import checkpoint_spec
+
+    spec = checkpoint_spec(Settings(model_path=model, model_revision="bench", device="cpu", dtype=dtype))
+    return load_model(spec)
+
+
+def state_words(codec: Any) -> int:
+    """Words of filler whose SemIf prompt is about STATE_TOKENS + the question's tokens."""
+    from semif_serve.domain.types import PromptRow
+
+    row = PromptRow(QUESTION, OPTIONS)
+    base = len(codec.encode_prompts("", [row], 1 << 20)[0].ids)
+    words = 10
+    while len(codec.encode_prompts(filler(words), [row], 1 << 20)[0].ids) - base < STATE_TOKENS:
+        words += 5
+    return words
+
+
+# -- this CPU's limit ---------------------------------------------------------------------------
+
+
+def limit(model: Path, repeats: int) -> dict[str, Any]:
+    """One packed forward over 16 prompts against 16 forwards, per dtype (median ms)."""
+    from semif_serve.domain.types import PromptRow
+
+    out: dict[str, Any] = {}
+    for dtype in ("float32", "bfloat16"):
+        loaded = codec_of(model, dtype)
+        codec = loaded.codec
+        words = state_words(codec)
+        prompts = [
+            codec.encode_prompts(filler(words, seed=900 + i), [PromptRow(QUESTION, OPTIONS)], 1 << 20)[0].ids
+            for i in range(CLIENTS)
+        ]
+
+        cells = forward_cells(loaded.model, prompts)
+        times: dict[str, list[float]] = {name: [] for name in cells}
+        for fn in cells.values():
+            fn()  # warm
+        for _ in range(repeats):
+            for name, fn in cells.items():  # interleaved: the machine is shared and noisy
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1000)
+        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        out[dtype] = {
+            "prompt_tokens": statistics.mean(len(p) for p in prompts),
+            "ms": medians,
+            "packed_gain_over_one_by_one": medians["16 packed forwards of 1"] / medians["packed 16"],
+            "packed_gain_over_plain": medians["16 plain forwards"] / medians["packed 16"],
+        }
+    rows = [
+        [
+            d,
+            f"{v['prompt_tokens']:.0f}",
+            *(f"{v['ms'][k]:.0f}" for k in v["ms"]),
+            f"{v['packed_gain_over_plain']:.2f}x",
+        ]
+        for d, v in out.items()
+    ]
+    print_table(["dtype", "tokens", "packed 16 (ms)", "16 x packed 1", "16 x plain", "gain"], rows, "limit")
+    return out
+
+
+def forward_cells(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """The three ways to run `prompts`: one packed forward, a packed forward each, a plain one each."""
+    import torch
+
+    from semif_serve.engine.packed import Segment, packed_forward
+
+    decoder = model.get_decoder()
+
+    def packed() -> None:
+        packed_forward(model, [Segment(tuple(p), read=True) for p in prompts])
+
+    def one_by_one() -> None:
+        for p in prompts:
+            packed_forward(model, [Segment(tuple(p), read=True)])
+
+    def plain() -> None:
+        with torch.inference_mode():
+            for p in prompts:
+                decoder(input_ids=torch.tensor([p]), use_cache=False)
+
+    return {"packed 16": packed, "16 packed forwards of 1": one_by_one, "16 plain forwards": plain}
+
+
+# -- servers --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Server:
+    name: str
+    url: str
+    pid: int
+    ask: Any  # (client, n) -> None
+
+
+class VllmProcess:
+    """vLLM's OpenAI server in its own venv (PEERS.md), its own process group."""
+
+    def __init__(self, root: Path, model: Path, port: int = 8061) -> None:
+        self.root, self.model, self.port = root, model, port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> VllmProcess:
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "HF_HUB_OFFLINE": "1",
+        }
+        args = [
+            str(self.root / ".venv/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--served-model-name", "ckpt", "--dtype", "bfloat16",
+            "--max-model-len", "4096", "--logprobs-mode", "processed_logprobs",
+            "--port", str(self.port), "--host", "127.0.0.1",
+        ]  # fmt: skip
+        self._log = open(self.root / "bench-server.log", "w")  # noqa: SIM115 - closed in __exit__
+        self.process = subprocess.Popen(
+            args, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited: see {self.root / 'bench-server.log'}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise RuntimeError("vLLM did not start within 600 s")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGCONT)
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def group_pids(pid: int) -> list[int]:
+    """`pid` and its descendants (vLLM runs an engine core and a worker beside its server)."""
+    out, todo = [pid], [pid]
+    while todo:
+        parent = todo.pop()
+        for child in Path("/proc").iterdir():
+            if child.name.isdigit():
+                try:
+                    stat = (child / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(stat[1]) == parent:
+                    out.append(int(child.name))
+                    todo.append(int(child.name))
+    return out
+
+
+def only(servers: list[Server], running: Server) -> None:
+    for server in servers:
+        for pid in group_pids(server.pid):
+            os.kill(pid, signal.SIGCONT if server is running else signal.SIGSTOP)
+
+
+def cell(server: Server, clients: int, seconds: float, counter: itertools.count) -> dict[str, float]:
+    """`clients` closed-loop clients for `seconds`; requests/s, p50 and p99 latency (ms)."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as c:
+            while time.monotonic() < stop:
+                n = next(counter)
+                t0 = time.perf_counter()
+                server.ask(c, n)
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {
+        "rps": len(latencies) / wall,
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+        "requests": len(latencies),
+    }
+
+
+def servers(model: Path, vllm_root: Path | None, rounds: int, seconds: float, work: Path) -> dict[str, Any]:
+    from semif_serve.domain.types import PromptRow
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    codec = codec_of(model).codec
+    words = state_words(codec)
+    row = PromptRow(QUESTION, OPTIONS)
+    codes = list(codec.slots[: len(OPTIONS)])
+
+    def state(n: int) -> str:
+        return filler(words, seed=10_000 + n)  # a new state every request
+
+    def semif_ask(url: str, token: str):
+        def ask(c: httpx.Client, n: int) -> None:
+            body = {"id": str(n), "state": state(n), "question": QUESTION,
+                    "options": [{"id": str(i), "description": d} for i, d in enumerate(OPTIONS)]}  # fmt: skip
+            r = c.post(f"{url}/decide", json=body, headers={"Authorization": f"Bearer {token}"})
+            r.raise_for_status()
+
+        return ask
+
+    def vllm_ask(url: str):
+        def ask(c: httpx.Client, n: int) -> None:
+            ids = codec.encode_prompts(state(n), [row], 1 << 20)[0].ids
+            body = {"model": "ckpt", "prompt": ids, "max_tokens": 1, "temperature": 0,
+                    "allowed_token_ids": codes, "logprobs": len(codes)}  # fmt: skip
+            r = c.post(f"{url}/v1/completions", json=body)
+            r.raise_for_status()
+            assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == len(codes)
+
+        return ask
+
+    counter = itertools.count()
+    out: dict[str, Any] = {"state_words": words, "cells": {}}
+    with (
+        ServiceProcess(
+            model, DEMO_REVISION, {"device": "cpu", "dtype": "bfloat16"}, work / "semif-bf16"
+        ) as bf16,
+        ServiceProcess(
+            model, DEMO_REVISION, {"device": "cpu", "dtype": "float32"}, work / "semif-f32"
+        ) as f32,
+    ):
+        running = [
+            Server("semif-serve bf16", bf16.url, bf16.pid, semif_ask(bf16.url, bf16.token)),
+            Server("semif-serve float32", f32.url, f32.pid, semif_ask(f32.url, f32.token)),
+        ]
+        vllm = VllmProcess(vllm_root, model) if vllm_root is not None else None
+        if vllm is not None:
+            log("packing: starting vLLM (3-4 minutes) ...")
+            vllm.__enter__()
+            running.append(Server("vLLM bf16", vllm.url, vllm.pid, vllm_ask(vllm.url)))
+        try:
+            for server in running:  # warm each (its first forwards compile or allocate)
+                only(running, server)
+                cell(server, CLIENTS, 2.0, counter)
+            for r in range(rounds):
+                for clients in (1, CLIENTS):
+                    for server in running:
+                        only(running, server)
+                        got = cell(server, clients, seconds, counter)
+                        out["cells"].setdefault(f"{server.name} @{clients}", []).append(got)
+                        rps = got["rps"]
+                        log(f"packing: round {r + 1}: {server.name}, {clients} clients: {rps:.2f} req/s")
+        finally:
+            for server in running:
+                for pid in group_pids(server.pid):
+                    os.kill(pid, signal.SIGCONT)
+            if vllm is not None:
+                vllm.__exit__()
+    medians: dict[str, dict[str, float]] = {}
+    for name, cells in out["cells"].items():
+        medians[name] = {k: statistics.median(c[k] for c in cells) for k in ("rps", "p50_ms", "p99_ms")}
+    out["medians"] = medians
+    print_servers(medians)
+    return out
+
+
+def print_servers(medians: dict[str, dict[str, float]]) -> None:
+    rows = []
+    for server in sorted({name.rsplit(" @", 1)[0] for name in medians}):
+        one, many = medians.get(f"{server} @1"), medians.get(f"{server} @{CLIENTS}")
+        if one and many:
+            gain = many["rps"] / one["rps"]
+            latency = [f"{c['p50_ms']:.0f}/{c['p99_ms']:.0f}" for c in (one, many)]
+            rows.append([server, f"{one['rps']:.2f}", f"{many['rps']:.2f}", f"{gain:.2f}x", *latency])
+    headers = ["server", "1 client req/s", f"{CLIENTS} clients req/s", "gain", "p50/p99 @1 ms", f"@{CLIENTS}"]
+    print_table(headers, rows, "servers (median of rounds)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["limit", "servers"], required=True)
+    parser.add_argument("--model", type=Path, default=Path("/tmp/semif-bench/peers-model"))
+    parser.add_argument(
+        "--vllm", type=Path, default=None, help="vLLM's venv root (PEERS.md); none: without it"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    model = peers_checkpoint(args.model)
+    if args.only == "limit":
+        result = limit(model, args.repeats)
+    else:
+        result = servers(model, args.vllm, args.rounds, args.seconds, Path("/tmp/semif-bench/packing"))
+    write_result(RESULTS / f"packing-{args.only}.json", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""One forward over many sequences packed end to end: rows of different requests over different
+states, without padding (docs/packing.md).
+
+A forward is a list of `Segment`s. A segment is a run of tokens that continues a state: nothing
+(a new sequence from position 0), a stored state (`StoredState`, from the state cache), or an
+earlier segment of the same forward (a new state's tokens, then each of its rows). Its tokens
+sit end to end with every other segment's in one `[tokens, hidden]` tensor, laid out by model,
+so the token-wise work (embeddings, norms, every projection, the MLP, the batched LoRA) runs
+once over all of them as one matrix; only the sequence mixers run per segment, each told where
+its segment starts and what it continues:
+
+- a linear-attention layer (Qwen3.5's gated delta rule) runs its causal convolution over the
+  segment's inputs after the last `kernel` inputs of what it continues, and its chunked scan from
+  that state's recurrent state (flash-linear-attention's `cu_seqlens` and `initial_state`, as a
+  loop over the segments);
+- a full-attention layer attends from the segment's queries to the keys and values of
+  everything it continues and its own, causally (a block-diagonal causal mask, per segment).
+
+Each segment's state at its end is kept where asked (`keep`): a `DynamicCache` over exactly its
+chain's tokens, never a neighbour's or padding, ready for `StateCache.put`; its last position's
+hidden state is returned where asked (`read`). Every row equals its sequence run alone within
+float32 rounding (tests/engine/test_packed.py compares with a plain forward of the whole row).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from semif_serve.engine.adapters import BASE, AdapterBank
+from semif_serve.engine.forwards import RowImages
+from semif_serve.engine.linear_attention_cpu import accelerated_kernels
+from semif_serve.engine.state_cache import StoredState
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens one forward computes after what they continue: `parent` (an earlier segment of
+    the same forward, by its index), else `start` (a stored state), else nothing. `keep`: return
+    the state at its end; `read`: return its last position's hidden state. `images` gives the
+    embeddings and 3-D positions where the chain holds image tokens (negative ids)."""
+
+    ids: tuple[int, ...]
+    parent: int | None = None
+    start: StoredState | None = None
+    model: int = BASE
+    keep: bool = False
+    read: bool = False
+    images: RowImages | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.ids:
+            raise ValueError("a segment needs at least one token")
+        if self.parent is not None and self.start is not None:
+            raise ValueError("a segment continues an earlier segment or a stored state, not both")
+
+
+@dataclass
+class Packed:
+    """What a packed forward returns: each read segment's last hidden state (after the final
+    norm, the decoder's dtype) and each kept segment's cache, by segment index."""
+
+    hidden: dict[int, Any]
+    caches: dict[int, Any]
+    tokens: int
+
+
+def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBank | None = None) -> Packed:
+    """Run every segment in one forward of `model`'s decoder (see the module docstring); a
+    parent must come before its children. Rows of adapters read their own (`adapters.rows`)."""
+    import torch
+
+    _check(segments)
+    decoder = model.get_decoder()
+    layout = sorted(range(len(segments)), key=lambda i: segments[i].model)  # each model's tokens contiguous
+    spans: dict[int, tuple[int, int]] = {}
+    at = 0
+    for i in layout:
+        spans[i] = (at, at + len(segments[i].ids))
+        at += len(segments[i].ids)
+    chains = _chains(segments)
+    with torch.inference_mode():
+        hidden = _inputs(model, segments, layout, chains, at)
+        positions = _positions(segments, layout, chains, hidden.device)
+        cos, sin = decoder.rotary_emb(hidden[None], positions[:, None, :])
+        token_models = [segments[i].model for i in layout for _ in segments[i].ids]
+        mixers = _Mixers(decoder, segments, spans, cos, sin)
+        selection = adapters.rows(token_models) if adapters is not None else _nothing()
+        with selection, accelerated_kernels(decoder) as kernels:
+            mixers.kernels = kernels
+            for index, layer in enumerate(decoder.layers):
+                mixed = layer.input_layernorm(hidden)
+                if layer.block_type == "linear_attention":
+                    mixed = mixers.linear(index, layer.linear_attn, mixed)
+                else:
+                    mixed = mixers.attention(index, layer.self_attn, mixed)
+                hidden = hidden + mixed
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        reads = {i: spans[i][1] - 1 for i, s in enumerate(segments) if s.read}
+        last = decoder.norm(hidden[list(reads.values())]) if reads else None
+        hidden_reads = {i: last[n] for n, i in enumerate(reads)} if last is not None else {}
+        caches = {i: mixers.cache(i) for i, s in enumerate(segments) if s.keep}
+    return Packed(hidden_reads, caches, at)
+
+
+def _check(segments: Sequence[Segment]) -> None:
+    if not segments:
+        raise ValueError("a packed forward needs at least one segment")
+    for i, segment in enumerate(segments):
+        if segment.parent is not None and not 0 <= segment.parent < i:
+            raise ValueError(f"segment {i} continues segment {segment.parent}, which does not come before it")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _chains(segments: Sequence[Segment]) -> list[tuple[int, ...]]:
+    """Each segment's whole sequence: what it continues, then its own ids."""
+    chains: list[tuple[int, ...]] = []
+    for segment in segments:
+        if segment.parent is not None:
+            before = chains[segment.parent]
+        elif segment.start is not None:
+            before = segment.start.ids
+        else:
+            before = ()
+        chains.append((*before, *segment.ids))
+    return chains
+
+
+def _inputs(
+    model: Any, segments: Sequence[Segment], layout: list[int], chains: list[tuple[int, ...]], n: int
+) -> Any:
+    """The input embeddings `[n, hidden]` of every segment's tokens, in the packed layout."""
+    import torch
+
+    embed = model.get_input_embeddings()
+    device = embed.weight.device
+    if not any(t < 0 for s in segments for t in s.ids):
+        ids = torch.tensor([t for i in layout for t in segments[i].ids], device=device)
+        return embed(ids)
+    rows = []
+    for i in layout:
+        segment, chain = segments[i], chains[i]
+        offset = len(chain) - len(segment.ids)
+        if segment.images is not None and any(t < 0 for t in segment.ids):
+            rows.append(segment.images.embeddings(embed, list(chain), offset, len(chain)))
+        else:
+            rows.append(embed(torch.tensor(list(segment.ids), device=device)))
+    return torch.cat(rows)
+
+
+def _positions(
+    segments: Sequence[Segment], layout: list[int], chains: list[tuple[int, ...]], device: Any
+) -> Any:
+    """The 3-D rotary positions `[3, n]` of every segment's tokens: after its chain's own (the
+    model's image positions where the chain shows an image, else the token's index)."""
+    import torch
+
+    parts = []
+    for i in layout:
+        segment, chain = segments[i], chains[i]
+        offset = len(chain) - len(segment.ids)
+        if segment.images is not None and any(t < 0 for t in chain):
+            parts.append(segment.images.positions(list(chain))[:, offset:].to(torch.long))
+        else:
+            parts.append(torch.arange(offset, len(chain), dtype=torch.long).expand(3, -1))
+    return torch.cat(parts, dim=1).to(device)
+
+
+SCAN_CHUNK = 64  # the gated delta rule's chunk: segments of as many chunks share one scan
+
+
+def _batches(segments: Sequence[Segment]) -> list[list[int]]:
+    """The segments in the order the linear-attention layers run them: by depth (a parent's
+    batch before its children's), then batched by their count of scan chunks, so that right
+    padding never adds a chunk to a segment."""
+    depth: list[int] = []
+    for segment in segments:
+        depth.append(depth[segment.parent] + 1 if segment.parent is not None else 0)
+    keyed: dict[tuple[int, int], list[int]] = {}
+    for i, segment in enumerate(segments):
+        keyed.setdefault((depth[i], -(-len(segment.ids) // SCAN_CHUNK)), []).append(i)
+    return [keyed[key] for key in sorted(keyed)]
+
+
+class _Mixers:
+    """The per-segment sequence mixers of one packed forward, and each segment's state at its end
+    per layer (what its children and its kept cache continue)."""
+
+    def __init__(
+        self, decoder: Any, segments: Sequence[Segment], spans: dict[int, tuple[int, int]], cos: Any, sin: Any
+    ) -> None:
+        self.decoder, self.segments, self.spans, self.cos, self.sin = decoder, segments, spans, cos, sin
+        self.modeling = sys.modules[type(decoder).__module__]
+        self.kernels: Any = None
+        # Per segment, per layer: (keys, values) over its whole chain, or (conv inputs, recurrent state).
+        self.ends: list[dict[int, tuple[Any, Any]]] = [{} for _ in segments]
+        self.batches = _batches(segments)
+
+    def _before(self, i: int, layer: int) -> tuple[Any, Any] | None:
+        """What segment i continues at `layer`: its parent's end, its stored state's, or None."""
+        segment = self.segments[i]
+        if segment.parent is not None:
+            return self.ends[segment.parent][layer]
+        if segment.start is not None:
+            return segment.start.layer_state(layer)
+        return None
+
+    def linear(self, layer: int, mixer: Any, hidden: Any) -> Any:
+        """A gated delta-rule layer over every segment: the projections once, then the convolution
+        and the chunked scan over batches of segments (`_batches`), each segment right-padded to
+        its batch's longest with tokens that leave the state as it was (no decay, no write)."""
+        import torch
+        import torch.nn.functional as F
+
+        n = hidden.shape[0]
+        qkv = mixer.in_proj_qkv(hidden)  # [n, conv_dim]
+        z = mixer.in_proj_z(hidden)
+        beta = mixer.in_proj_b(hidden).sigmoid()
+        g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(hidden).float() + mixer.dt_bias)
+        core = torch.empty(n, mixer.num_v_heads, mixer.head_v_dim, dtype=hidden.dtype, device=hidden.device)
+        for batch in self.batches:
+            self._linear_batch(layer, mixer, batch, (qkv, beta, g), core)
+        normed = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+        return mixer.out_proj(normed.reshape(n, -1))
+
+    def _linear_batch(
+        self, layer: int, mixer: Any, batch: list[int], projected: tuple[Any, Any, Any], core: Any
+    ) -> None:
+        """The convolution and scan of one batch of segments (no one the parent of another)."""
+        import torch
+
+        qkv, beta, g = projected
+        kernel = mixer.conv_kernel_size
+        lengths = [self.spans[i][1] - self.spans[i][0] for i in batch]
+        width = max(lengths)
+        if width > SCAN_CHUNK:  # whole chunks: one pass of the scan, no shorter last chunk
+            width = -(-width // SCAN_CHUNK) * SCAN_CHUNK
+        rows = len(batch)
+        # Token-major `[rows, kernel + width, conv_dim]`: `kernel` inputs of what each continues first.
+        inputs = qkv.new_zeros(rows, kernel + width, qkv.shape[-1])
+        gates = g.new_zeros(rows, width, g.shape[-1])  # padding: no decay ...
+        betas = beta.new_zeros(rows, width, beta.shape[-1])  # ... and no write
+        states = []
+        for r, i in enumerate(batch):
+            lo, hi = self.spans[i]
+            before = self._before(i, layer)
+            if before is not None:
+                inputs[r, :kernel] = before[0][0].t()
+            inputs[r, kernel : kernel + hi - lo] = qkv[lo:hi]
+            gates[r, : hi - lo] = g[lo:hi]
+            betas[r, : hi - lo] = beta[lo:hi]
+            states.append(before[1] if before is not None else None)
+        chunk_rule, conv_fn = self.kernels
+        conv = conv_fn(
+            inputs.transpose(1, 2),
+            mixer.conv1d.weight.squeeze(1),
+            mixer.conv1d.bias,
+            activation=mixer.activation,
+        )
+        mixed = conv.transpose(1, 2)[:, kernel:]  # [rows, width, conv_dim]
+        query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        query = query.reshape(rows, width, -1, mixer.head_k_dim)
+        key = key.reshape(rows, width, -1, mixer.head_k_dim)
+        value = value.reshape(rows, width, -1, mixer.head_v_dim)
+        repeat = mixer.num_v_heads // mixer.num_k_heads
+        if repeat > 1:
+            query = query.repeat_interleave(repeat, dim=2)
+            key = key.repeat_interleave(repeat, dim=2)
+        initial = None
+        if any(s is not None for s in states):
+            shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+            initial = torch.stack([s[0] if s is not None else g.new_zeros(shape) for s in states])
+        out, final = chunk_rule(
+            query,
+            key,
+            value,
+            g=gates,
+            beta=betas,
+            initial_state=initial,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        for r, i in enumerate(batch):
+            lo, hi = self.spans[i]
+            core[lo:hi] = out[r, : hi - lo]
+            window = inputs[r : r + 1, hi - lo : kernel + hi - lo].transpose(1, 2)  # the last `kernel` inputs
+            self.ends[i][layer] = (window, final[r : r + 1])
+
+    def attention(self, layer: int, attn: Any, hidden: Any) -> Any:
+        """A full-attention layer: projections once, each segment's queries over its chain's keys."""
+        import torch
+
+        n = hidden.shape[0]
+        head_dim = attn.head_dim
+        query, gate = torch.chunk(attn.q_proj(hidden).view(n, -1, head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(n, -1)
+        query = attn.q_norm(query).transpose(0, 1)[None]  # [1, heads, n, head_dim]
+        key = attn.k_norm(attn.k_proj(hidden).view(n, -1, head_dim)).transpose(0, 1)[None]
+        value = attn.v_proj(hidden).view(n, -1, head_dim).transpose(0, 1)[None]
+        query, key = self.modeling.apply_rotary_pos_emb(query, key, self.cos, self.sin)
+        out = torch.empty_like(query)
+        groups = attn.num_key_value_groups
+        for i in range(len(self.segments)):
+            lo, hi = self.spans[i]
+            before = self._before(i, layer)
+            keys, values = key[:, :, lo:hi], value[:, :, lo:hi]
+            if before is not None:
+                keys = torch.cat([before[0].to(keys.dtype), keys], dim=2)
+                values = torch.cat([before[1].to(values.dtype), values], dim=2)
+            self.ends[i][layer] = (keys, values)
+            past = keys.shape[2] - (hi - lo)
+            allowed = torch.ones(hi - lo, keys.shape[2], dtype=torch.bool, device=keys.device).tril(past)
+            out[:, :, lo:hi] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, lo:hi],
+                keys.repeat_interleave(groups, dim=1),
+                values.repeat_interleave(groups, dim=1),
+                attn_mask=allowed,
+                scale=attn.scaling,
+            )
+        attended = out[0].transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate)
+        return attn.o_proj(attended)
+
+    def cache(self, i: int) -> Any:
+        """Segment i's state at its end as a one-row `DynamicCache` (ready for `StateCache.put`)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.decoder.config)
+        for layer, (first, second) in sorted(self.ends[i].items()):
+            cached: Any = cache.layers[layer]
+            if self.decoder.layers[layer].block_type == "linear_attention":
+                cached.update_conv_state(first.clone(), conv_kernel_size=first.shape[-1])
+                cached.update_recurrent_state(second)
+            else:
+                cached.update(first, second)
+        return cache

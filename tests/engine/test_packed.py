@@ -1,0 +1,185 @@
+"""The packed forward against independent computations: transformers' own classes loaded fresh
+from the same checkpoint (their reference kernels, not the engine's), one plain forward of each
+whole sequence alone, and PEFT's own LoRA forward for an adapter's rows.
+
+Every row packed beside others, whatever it continues (nothing, a stored state, a new state
+computed in the same forward), equals its sequence alone within 1e-5 in float32; the state kept
+at a segment's end equals transformers' own prefill of exactly its tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from semif_serve.domain.requests import RowsRequest
+from semif_serve.domain.types import PromptRow
+from semif_serve.engine.batching import Group
+from semif_serve.engine.forwards import head_logits
+from semif_serve.engine.packed import Segment, packed_forward
+from semif_serve.engine.runner import _whole
+from semif_serve.engine.state_cache import StoredState
+from tests.support.peft_oracle import fresh_base, peft_last, peft_model
+
+pytestmark = pytest.mark.engine
+TOLERANCE = 1e-5
+COLUMNS = list(range(1000, 1032))  # the token ids compared (any ids: the head's rows for them)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return fresh_base(checkpoint)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200, 140_000) for _ in range(n)]
+
+
+def alone(reference, sequence) -> torch.Tensor:
+    """The logits at COLUMNS after `sequence`, by one plain forward of it alone."""
+    with torch.no_grad():
+        return reference(input_ids=torch.tensor([list(sequence)])).logits[0, -1, COLUMNS]
+
+
+def packed_logits(engine, packed, segment: int, model: int = -1) -> torch.Tensor:
+    with torch.inference_mode(), engine.adapters.rows([model]):
+        return head_logits(engine.model, packed.hidden[segment][None], COLUMNS)[0]
+
+
+def stored(reference, sequence) -> StoredState:
+    """transformers' own one-row cache after `sequence`."""
+    with torch.no_grad():
+        out = reference(input_ids=torch.tensor([list(sequence)]), use_cache=True)
+    return StoredState(sequence, out.past_key_values)
+
+
+@pytest.mark.parametrize(
+    "lengths", [(20, 21, 22), (20, 300, 1100), (4000, 20)], ids=["short", "mixed", "long"]
+)
+def test_new_sequences_packed_together_each_equal_their_plain_forward(engine, reference, lengths):
+    sequences = [ids(n, seed) for seed, n in enumerate(lengths)]
+    packed = packed_forward(engine.model, [Segment(tuple(s), read=True) for s in sequences])
+    assert packed.tokens == sum(lengths)  # nothing padded
+    for i, sequence in enumerate(sequences):
+        got = packed_logits(engine, packed, i)
+        assert torch.allclose(got, alone(reference, sequence), atol=TOLERANCE, rtol=0), i
+
+
+def test_rows_over_a_new_state_a_stored_state_and_nothing_share_one_forward_and_each_equals_alone(
+    engine, reference
+):
+    new_state, old_state = ids(150, 1), ids(90, 2)
+    rows = [ids(n, 10 + n) for n in (1, 7, 33)]
+    cached = stored(reference, old_state)
+    segments = [Segment(tuple(new_state), keep=True)]
+    segments += [Segment(tuple(r), parent=0, read=True) for r in rows]
+    segments += [Segment(tuple(r), start=cached, read=True) for r in rows]
+    segments += [Segment(tuple(ids(40, 3)), read=True)]
+    packed = packed_forward(engine.model, segments)
+    for n, row in enumerate(rows):
+        assert torch.allclose(
+            packed_logits(engine, packed, 1 + n), alone(reference, new_state + row), atol=TOLERANCE
+        )
+        assert torch.allclose(
+            packed_logits(engine, packed, 4 + n), alone(reference, old_state + row), atol=TOLERANCE
+        )
+    assert torch.allclose(packed_logits(engine, packed, 7), alone(reference, segments[7].ids), atol=TOLERANCE)
+
+
+def test_the_state_kept_at_a_segments_end_is_its_own_not_its_neighbours(engine, reference):
+    state, neighbour = ids(130, 4), ids(300, 5)
+    packed = packed_forward(
+        engine.model,
+        [
+            Segment(tuple(neighbour), read=True),
+            Segment(tuple(state), keep=True),
+            Segment(tuple(ids(3, 6)), parent=1),
+        ],
+    )
+    kept = StoredState(state, packed.caches[1])
+    own = stored(reference, state)
+    assert len(kept.tensors()) == len(own.tensors())
+    for layer in range(len(engine.model.get_decoder().layers)):
+        for got, want in zip(kept.layer_state(layer), own.layer_state(layer), strict=True):
+            assert got.shape == want.shape
+            assert torch.allclose(got.float(), want.float(), atol=TOLERANCE), layer
+    follow = ids(12, 7)
+    again = packed_forward(engine.model, [Segment(tuple(follow), start=kept, read=True)])
+    assert torch.allclose(packed_logits(engine, again, 0), alone(reference, state + follow), atol=TOLERANCE)
+
+
+def test_a_segment_must_come_after_the_one_it_continues(engine):
+    with pytest.raises(ValueError, match="does not come before"):
+        packed_forward(engine.model, [Segment((5, 6), parent=1), Segment((7,))])
+
+
+def test_adapter_rows_and_base_rows_in_one_packed_forward_equal_peft_and_the_base(
+    engine, reference, checkpoint, tmp_path
+):
+    from semif_serve.engine.adapters import BASE, AdapterBank
+    from tests.engine.test_adapters import write_adapter
+
+    directory = write_adapter(
+        checkpoint,
+        tmp_path / "lora",
+        7,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "in_proj_qkv", "up_proj", "out_proj"],
+    )
+    bank = AdapterBank(engine.model)
+    try:
+        adapter = bank.add("lora", directory)
+        state, rows = ids(120, 8), [ids(5, 9), ids(17, 10)]
+        segments = [
+            Segment(tuple(state), model=adapter, keep=True),
+            Segment(tuple(rows[0]), parent=0, model=adapter, read=True),
+            Segment(tuple(state + rows[1]), model=BASE, read=True),
+            Segment(tuple(rows[1]), parent=0, model=adapter, read=True),
+        ]
+        packed = packed_forward(engine.model, segments, bank)
+        with torch.inference_mode(), bank.rows([adapter, BASE, adapter]):
+            got = head_logits(engine.model, torch.stack([packed.hidden[i] for i in (1, 2, 3)]), COLUMNS)
+    finally:
+        bank.close()
+    lora = peft_model(checkpoint, directory)
+    for at, row in ((0, rows[0]), (2, rows[1])):
+        want = peft_last(lora, state + row)[0][COLUMNS]
+        assert torch.allclose(got[at], want, atol=TOLERANCE)
+    assert torch.allclose(got[1], alone(reference, state + rows[1]), atol=TOLERANCE)
+
+
+def test_one_engine_turn_answers_rows_of_requests_over_different_states_as_plain_forwards(engine, reference):
+    """Sixteen requests, each its own new state and several orderings, in one `run_groups` call:
+    one packed forward, every row equal to a plain forward of its whole prompt."""
+    rows = [
+        PromptRow("Is it resolved?", ("Yes.", "No.", "Unclear.")),
+        PromptRow("Is it resolved?", ("No.", "Unclear.", "Yes.")),
+    ]
+    prepared = [
+        engine.prepare(
+            RowsRequest.of(
+                f"Ticket {n}: " + "the refund was issued twice. " * (n + 1),
+                rows,
+                shared=True,
+                max_input_tokens=4096,
+            )
+        )
+        for n in range(16)
+    ]
+    groups = []
+    for n, p in enumerate(prepared):
+        job = p.job(("turn", n))
+        groups.append(Group(job.prefix_key, job.prefix_tokens, (_whole(job),)))
+    before = engine.groups.shapes.snapshot()["requests"].observations
+    outcomes = engine.run_groups(groups)
+    assert engine.groups.shapes.snapshot()["requests"].observations == before + 1  # one forward
+    slots = engine.codec.slots
+    for n, (p, outcome) in enumerate(zip(prepared, outcomes, strict=True)):
+        for prompt, row in zip(p.prompts, outcome[("turn", n)], strict=True):
+            with torch.no_grad():
+                want = reference(input_ids=torch.tensor([prompt.ids])).logits[0, -1, slots[:3]]
+            assert row.run.forward_requests == 16 and row.run.packed
+            assert torch.allclose(torch.tensor(row.option_logits), want, atol=TOLERANCE), n

@@ -1,0 +1,164 @@
+"""Many clients, many states: requests over different states share one forward whatever their
+states, for every kind of served model (tests/support/served_models.py), through the real app.
+
+Sixteen System One requests at the default orderings (a 4-option choice: several rows each), each
+about a new state of its own, queued while the engine is busy, run in at most 4 forwards (counted
+in /metrics), and each answer equals the same request asked alone; /metrics' per-forward
+histograms say what the forwards carried."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from semif_serve.app import create_app
+from tests.support import TOKEN
+from tests.support.served_models import BASE, SERVED, SERVED_IDS, Served, serving, systemone_body
+
+pytestmark = pytest.mark.service
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CHOICE = {
+    "type": "choice",
+    "instructions": "Which team handles it?",
+    "criteria": {"billing": "Billing problems.", "platform": None, "security": None, "support": None},
+}
+LEV = next(s for s in SERVED if s.id == "lev-release")
+
+
+@pytest.fixture(scope="module")
+def shared(engine, checkpoint, served_models):
+    with serving(engine, checkpoint, served_models) as service:
+        yield service
+
+
+def body(served: Served, i: int) -> dict:
+    state = f"Ticket {i}: the customer in region {i * 7} was charged twice for plan {i % 5}."
+    return systemone_body(served, state, {"team": CHOICE})
+
+
+def metric(metrics: str, name: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def answers(reply: httpx.Response) -> dict[str, float]:
+    """Each option's probability in the reply."""
+    return reply.json()["answers"]["team"]["probabilities"]
+
+
+def together_then_alone(service, bodies: list[dict]):
+    """`bodies` queued while the engine is busy, then freed at once; then each alone."""
+    app = create_app(service)
+    gate = threading.Event()
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client:
+            before = (await client.get("/metrics")).text
+            busy = asyncio.ensure_future(service.worker.run(lambda: gate.wait(60)))
+            asks = [asyncio.ensure_future(client.post("/v1/systemone", json=b, headers=AUTH)) for b in bodies]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 50
+            while service.worker.pending < len(bodies) + 1 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            queued = service.worker.pending - 1
+            gate.set()
+            await busy
+            together = await asyncio.gather(*asks)
+            after = (await client.get("/metrics")).text
+            alone = [await client.post("/v1/systemone", json=b, headers=AUTH) for b in bodies]
+            return queued, before, after, together, alone
+
+    return asyncio.run(main())
+
+
+def assert_answered_as_alone(together, alone) -> None:
+    assert all(r.status_code == 200 for r in together + alone), [
+        r.text for r in together if r.status_code != 200
+    ]
+    for a, b in zip(together, alone, strict=True):
+        got, want = answers(a), answers(b)
+        assert got.keys() == want.keys()
+        assert max(abs(got[k] - want[k]) for k in got) < 1e-5
+
+
+@pytest.mark.parametrize("served", SERVED, ids=SERVED_IDS)
+def test_sixteen_requests_over_sixteen_new_states_run_in_at_most_four_forwards_and_answer_as_alone(
+    shared, served
+):
+    queued, before, after, together, alone = together_then_alone(shared, [body(served, i) for i in range(16)])
+    assert queued == 16
+    assert_answered_as_alone(together, alone)
+    forwards = metric(after, "semif_forwards_total") - metric(before, "semif_forwards_total")
+    assert 1 <= forwards <= 4
+    carried = metric(after, "semif_per_forward_requests_sum") - metric(
+        before, "semif_per_forward_requests_sum"
+    )
+    assert carried >= 16  # every request counted in the forwards that carried it
+    assert metric(after, "semif_per_forward_padding_share_sum") == metric(
+        before, "semif_per_forward_padding_share_sum"
+    )
+
+
+def test_eight_lev_and_eight_base_requests_over_new_states_share_at_most_four_forwards(shared):
+    bodies = [body(LEV if i % 2 else BASE, i) for i in range(16)]
+    queued, before, after, together, alone = together_then_alone(shared, bodies)
+    assert queued == 16
+    assert_answered_as_alone(together, alone)
+    assert 1 <= metric(after, "semif_forwards_total") - metric(before, "semif_forwards_total") <= 4
+    merged = [r.json()["x_timing"]["merged_requests"] for r in together]
+    assert max(merged) > 8  # the reply says how many requests its forward carried, whatever their states
+
+
+def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then_runs_in_its_own(shared):
+    """Eight heavy requests (many rows over long new states) queued at once, more than one forward's
+    budget; a one-row request sent once the first forward is running is answered by the next one."""
+    service = shared
+    app = create_app(service)
+    gate = threading.Event()
+    started = threading.Event()
+    real = service.worker.engine.run_groups
+    long_state = "The zones recovered after the release, then the errors stopped. " * 60
+
+    def heavy(i: int) -> dict:
+        questions = {f"q{k}": {**CHOICE, "instructions": f"Which team handles part {k}?"} for k in range(16)}
+        return systemone_body(BASE, f"Flood {i}. " + long_state, questions)
+
+    def watched(groups):
+        started.set()
+        return real(groups)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client:
+            busy = asyncio.ensure_future(service.worker.run(lambda: gate.wait(60)))
+            flood = [
+                asyncio.ensure_future(client.post("/v1/systemone", json=heavy(i), headers=AUTH))
+                for i in range(8)
+            ]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 50
+            while service.worker.pending < 9 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            service.worker.engine.run_groups = watched
+            gate.set()
+            await busy
+            while not started.is_set() and loop.time() < deadline:
+                await asyncio.sleep(0.001)
+            before = service.worker.batcher.stats().forwards
+            tiny = await client.post("/v1/systemone", json=body(BASE, 99), headers=AUTH)
+            waited = service.worker.batcher.stats().forwards - before
+            replies = await asyncio.gather(*flood)
+            left = service.worker.batcher.stats().forwards - before
+            return tiny, waited, replies, left
+
+    try:
+        tiny, waited, replies, left = asyncio.run(main())
+    finally:
+        service.worker.engine.run_groups = real
+    assert tiny.status_code == 200 and all(r.status_code == 200 for r in replies)
+    assert left > waited  # the flood had forwards left when the small request was answered
+    assert waited <= 2  # the forward running when it came, then its own
