@@ -13,7 +13,7 @@
       SemIf's own prompt ids, `allowed_token_ids` = the four codes and processed log-probabilities.
       Rounds interleave the servers; the others are stopped (SIGSTOP) while one is measured.
 
-Results are printed and written to bench/results/packing-<part>.json.
+Results are printed (and written as JSON with `--out FILE`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ QUESTION = "Which team should handle this ticket?"
 OPTIONS = ("The billing team.", "The platform team.", "The security team.", "The support desk.")
 STATE_TOKENS = 150  # about: each state's words fitted once to this many prompt tokens
 CLIENTS = 16
-RESULTS = Path(__file__).parent / "results"
 
 
 def peers_checkpoint(directory: Path) -> Path:
@@ -356,13 +355,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
     args = parser.parse_args()
     model = peers_checkpoint(args.model)
     if args.only == "limit":
         result = limit(model, args.repeats)
     else:
         result = servers(model, args.vllm, args.rounds, args.seconds, Path("/tmp/semif-bench/packing"))
-    write_result(RESULTS / f"packing-{args.only}.json", result)
+    if args.out is not None:
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -348,3 +348,59 @@ def test_a_jobs_wait_is_the_time_it_queued_behind_the_group_running_and_the_drai
     (first, second), drained = asyncio.run(asyncio.wait_for(go(), 60))
     assert (first, second) == (["first"], ["second"]) and drained
     assert first_wait.seconds < second_wait.seconds and second_wait.seconds >= 0.04  # it queued ~50 ms
+
+
+# -- packing a turn: the groups of different states in one call, within the token budget ----
+
+
+def test_a_turn_packs_the_groups_of_different_states_into_one_call_within_the_token_budget():
+    calls: list[list[list[tuple]]] = []
+    release = threading.Event()
+
+    def run_groups(groups):
+        if groups[0].job_ids == ("gate",):
+            release.wait(HANG_GUARD_S)
+        calls.append(shape(list(groups)))
+        return [{p.job.id: [p.job.id] * (p.stop - p.start) for p in g.parts} for g in groups]
+
+    async def main():
+        # Each job costs its rows' tokens (10 a row): three fit a budget of 35, the fourth waits.
+        batcher = Batcher(None, Bounds(max_forward_tokens=35), run_groups=run_groups)
+        gate = asyncio.create_task(batcher.submit(job("gate")))
+        await settle()
+        tasks = [asyncio.create_task(batcher.submit(job(n, f"state {n}", 0, (10,)))) for n in "abcd"]
+        await settle()
+        release.set()
+        await asyncio.gather(gate, *tasks)
+        await batcher.close()
+        return batcher.stats()
+
+    stats = run(main())
+    assert calls[1:] == [
+        [[("a", 0, 1)], [("b", 0, 1)], [("c", 0, 1)]],  # arrival order, one call
+        [[("d", 0, 1)]],
+    ]
+    assert stats.forwards == 3 and stats.merged_forwards == 1
+
+
+def test_a_group_past_the_budget_gives_the_parts_that_fit_and_its_first_part_always_runs():
+    calls: list[list[list[tuple]]] = []
+
+    def run_groups(groups):
+        calls.append(shape(list(groups)))
+        return [{p.job.id: [0] * (p.stop - p.start) for p in g.parts} for g in groups]
+
+    async def main():
+        batcher = Batcher(None, Bounds(max_forward_tokens=25), run_groups=run_groups)
+        big = asyncio.create_task(batcher.submit(job("big", rows=(40,))))  # alone: past the budget
+        await settle()
+        await big
+        # Lone rows without a state plan into one group; the turn takes as many as fit.
+        many = [asyncio.create_task(batcher.submit(job(n, rows=(10,)))) for n in "xyz"]
+        await asyncio.gather(*many)
+        await batcher.close()
+
+    run(main())
+    assert calls[0] == [[("big", 0, 1)]]
+    assert [len(call[0]) for call in calls[1:]] in ([1, 2], [2, 1], [1, 1, 1])  # never past 25 tokens
+    assert sorted(p[0] for call in calls[1:] for g in call for p in g) == ["x", "y", "z"]

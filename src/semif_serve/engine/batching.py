@@ -167,6 +167,11 @@ def _slices(job: Job[P], bounds: Bounds) -> list[Group[P]]:
     return groups
 
 
+def _rest(group: Group[P], head: Group[P]) -> Group[P]:
+    """`group` without the leading parts `head` took."""
+    return Group(group.prefix_key, group.prefix_tokens, group.parts[len(head.parts) :])
+
+
 class Unfinished:
     """What `run_group` returns when it did one slice of a group's work: run it again later.
     `done` holds the results of the jobs it finished meanwhile: they are delivered now and left
@@ -338,23 +343,55 @@ class Batcher(Generic[P, R]):
 
     def _turn(self, rounds: deque[deque[Group[P]]]) -> list[tuple[deque[Group[P]], Group[P]]]:
         """The groups of one turn, taken off their rounds: a group per round in turn order, again
-        and again, while they fit the token budget (the first always)."""
-        taken: list[tuple[deque[Group[P]], Group[P]]] = [(rounds[0], rounds[0].popleft())]
+        and again, while they fit the token budget; a group past what is left gives the parts
+        that fit and keeps the rest at its round's head (the first part of a turn always runs)."""
+        first = rounds[0].popleft()
         if not self.packs:
-            return taken
-        budget = self.bounds.max_forward_tokens - self.cost(taken[0][1])
-        full = {id(rounds[0])} if not rounds[0] else set()
+            return [(rounds[0], first)]
+        budget = self.bounds.max_forward_tokens
+        head, budget = self._fitting(first, budget, at_least_one=True)
+        if head is not first:
+            rounds[0].appendleft(_rest(first, head))
+        taken: list[tuple[deque[Group[P]], Group[P]]] = [(rounds[0], head)]
+        full = {id(rounds[0])} if head is not first else set()
         while len(full) < len(rounds):
             for round_ in rounds:
                 if id(round_) in full:
                     continue
-                if not round_ or self.cost(round_[0]) > budget:
-                    full.add(id(round_))  # its next group waits: the order within a round holds
+                if not round_:
+                    full.add(id(round_))
                     continue
                 group = round_.popleft()
-                budget -= self.cost(group)
-                taken.append((round_, group))
+                part, budget = self._fitting(group, budget, at_least_one=False)
+                if part is None:
+                    round_.appendleft(group)
+                    full.add(id(round_))  # its next group waits: the order within a round holds
+                    continue
+                taken.append((round_, part))
+                if part is not group:
+                    round_.appendleft(_rest(group, part))
+                    full.add(id(round_))
         return taken
+
+    def _fitting(self, group: Group[P], budget: int, at_least_one: bool) -> tuple[Any, int]:
+        """The most of `group` (its leading parts) whose cost fits `budget`, and the budget left;
+        None where not even its first part fits (unless `at_least_one`)."""
+        cost = self.cost(group)
+        if cost <= budget:
+            return group, budget - cost
+        fitted: Group[P] | None = None
+        for n in range(1, len(group.parts) + 1):
+            head = Group(group.prefix_key, group.prefix_tokens, group.parts[:n])
+            cost = self.cost(head)
+            if cost > budget:
+                break
+            fitted, left = head, budget - cost
+        if fitted is not None:
+            return fitted, left
+        if at_least_one:
+            head = Group(group.prefix_key, group.prefix_tokens, group.parts[:1])
+            return head, budget - self.cost(head)
+        return None, budget
 
     def cost(self, group: Group[P]) -> int:
         """The tokens `group` adds to a turn: the engine's count, else its rows and prefix."""
