@@ -5,6 +5,10 @@
       ~150-token new states against the same 16 run one by one (packed forwards of one, and
       transformers' own plain forward), in float32 and bfloat16.
 
+  uv run python bench/packing.py --only budget
+      In process: one packed forward of n prompts (n = 1, 2, 4, 7, 14, 29), the cost per sequence
+      and the gain over one alone, per dtype: where `SEMIF_MAX_FORWARD_TOKENS`' default comes from.
+
   uv run python bench/packing.py --only servers [--vllm /work/peers/vllm] [--rounds 3]
       Real servers on the peers' checkpoint (hidden 256, 8 layers, linear head dim 64, the real
       vocabulary): semif-serve at its defaults in bf16 and float32, and vLLM's CPU build in bf16
@@ -114,6 +118,41 @@ def limit(model: Path, repeats: int) -> dict[str, Any]:
         for d, v in out.items()
     ]
     print_table(["dtype", "tokens", "packed 16 (ms)", "16 x packed 1", "16 x plain", "gain"], rows, "limit")
+    return out
+
+
+BUDGET_COUNTS = (1, 2, 4, 7, 14, 29)
+
+
+def budget(model: Path, repeats: int) -> dict[str, Any]:
+    """Per dtype, ms per sequence of one packed forward over n prompts, and the gain over n = 1."""
+    from semif_serve.domain.types import PromptRow
+    from semif_serve.engine.packed import Segment, packed_forward
+
+    out: dict[str, Any] = {}
+    for dtype in ("bfloat16", "float32"):
+        loaded = codec_of(model, dtype)
+        words = state_words(loaded.codec)
+        row = [PromptRow(QUESTION, OPTIONS)]
+        prompts = [
+            loaded.codec.encode_prompts(filler(words, seed=2000 + i), row, 1 << 20)[0].ids
+            for i in range(max(BUDGET_COUNTS))
+        ]
+        times: dict[int, list[float]] = {n: [] for n in BUDGET_COUNTS}
+        for rep in range(repeats + 1):
+            for n in BUDGET_COUNTS:
+                t0 = time.perf_counter()
+                packed_forward(loaded.model, [Segment(tuple(p), read=True) for p in prompts[:n]])
+                if rep:  # the first pass warms
+                    times[n].append((time.perf_counter() - t0) * 1000 / n)
+        per = {n: statistics.median(v) for n, v in times.items()}
+        out[dtype] = {str(n): {"ms_per_sequence": ms, "gain": per[1] / ms} for n, ms in per.items()}
+    rows = [
+        [d, n, f"{v['ms_per_sequence']:.1f}", f"{v['gain']:.2f}x"]
+        for d, cells in out.items()
+        for n, v in cells.items()
+    ]
+    print_table(["dtype", "sequences", "ms per sequence", "gain over one"], rows, "budget")
     return out
 
 
@@ -347,7 +386,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["limit", "servers"], required=True)
+    parser.add_argument("--only", choices=["limit", "budget", "servers"], required=True)
     parser.add_argument("--model", type=Path, default=Path("/tmp/semif-bench/peers-model"))
     parser.add_argument(
         "--vllm", type=Path, default=None, help="vLLM's venv root (PEERS.md); none: without it"
@@ -360,6 +399,8 @@ def main() -> None:
     model = peers_checkpoint(args.model)
     if args.only == "limit":
         result = limit(model, args.repeats)
+    elif args.only == "budget":
+        result = budget(model, args.repeats)
     else:
         result = servers(model, args.vllm, args.rounds, args.seconds, Path("/tmp/semif-bench/packing"))
     if args.out is not None:

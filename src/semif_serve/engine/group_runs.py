@@ -244,17 +244,9 @@ class GroupRunner:
             return stored, "cached", 0.0
         t0 = time.perf_counter()
         stepped = self.stepped.take(prefix, model)  # prefilled in steps: still fresh
-        superseded: StoredState | None = None
-        if kind == QUESTION and state_tokens > 0:
-            start = self.cache.get(prefix[:state_tokens], STATE, model)
-            how = "extended" if start is not None and stepped is None else "fresh"
-            if start is None:
-                state = prefix[:state_tokens]
-                superseded = self.cache.longest_prefix(state, model)
-                start = self._prefill(state, superseded, STATE, images, model)
-        else:
-            start = self.cache.longest_prefix(prefix, model)
-            how = "extended" if start is not None and stepped is None else "fresh"
+        start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, model, stepped)
+        if state_first:
+            start = self._prefill(prefix[:state_tokens], superseded, STATE, images, model)
         if stepped is not None:  # continue from the last step's slice where it is the longer start
             longer = self.cache.longest_prefix(prefix, model)
             if longer is not None and (start is None or len(longer) > len(start)):
@@ -282,6 +274,23 @@ class GroupRunner:
         if drop_start and start is not None:
             self.cache.discard(start.ids, start.model)
         return self.cache.put(ids, cache, kind, model)
+
+
+def state_start(
+    cache: Any, prefix: list[int], state_tokens: int, model: int, stepped: float | None
+) -> tuple[StoredState | None, str, bool, StoredState | None]:
+    """Where a state over `prefix` (not cached as it is) starts: the cached state it extends, its
+    prefill kind ("extended" or "fresh"; a stepped prefill is fresh), whether the question-
+    independent state prefix must be computed (and kept) first, and the shorter state that one
+    extends (its start)."""
+    if len(prefix) > state_tokens > 0:  # a question prefix: from its state, kept on its own
+        start = cache.get(prefix[:state_tokens], STATE, model)
+        how = "extended" if start is not None and stepped is None else "fresh"
+        if start is None:
+            return None, how, True, cache.longest_prefix(prefix[:state_tokens], model)
+        return start, how, False, None
+    start = cache.longest_prefix(prefix, model)
+    return start, "extended" if start is not None and stepped is None else "fresh", False, None
 
 
 def _fork(states: dict[int, StoredState | None], row_models: Sequence[int]) -> Any:

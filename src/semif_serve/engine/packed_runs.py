@@ -24,7 +24,7 @@ from typing import Any
 
 from semif_serve.engine.batching import UNFINISHED, Group, Part, Unfinished
 from semif_serve.engine.forwards import head_logits, read_slots
-from semif_serve.engine.group_runs import GroupRunner, _over_state, _picked
+from semif_serve.engine.group_runs import GroupRunner, _over_state, _picked, state_start
 from semif_serve.engine.packed import Packed, Segment, packed_forward
 from semif_serve.engine.rows import PREFILL_KINDS, GroupRun, PreparedRows, Results, ScoredRow
 from semif_serve.engine.state_cache import QUESTION, STATE, StoredState
@@ -273,21 +273,10 @@ class PackedRunner:
             return Ref(start=stored, covers=len(stored))
         stepped = self.stepped.take(prefix, model)  # prefilled in steps: still fresh
         entry.stepped_seconds += stepped or 0.0
-        superseded: StoredState | None = None
-        ref = Ref()
-        if kind == QUESTION and state_tokens > 0:
-            start = self.cache.get(prefix[:state_tokens], STATE, model)
-            how = "extended" if start is not None and stepped is None else "fresh"
-            if start is None:
-                state = prefix[:state_tokens]
-                superseded = self.cache.longest_prefix(state, model)
-                ref = self._kept(state, _ref_of(superseded), STATE, images, model, plan, entry)
-            else:
-                ref = _ref_of(start)
-        else:
-            start = self.cache.longest_prefix(prefix, model)
-            how = "extended" if start is not None and stepped is None else "fresh"
-            ref = _ref_of(start)
+        start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, model, stepped)
+        ref = _ref_of(start)
+        if state_first:
+            ref = self._kept(prefix[:state_tokens], _ref_of(superseded), STATE, images, model, plan, entry)
         if stepped is not None:  # continue from the last step's slice where it is the longer start
             longer = self.cache.longest_prefix(prefix, model)
             if longer is not None and len(longer) > ref.covers:
