@@ -22,9 +22,10 @@ from semif_serve.engine.vision import has_image_tokens
 # The longest state a lone row's plain forward covers: SemIf's own per-row limit (/decide's 4096);
 # System One's longer states are prefilled in chunks (two forwards cost about one at that length).
 DIRECT_MAX_TOKENS = 4096
-# The shortest state a lone row keeps by its own pass (prefill to the state, store, suffix): below
-# it the two forwards cost more than the plain one saves a follow-up (bench/traffic.py --only keep).
-KEEP_STATE_TOKENS = 1536
+# The shortest state a lone row keeps by its own pass: that pass is one packed forward (the state
+# kept at its own end, then the question), about the plain one's cost (1% more at 1,547 tokens,
+# bench/reuse.py --only back), so a ~1,100-word state is kept at its first visit (issue 50).
+KEEP_STATE_TOKENS = 1024
 # How many short states read without keeping are remembered (32 bytes of key and a float each),
 # and for how long: a client that comes back within the window finds its state kept the second time.
 RETURN_MEMORY = 4096

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from semif_serve.domain.orderings import orderings_policy, parse_type_map
 from semif_serve.domain.types import ConfigurationError, DirectPath
 from semif_serve.engine.batching import FORWARD_TOKENS
+from semif_serve.engine.lone import KEEP_STATE_TOKENS
 
 ENV_PREFIX = "SEMIF_"
 # Averaging every type over a few orders (see contract.md, System One, for the measured cost).
@@ -100,7 +101,7 @@ class Settings(BaseSettings):
         "or plain (always SemIf's plain forward, for parity runs).",
     )
     keep_state_tokens: int = Field(
-        1536,
+        KEEP_STATE_TOKENS,
         ge=1,
         description="The shortest state a question asked once keeps for its follow-ups (its pass ends "
         "at the state, stores it and goes on to the question); shorter ones run the plain forward.",
