@@ -1,12 +1,12 @@
-"""The row loop: one planned group of requests' rows run on the engine thread.
+"""The engine's state over one model (its state cache, stepped prefill, lone-row policy and forward
+shapes) and the right-padded row loop for a group whose rows the memory headroom splits across
+forwards (`run_planned`; every other group runs packed: `engine.packed_runs`).
 
 A group's rows share one state (cached, extended from a shorter cached one, or prefilled once, in
 steps where it is long: `SteppedPrefill`), forked over right-padded forwards split by the memory
 headroom; rows of several adapters sit side by side, each adapter reading its contiguous run of
 the batch. Each row is read at its last real position: SemIf's answer slots, a method's own token
-ids (lev's label codes) or its last hidden state (lev's head), one forward for all of them. Lone
-rows (no orderings) go through `run_direct`, which serves them from a state the lone-row policy
-says to use, else as SemIf's plain forward.
+ids (lev's label codes) or its last hidden state (lev's head), one forward for all of them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
 from semif_serve.engine.forward_shapes import ForwardShapes
-from semif_serve.engine.forwards import head_logits, logits_over, plain_logits, prefill, read_slots
+from semif_serve.engine.forwards import head_logits, logits_over, prefill, read_slots
 from semif_serve.engine.lone import LoneRowPolicy
 from semif_serve.engine.memory import MemoryEstimate
 from semif_serve.engine.options import EngineOptions
@@ -55,8 +55,7 @@ class GroupRunner:
     def run_planned(self, group: Group[PreparedRows]) -> Results | Unfinished:
         """Score one planned group on this thread: one state (cached or prefilled once) for
         every part, the rows in right-padded forwards split by the memory headroom; the
-        results of each job's rows in the group, in order. A lone direct row runs SemIf's
-        plain forward; direct rows merged with others run right-padded with no state.
+        results of each job's rows in the group, in order.
 
         A state longer than one prefill step is prefilled a step at a time (`SteppedPrefill`):
         this call prefills one step, keeps it in the state cache and returns UNFINISHED, so the
@@ -64,8 +63,6 @@ class GroupRunner:
         # Rows of one model side by side: each adapter reads a contiguous run of the batch.
         parts = sorted(group.parts, key=lambda p: p.job.payload.model)
         images = ImageSet.union([p.job.payload.images for p in parts])
-        if len(parts) == 1 and parts[0].job.payload.direct:
-            return {parts[0].job.id: [self._plain(parts[0].job.payload, images)]}
         first = parts[0].job.payload
         prefix = first.prefix if group.prefix_key is not None else []
         models = sorted({p.job.payload.model for p in parts})
@@ -168,64 +165,6 @@ class GroupRunner:
                     at[token] = len(ids)
                     ids.append(token)
         return self.torch.tensor(ids, device=self.device), at
-
-    def _plain(self, prepared: PreparedRows, images: ImageSet | None) -> ScoredRow:
-        """SemIf's plain forward of a lone row's whole prompt."""
-        ids = prepared.prompts[0].ids
-        t0 = time.perf_counter()
-        with self.adapters.rows(prepared.model):
-            last = plain_logits(
-                self.model, ids, self.pad_id, self.device, self.prefill_chunk_tokens, images, self.slot_ids
-            )
-        with self.torch.inference_mode():
-            logits, probs = read_slots(last, prepared.n_options[0])
-        self.memory.synchronize()
-        run = GroupRun(suffix_forward_seconds=time.perf_counter() - t0, width=len(ids), direct=True)
-        return ScoredRow(logits, probs, run)
-
-    def run_direct(self, group: Group[PreparedRows]) -> Results | Unfinished:
-        """Lone rows (each request one row, no orderings), grouped by their state prefix.
-
-        A state the lone-row policy says to use (cached, wanted by several, long enough to keep)
-        is used: prefilled once by this pass and stored, each row then costs its suffix, and a
-        follow-up sent at once finds it. Every other (short) state's row runs as SemIf's plain
-        forward of its whole prompt (several right-padded together), and nothing is kept or
-        queued for later. Either way a row equals the plain forward within 1e-5 (float32) and
-        keeps its `prompt_sha256` and `input_tokens`. Every state takes its turn in each call (a
-        prefill step, or a wait for the prefills ahead of it); while any is unfinished the rows
-        that are done go back at once (`Unfinished.done`) and the rest run again next turn.
-        """
-        by_state: dict[tuple[tuple[int, ...], int], list[Part[PreparedRows]]] = {}
-        for part in group.parts:
-            by_state.setdefault((part.job.payload.state_ids, part.job.payload.model), []).append(part)
-        results: Results = {}
-        plain: list[Part[PreparedRows]] = []
-        stepping = False
-        for (ids, model), parts in by_state.items():
-            if ids and self.lone.reuses(ids, [p.job.payload.demand_key for p in parts], model):
-                over = self.run_planned(_over_state(ids, parts))
-                if isinstance(over, Unfinished):
-                    stepping = True  # its prefill's step ran, or it waits its turn: again next turn
-                    continue
-                results.update(over)
-            else:
-                plain.extend(parts)
-        if len(plain) == 1:
-            results.update(self._expect_done(self.run_planned(Group(None, 0, tuple(plain)))))
-        elif plain:
-            results.update(
-                self._expect_done(self.run_planned(Group(None, 0, tuple(_as_rows(p) for p in plain))))
-            )
-        if stepping:
-            return Unfinished(results) if results else UNFINISHED
-        return results
-
-    @staticmethod
-    def _expect_done(results: Results | Unfinished) -> Results:
-        """The results of a group without a state, which never runs in steps."""
-        if isinstance(results, Unfinished):
-            raise RuntimeError("a group without a state ran in steps")
-        return results
 
     def _state(
         self, prefix: list[int], state_tokens: int, images: ImageSet | None = None, model: int = BASE
@@ -333,9 +272,3 @@ def _over_state(ids: tuple[int, ...], parts: Sequence[Part[PreparedRows]]) -> Gr
         job = Job(part.job.id, key, len(ids), tuple(len(p.ids) - len(ids) for p in prepared.prompts), over)
         rekeyed.append(Part(job, part.start, part.stop))
     return Group(key, len(ids), tuple(rekeyed))
-
-
-def _as_rows(part: Part[PreparedRows]) -> Part[PreparedRows]:
-    """A lone row as a row of a right-padded forward without a state."""
-    prepared = part.job.payload
-    return Part(replace(part.job, payload=replace(prepared, direct=False)), part.start, part.stop)

@@ -161,8 +161,8 @@ class PackedRunner:
         return [o if o is not None else UNFINISHED for o in outcomes]
 
     def _split_direct(self, group: Group[PreparedRows]) -> list[Group[PreparedRows]]:
-        """Lone rows as `GroupRunner.run_direct` takes them: over their state where the lone-row
-        policy says so (a planned group per state), else each as SemIf's plain forward."""
+        """Lone rows by their state: over it where the lone-row policy says so (a planned group per
+        state), else each as SemIf's plain forward (its whole prompt, one segment)."""
         by_state: dict[tuple[tuple[int, ...], int], list[Part[PreparedRows]]] = {}
         for part in group.parts:
             by_state.setdefault((part.job.payload.state_ids, part.job.payload.model), []).append(part)
