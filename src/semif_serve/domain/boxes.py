@@ -100,6 +100,12 @@ class PairReading:
     high_marginal: tuple[float, ...]
 
 
+def _within(at: Sequence[float], value: float) -> float:
+    """An expected position kept within the positions' span (marginals normalised by a division
+    can sum to 1 plus an ulp, and put the expectation an ulp past the last position)."""
+    return min(max(value, at[0]), at[-1])
+
+
 def read_pair(low: Sequence[float], high: Sequence[float], at: Sequence[float] | None = None) -> PairReading:
     """The pair rule: the joint `p_i q_j` over ordered pairs `i < j` of positions `at`,
     renormalised, and each edge's expectation under it.
@@ -125,11 +131,12 @@ def read_pair(low: Sequence[float], high: Sequence[float], at: Sequence[float] |
             low_mass[i] += weight
             high_mass[j] += weight
     total = math.fsum(low_mass)
-    low_marginal = tuple(m / total for m in low_mass)
-    high_marginal = tuple(m / total for m in high_mass)
+    # A share is at most 1 (a division by the total can overshoot it by an ulp).
+    low_marginal = tuple(min(1.0, m / total) for m in low_mass)
+    high_marginal = tuple(min(1.0, m / total) for m in high_mass)
     return PairReading(
-        low=math.fsum(m * x for m, x in zip(low_marginal, at, strict=True)),
-        high=math.fsum(m * x for m, x in zip(high_marginal, at, strict=True)),
+        low=_within(at, math.fsum(m * x for m, x in zip(low_marginal, at, strict=True))),
+        high=_within(at, math.fsum(m * x for m, x in zip(high_marginal, at, strict=True))),
         low_marginal=low_marginal,
         high_marginal=high_marginal,
     )
