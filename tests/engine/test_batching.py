@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semif_serve.engine.batching import Batcher, Bounds, Group, Job, Part, Wait, plan_groups
+from tests.support.polling import wait_until_async
 
 HANG_GUARD_S = 10
 
@@ -323,11 +325,13 @@ def test_a_batcher_keeps_serving_when_its_caller_moves_to_a_new_event_loop():
 
 
 def test_a_jobs_wait_is_the_time_it_queued_behind_the_group_running_and_the_drain_ends_when_idle():
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
 
     def run_group(group: Group):
         if "first" in group.job_ids:
+            started.set()
             release.wait(30)  # the first group holds the engine until the second job has queued
+            time.sleep(0.05)  # the first forward's own work, which the second job queues behind
         return {p.job.id: [p.job.id] for p in group.parts}
 
     first_wait, second_wait = Wait(), Wait()
@@ -335,18 +339,18 @@ def test_a_jobs_wait_is_the_time_it_queued_behind_the_group_running_and_the_drai
     async def go():
         batcher = Batcher(run_group, Bounds())
         first = asyncio.create_task(batcher.submit(Job("first", None, 0, (1,), None), first_wait))
-        await asyncio.sleep(0.01)
+        await asyncio.to_thread(started.wait, 30)
         second = asyncio.create_task(batcher.submit(Job("second", None, 0, (1,), None), second_wait))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: batcher.queued == 1, what="the second job in the batcher's queue")
         release.set()
         got = await first, await second
-        await asyncio.sleep(0.01)
-        drained = batcher._task.done()  # nothing queued: the engine thread runs nothing more
+        # Nothing queued: the drain task ends and the engine thread runs nothing more.
+        await wait_until_async(lambda: batcher._task.done(), what="the drain task to end once idle")
         await batcher.close()
-        return got, drained
+        return got
 
-    (first, second), drained = asyncio.run(asyncio.wait_for(go(), 60))
-    assert (first, second) == (["first"], ["second"]) and drained
+    first, second = asyncio.run(asyncio.wait_for(go(), 60))
+    assert (first, second) == (["first"], ["second"])
     assert first_wait.seconds < second_wait.seconds and second_wait.seconds >= 0.04  # it queued ~50 ms
 
 
