@@ -31,6 +31,9 @@ UID = "semif-serve"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "5m"  # every rate's window: at least four scrapes at the chart's 15 s interval
 DECISIONS = 'route=~"/decide|/decide/shared|/v1/systemone"'
+# What the service was asked to do: a 401 asked nothing, and a flood of them would hide the rest.
+ASKED = 'status!="401"'
+REFUSED_TOKEN = 'status="401"'
 
 
 def query(expr: str, legend: str) -> prometheus.Dataquery:
@@ -64,13 +67,15 @@ def graph(title: str, unit: str, *queries: tuple[str, str], description: str = "
     return panel
 
 
-def quantiles(series: str, by: str) -> list[tuple[str, str]]:
-    """p50, p90 and p99 of the histogram `series`, by the label `by` (or over all)."""
+def quantiles(series: str, by: str, selector: str = "") -> list[tuple[str, str]]:
+    """p50, p90 and p99 of the histogram `series` (its buckets matching `selector`), by the label
+    `by` (or over all)."""
     grouping = f"{by}, le" if by else "le"
     legend = f"{{{{{by}}}}} " if by else ""
+    matchers = f"{{{selector}}}" if selector else ""
     return [
         (
-            f"histogram_quantile({q}, sum by ({grouping}) (rate({series}_bucket[{RATE}])))",
+            f"histogram_quantile({q}, sum by ({grouping}) (rate({series}_bucket{matchers}[{RATE}])))",
             f"{legend}p{round(q * 100)}",
         )
         for q in (0.5, 0.9, 0.99)
@@ -85,9 +90,9 @@ def rate(series: str, by: str = "", selector: str = "") -> str:
 
 
 def decision_ratio(status: str) -> str:
-    """The share of decision requests answered with `status` (a label matcher)."""
+    """The share of decision requests (401s left out) answered with `status` (a label matcher)."""
     answered = rate("semif_requests_total", "", f"{DECISIONS},{status}")
-    return f"{answered} / {rate('semif_requests_total', '', DECISIONS)}"
+    return f"{answered} / {rate('semif_requests_total', '', f'{DECISIONS},{ASKED}')}"
 
 
 def build() -> dict:
@@ -115,7 +120,15 @@ def build() -> dict:
                     "percentunit",
                     (decision_ratio('status=~"5.."'), "5xx (budget 0.5%)"),
                     (decision_ratio('status="429"'), "429 (budget 1%)"),
-                    description="The SLO ratios the burn-rate alerts watch (docs/runbook.md).",
+                    (
+                        f"{rate('semif_requests_total', '', REFUSED_TOKEN)} / {rate('semif_requests_total')}",
+                        "401 of all requests (flood over 50%)",
+                    ),
+                    description=(
+                        "The SLO ratios the burn-rate alerts watch, over decision requests less those"
+                        " refused for their token; and the 401s' share of all requests"
+                        " (SemifUnauthenticatedFlood; docs/runbook.md)."
+                    ),
                 ),
                 graph(
                     "Queue",
@@ -129,7 +142,12 @@ def build() -> dict:
         (
             "Latency",
             [
-                graph("Request seconds by route", "s", *quantiles("semif_request_seconds", "route")),
+                graph(
+                    "Request seconds by route",
+                    "s",
+                    *quantiles("semif_request_seconds", "route", ASKED),
+                    description="Requests refused for their token (401) left out, as in the latency alert.",
+                ),
                 graph("Engine forward seconds per request", "s", *quantiles("semif_forward_seconds", "")),
                 graph(
                     "Engine waits before the first forward",

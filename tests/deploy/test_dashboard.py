@@ -96,3 +96,16 @@ def test_the_dashboard_shows_what_an_operator_needs():
         for p in board["panels"]
         for target in p.get("targets") or []
     )
+
+
+def test_the_objective_panels_leave_out_requests_refused_for_their_token():
+    queries = panel_queries(json.loads(DASHBOARD.read_text()))
+    ratios = [expr for title, expr, _ in queries if title == "Decision error and refusal ratios"]
+    latencies = [expr for title, expr, _ in queries if title == "Request seconds by route"]
+    assert len(ratios) == 3 and len(latencies) == 3
+    for expr in ratios[:2]:
+        _, _, denominator = expr.partition(" / ")
+        assert 'status!="401"' in denominator, expr
+    assert all('semif_request_seconds_bucket{status!="401"}' in expr for expr in latencies)
+    # The 401s still show, as their own share of all requests (SemifUnauthenticatedFlood's).
+    assert ratios[2].startswith('sum (rate(semif_requests_total{status="401"}')

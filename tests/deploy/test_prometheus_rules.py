@@ -96,6 +96,24 @@ def test_the_unit_tests_fail_when_an_alert_stops_firing(tmp_path):
     assert run.returncode != 0 and "SemifOutOfMemory" in run.stdout + run.stderr
 
 
+def test_the_401_flood_tests_fail_against_rules_that_count_401s_as_decisions(tmp_path):
+    # The rules as they were before issue 49: 401s in the denominators and the latency percentiles.
+    text = RULES.read_text()
+    assert text.count(',status!="401"') == 7
+    (tmp_path / "rules.yaml").write_text(text.replace(',status!="401"', ""))
+    tests = yaml.safe_load(RULE_TESTS.read_text()) | {"rule_files": ["rules.yaml"]}
+    tests["tests"] = [
+        test
+        for test in tests["tests"]
+        if any('status="401"' in series["series"] for series in test["input_series"])
+    ]
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    run = promtool("test", "rules", str(tmp_path / "tests.yaml"))
+    failed = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "alertname: SemifErrorBudgetBurn," in failed and "alertname: SemifLatencyOverObjective," in failed
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as dashes."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

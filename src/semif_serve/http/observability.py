@@ -184,8 +184,9 @@ class Metrics:
         )
         self.seconds = Histogram(
             "semif_request_seconds",
-            "end-to-end seconds by route",
-            ["route"],
+            "end-to-end seconds by route and status",
+            # status: so the latency objective can leave out what the service refused unasked (401)
+            ["route", "status"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -236,7 +237,7 @@ class Metrics:
     def observe(self, route: str, status: int, seconds: float, record: RequestRecord | None) -> None:
         """Count one answered request and what its route recorded."""
         self.requests.labels(route, str(status)).inc()
-        self.seconds.labels(route).observe(seconds)
+        self.seconds.labels(route, str(status)).observe(seconds)
         if record is None:
             return
         self.rows.inc(record.rows)
