@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 
 import httpx
 import pytest
@@ -13,6 +13,7 @@ from harness.server import LoopbackServer
 from semif_serve.app import create_app
 from semif_serve.service.startup import Service
 from tests.support import TOKEN, decision, make_settings, open_post
+from tests.support.polling import wait_until, wait_until_async
 
 AUTH = (b"authorization", f"Bearer {TOKEN}".encode())
 
@@ -88,8 +89,9 @@ def while_every_slot_is_taken(app, path="/decide", method="POST", body=b""):
         hold = asyncio.Event()
         stuck = [Exchange([b"{"], hold=hold) for _ in range(app.admission.max_queue)]
         tasks = [asyncio.create_task(app(scope(), e.receive, e.send)) for e in stuck]
-        await asyncio.sleep(0.05)
-        assert app.admission.in_progress == app.admission.max_queue
+        await wait_until_async(
+            lambda: app.admission.in_progress == app.admission.max_queue, what="every slot taken"
+        )
         extra = Exchange([body])
         await app(scope(path=path, method=method), extra.receive, extra.send)
         hold.set()
@@ -157,6 +159,7 @@ def test_a_body_exactly_at_the_limit_is_accepted(small_service):
 def test_a_flood_with_cancelled_clients_leaves_no_slot_taken(engine, checkpoint):
     service = Service.start(make_settings(checkpoint, max_queue=4), engine=engine)
     app = create_app(service)
+    gate = threading.Event()
 
     async def go():
         transport = httpx.ASGITransport(app=app)
@@ -167,10 +170,17 @@ def test_a_flood_with_cancelled_clients_leaves_no_slot_taken(engine, checkpoint)
                     "/decide", json=decision(id=f"q{i}"), headers={"Authorization": f"Bearer {TOKEN}"}
                 )
 
+            # The engine is held so the cancellations below land on requests holding their slots.
+            busy = asyncio.ensure_future(service.worker.run(lambda: gate.wait(60)))
             tasks = [asyncio.create_task(one(i)) for i in range(24)]
-            await asyncio.sleep(0.02)
+            await wait_until_async(
+                lambda: app.admission.in_progress == 4 and app.admission.refused == 20,
+                what="four requests admitted and the other twenty refused",
+            )
             for task in tasks[::3]:
                 task.cancel()
+            gate.set()
+            await busy
             done = await asyncio.gather(*tasks, return_exceptions=True)
         return [d.status_code for d in done if isinstance(d, httpx.Response)]
 
@@ -188,15 +198,13 @@ def test_clients_that_disconnect_mid_request_over_real_http_release_their_slots(
         port = int(server.url.rsplit(":", 1)[1])
         body = json.dumps(decision()).encode()
         for _ in range(3):
-            # Half a body, then hang up: the slot must come back.
+            # Half a body, then hang up once it holds a slot: the slot must come back.
             with open_post(port, body, send=20):
-                time.sleep(0.1)
+                wait_until(lambda: app.admission.in_progress == 1, what="the half-sent request's slot")
+            wait_until(lambda: app.admission.in_progress == 0, what="the slot back after the hang-up")
         for _ in range(3):
             # A full body, then hang up before the answer.
             open_post(port, body).close()
-        deadline = time.monotonic() + 10
-        while app.admission.in_progress and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert app.admission.in_progress == 0
+        wait_until(lambda: app.admission.in_progress == 0, what="every slot back after the hang-ups")
         ok = httpx.post(f"{server.url}/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 200
