@@ -25,6 +25,7 @@ from semif_serve.http.json_body import MAX_DEPTH, MAX_INT_DIGITS, BodyError, dec
 from semif_serve.http.server import server_config
 from semif_serve.tools.demo import DEMO_REVISION
 from tests.support import TOKEN, decision, make_settings
+from tests.support.polling import wait_until
 
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 
@@ -96,15 +97,6 @@ def assert_envelope(status: int, headers: dict, body: bytes, want_status: int, c
     assert error["request_id"] == headers["x-request-id"]
     assert TOKEN not in body.decode("utf-8", "replace")
     return error
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture
@@ -191,7 +183,7 @@ def test_a_kept_alive_connection_gets_a_new_header_deadline_after_each_response(
         sock = server.connect(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
         status, _, _ = read_response(sock)
         assert status == 200
-        time.sleep(0.3)
+        time.sleep(0.3)  # the client's own idling, within the deadline: it waits for nothing
         sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # started within the deadline, never finished
         status, headers, body = read_response(sock)
         assert_envelope(status, headers, body, 408, "header_timeout")
@@ -429,6 +421,19 @@ def stuck_post(port: int, token: str) -> socket.socket:
     return sock
 
 
+def in_progress(service: ServiceProcess) -> int:
+    """The requests holding a slot now, as /health counts them."""
+    return httpx.get(f"{service.url}/health", timeout=10).json()["queue"]["in_progress"]
+
+
+def has_logged(service: ServiceProcess, prefix: str) -> bool:
+    """Whether a whole JSON line of the process's log has a message starting with `prefix` yet."""
+    text = service.log_path.read_text()
+    whole = text[: text.rfind("\n") + 1].splitlines()  # the last line may be half written
+    messages = [json.loads(line).get("message", "") for line in whole if line.startswith("{")]
+    return any(message.startswith(prefix) for message in messages)
+
+
 @dataclass
 class Drain:
     """What one service process showed from SIGTERM to its exit (see `drained`)."""
@@ -454,10 +459,10 @@ def drained(checkpoint, tmp_path_factory) -> Drain:
         in_flight = socket.create_connection((LOOPBACK, service.port))
         in_flight.sendall(post_head(length=len(body), auth=auth) + body[:10])
         stuck = stuck_post(service.port, service.token)
-        time.sleep(0.3)
+        wait_until(lambda: in_progress(service) == 2, what="both requests holding their slots")
         signalled = time.monotonic()
         service.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        wait_until(lambda: has_logged(service, "draining"), what="the drain's log line")
         health = httpx.get(f"{service.url}/health", timeout=10)
         refused = httpx.post(
             f"{service.url}/decide", json=decision(), headers={"Authorization": f"Bearer {service.token}"}
@@ -513,9 +518,9 @@ def stamp(line: dict) -> float:
 def test_a_second_signal_exits_at_once(checkpoint, tmp_path):
     with serving(checkpoint, tmp_path, grace=60) as service:
         sock = stuck_post(service.port, service.token)
-        time.sleep(0.3)
+        wait_until(lambda: in_progress(service) == 1, what="the stuck request holding its slot")
         service.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        wait_until(lambda: has_logged(service, "draining"), what="the drain's log line")
         assert service.process.poll() is None  # draining, waiting for the stuck request
         service.process.send_signal(signal.SIGINT)
         service.process.wait(timeout=60)
