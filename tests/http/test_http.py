@@ -312,13 +312,13 @@ def test_a_concurrent_burst_is_answered_correctly(client):
 def test_health_answers_while_the_engine_thread_is_busy(client, service):
     import threading
 
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
 
     async def go():
         transport = httpx.ASGITransport(app=client.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            busy = asyncio.create_task(service.worker.run(lambda: gate.wait(10)))
-            await asyncio.sleep(0.05)
+            busy = asyncio.create_task(service.worker.run(lambda: started.set() or gate.wait(10)))
+            assert await asyncio.to_thread(started.wait, 10), "the engine thread never took the busy job"
             queued = asyncio.create_task(
                 c.post("/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
             )
