@@ -1,5 +1,6 @@
 """Compressed request bodies: gzip and zstd decide like plain JSON; the body limit holds for the
 inflated size as it streams (a bomb is refused without being inflated); anything else is 415 or 400.
+Compressed replies: gzip only where Accept-Encoding's q-values prefer it (RFC 9110 12.5.3).
 
 Over a real uvicorn on loopback where sockets and memory matter; the decoder itself against
 the standard library's one-shot decompressors.
@@ -19,7 +20,14 @@ import pytest
 
 from harness.server import LoopbackServer, read_rss, reset_peak_rss
 from semif_serve.app import create_app
-from semif_serve.http.body_encoding import STEP_BYTES, BodyDecoder, CorruptBody, requested_coding
+from semif_serve.http.body_encoding import (
+    STEP_BYTES,
+    BodyDecoder,
+    CorruptBody,
+    accepted_codings,
+    reply_gzip_accepted,
+    requested_coding,
+)
 from semif_serve.http.headers import parse_headers
 from semif_serve.service.startup import Service
 from tests.http.test_admission import Exchange, scope
@@ -319,3 +327,79 @@ def test_a_compressed_body_that_stops_arriving_still_gets_408(engine, checkpoint
         assert json.loads(body)["error"]["code"] == "body_timeout"
         # The slot is freed just after the last byte is sent: give the server's loop that moment.
         assert wait_until(lambda: app.admission.in_progress == 0, 2.0)
+
+
+# ----------------------------------------------------------------------- Accept-Encoding: the reply's coding
+
+# A choice among many options: its reply is over the 1 KiB from which replies are compressed.
+LONG_REPLY = decision(
+    options=[{"id": f"option-{i:02d}", "description": f"The deployment is in state {i}."} for i in range(16)]
+)
+
+
+@pytest.mark.parametrize(
+    ("accept", "gzip"),
+    [
+        ("gzip", True),
+        ("gzip;q=0", False),
+        ("identity", False),
+        ("gzip;q=0.5, identity;q=1", False),  # identity preferred
+        ("identity;q=0.5, gzip", True),
+        ("gzip, identity", True),  # a tie: the smaller reply
+        ("gzip;q=0.001", True),
+        ("GZip ; Q=1.000", True),
+        ("x-gzip", True),
+        ("*", True),
+        ("*;q=0", False),
+        ("gzip;q=0, *", False),  # gzip named, so `*` does not cover it
+        ("gzip;q=0.5, *", False),  # `*` covers identity, at 1
+        ("br, deflate, zstd", False),
+        ("gzip;q=2", False),  # not a qvalue: the entry accepts nothing
+        ("gzip;q=0.5000", False),  # at most three decimals
+        ("gzip;q=", False),
+        ("", False),
+    ],
+)
+def test_gzip_is_chosen_by_q_value_as_rfc_9110_says(accept, gzip):
+    assert reply_gzip_accepted([accept]) is gzip
+
+
+def test_no_accept_encoding_asks_for_no_compression():
+    assert reply_gzip_accepted([]) is False
+
+
+def test_a_coding_named_twice_keeps_its_refusal_across_headers():
+    assert accepted_codings(["gzip, deflate", "gzip;q=0"]) == {"gzip": 0.0, "deflate": 1.0}
+    assert reply_gzip_accepted(["gzip, deflate", "gzip;q=0"]) is False
+
+
+@pytest.mark.parametrize(
+    ("accept", "compressed"),
+    [
+        ("gzip", True),
+        ("gzip;q=0", False),
+        ("identity", False),
+        ("gzip;q=0.5, identity;q=1", False),
+        ("identity;q=0.5, gzip;q=0.8", True),
+        ("*", True),
+        ("gzip;q=0, *", False),
+        ("deflate, br", False),
+    ],
+)
+def test_a_long_reply_is_gzip_compressed_only_where_accept_encoding_prefers_it(server, accept, compressed):
+    reply = httpx.post(
+        f"{server.url}/decide", json=LONG_REPLY, headers={**AUTH, "Accept-Encoding": accept}, timeout=60
+    )
+    assert reply.status_code == 200, reply.text
+    assert len(reply.content) >= 1024  # long enough that only Accept-Encoding decides
+    assert reply.headers.get("content-encoding") == ("gzip" if compressed else None)
+    assert "accept-encoding" in reply.headers["vary"].lower()  # a cache keeps the two apart
+    # httpx inflates a gzipped reply as any client would: the same answer either way.
+    assert reply.json()["option_ids"] == [o["id"] for o in LONG_REPLY["options"]]
+
+
+def test_a_refusal_in_a_second_accept_encoding_header_holds_over_the_app(server):
+    headers = httpx.Headers([*AUTH.items(), ("Accept-Encoding", "gzip"), ("Accept-Encoding", "gzip;q=0")])
+    reply = httpx.post(f"{server.url}/decide", json=LONG_REPLY, headers=headers, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert "content-encoding" not in reply.headers

@@ -23,6 +23,7 @@ from semif_serve.doors.native.api import NativeDoor
 from semif_serve.doors.systemone.api import SystemOneDoor
 from semif_serve.http.admission import Admission
 from semif_serve.http.auth import Authenticator
+from semif_serve.http.body_encoding import ReplyCoding
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.observability import REQUEST_ID_HEADER, Metrics, RequestContext
 from semif_serve.http.tracing import tracing_from_env
@@ -64,7 +65,7 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
         return door_of(all_doors, path).body_limit(path, content_type, settings.max_body_bytes)
 
     admission = Admission(
-        cast(ASGIApp, GZipMiddleware(api, minimum_size=COMPRESS_FROM_BYTES)),
+        ReplyCoding(cast(ASGIApp, GZipMiddleware(api, minimum_size=COMPRESS_FROM_BYTES))),
         settings.max_queue,
         settings.max_body_bytes,
         settings.body_timeout_seconds,

@@ -1,4 +1,5 @@
-"""Request bodies sent with `Content-Encoding: gzip` or `zstd`, inflated step by step.
+"""Request bodies sent with `Content-Encoding: gzip` or `zstd`, inflated step by step; and
+whether a reply may go gzip-compressed, from the request's `Accept-Encoding` and its q-values.
 
 Domain-free: admission feeds each received chunk to a `BodyDecoder` and takes the output in
 pieces of at most `STEP_BYTES`, counting each piece against the body limit before keeping
@@ -10,10 +11,13 @@ of a hundred thousand empty frames is refused as corrupt after MAX_MEMBERS of th
 
 from __future__ import annotations
 
+import re
 import sys
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 if sys.version_info >= (3, 14):
     from compression.zstd import ZstdDecompressor, ZstdError
@@ -152,3 +156,61 @@ def requested_coding(codings: Sequence[str]) -> str | None:
     if len(codings) > 1 or codings[0] not in DECODERS:
         raise ValueError(", ".join(codings))
     return codings[0]
+
+
+# RFC 9110 12.4.2: a qvalue is 0 to 1 with at most three decimals.
+QVALUE = re.compile(r"0(\.\d{0,3})?|1(\.0{0,3})?")
+GZIP_NAMES = ("gzip", "x-gzip")
+ACCEPT_ENCODING = b"accept-encoding"
+
+
+def accepted_codings(values: Iterable[str]) -> dict[str, float]:
+    """Each coding of the Accept-Encoding values (every header's, in order) with its q-value,
+    by lower-case name. A coding named twice keeps its lowest q (a refusal stands); an entry
+    whose weight is not a valid qvalue is left out, so it accepts nothing."""
+    accepted: dict[str, float] = {}
+    for value in values:
+        for entry in value.split(","):
+            coding, *params = (part.strip() for part in entry.split(";"))
+            if not coding:
+                continue
+            weight = 1.0
+            for param in params:
+                name, _, sent = param.partition("=")
+                if name.strip().lower() == "q":
+                    weight = float(sent.strip()) if QVALUE.fullmatch(sent.strip()) else -1.0
+            if weight >= 0:
+                coding = coding.lower()
+                accepted[coding] = min(weight, accepted.get(coding, weight))
+    return accepted
+
+
+def reply_gzip_accepted(values: Sequence[str]) -> bool:
+    """Whether a reply may go gzip-compressed (RFC 9110 12.5.3): gzip (or x-gzip, or `*` when
+    neither is named) has a q above 0 and at least identity's (named, or `*`'s). No header
+    asks for no compression; identity not named is acceptable but preferred to nothing."""
+    accepted = accepted_codings(values)
+    star = accepted.get("*")
+    named = [accepted[name] for name in GZIP_NAMES if name in accepted]
+    gzip = min(named) if named else (star or 0.0)
+    identity = accepted.get("identity", star)
+    return gzip > 0 and (identity is None or gzip >= identity)
+
+
+class ReplyCoding:
+    """In front of Starlette's GZipMiddleware, which compresses for any Accept-Encoding that
+    contains "gzip" (`gzip;q=0` included): the app below sees `Accept-Encoding: gzip` when
+    `reply_gzip_accepted` says so, and no Accept-Encoding otherwise."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            sent = [value.decode("latin-1") for name, value in headers if name.lower() == ACCEPT_ENCODING]
+            kept = [(name, value) for name, value in headers if name.lower() != ACCEPT_ENCODING]
+            if reply_gzip_accepted(sent):
+                kept.append((ACCEPT_ENCODING, b"gzip"))
+            scope = {**scope, "headers": kept}
+        await self.app(scope, receive, send)
