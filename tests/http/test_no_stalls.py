@@ -520,6 +520,7 @@ def test_the_body_deadline_counts_the_clients_sending_not_the_servers_inflating(
     engine, checkpoint, monkeypatch
 ):
     import gzip
+    import threading
     import time
 
     from semif_serve.http.body_encoding import BodyDecoder
@@ -527,8 +528,10 @@ def test_the_body_deadline_counts_the_clients_sending_not_the_servers_inflating(
     from tests.support import make_settings
 
     real = BodyDecoder.decode
+    inflating = threading.Event()
 
     def slow(self, data):
+        inflating.set()
         time.sleep(0.4)  # the server's own work, longer than the whole deadline
         return real(self, data)
 
@@ -541,7 +544,7 @@ def test_the_body_deadline_counts_the_clients_sending_not_the_servers_inflating(
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode()
         sock = running.connect(head + body[:10])
-        time.sleep(0.05)
+        assert inflating.wait(10), "the server never inflated the body's first piece"
         sock.sendall(body[10:])
         status, _, reply = read_response(sock, timeout=30)
     assert status == 200, reply
