@@ -272,6 +272,18 @@ def test_under_the_entrys_label_cap_every_question_reads_the_candidate_head(
     assert answers["dept"]["x_lev"]["bucket"] == "choice:B"
 
 
+def test_under_the_label_cap_usage_counts_every_candidates_tokens_as_rows_of_their_own(client, tokenizer):
+    usage = ask(client, "lev-capped")["usage"]
+    rows = tokens_of(tokenizer, PLAIN_PREFIX, MODE_B["plain"].values())
+    shown = sum(
+        len(tokenizer.encode(text, add_special_tokens=False))
+        for qid in MODE_B["plain"]
+        for text in CANDIDATES[qid]
+    )
+    assert usage["input_tokens"] == rows + shown
+    assert usage["cached_input_tokens"] == len(tokenizer.encode(PLAIN_PREFIX))
+
+
 def test_models_lists_each_release_with_its_method_adapter_scale_and_buckets(client):
     listed = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
     tiny, full = listed["lev-tiny"], listed["lev-full"]

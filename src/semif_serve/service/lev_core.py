@@ -100,7 +100,7 @@ class LevReply:
     """One request's answers with one release, and lev's token counts."""
 
     answers: dict[str, LevAnswer]
-    input_tokens: int  # the prefix once, plus every row's suffix
+    input_tokens: int  # the prefix once, plus every row's suffix and every Mode B candidate
     cached_input_tokens: int  # the prefix
     timing: BatchTiming  # how the engine ran the rows (their jobs' reads joined)
 
@@ -110,7 +110,7 @@ class LevOutcome:
     """One request's answers with one release, and how its rows ran."""
 
     reply: LevReply
-    rows: int  # forward rows: each question in each of its orders
+    rows: int  # forward rows: each question in each of its orders, and every Mode B candidate
     engine_seconds: float  # the rows' forwards on the engine thread
     wait: EngineWait  # the wait for the engine before its first forward (its longest job's)
     encode_seconds: float = 0.0  # rendering, encoding and checking, before any job
@@ -130,6 +130,17 @@ class LevRows:
     prefix_ids: list[int]
     suffixes: list[list[int]]
     candidates: dict[str, list[list[int]]]
+
+    @property
+    def forward_rows(self) -> int:
+        """Every row the forwards read: each question in each of its orders, and every candidate."""
+        return len(self.plan.rows) + sum(len(ids) for ids in self.candidates.values())
+
+    @property
+    def input_tokens(self) -> int:
+        """lev's input tokens: the prefix once, every row's suffix and every candidate's ids."""
+        shown = sum(len(one) for ids in self.candidates.values() for one in ids)
+        return len(self.prefix_ids) + sum(len(s) for s in self.suffixes) + shown
 
     @property
     def label_rows(self) -> list[int]:
@@ -201,10 +212,13 @@ def lev_rows(
     """The request's plan and ids, refused before any forward: Mode B without a head or with a
     candidate that encodes to nothing (ModeBUnavailable), more rows than `limits.max_rows`
     (TooManyRows), a row's prompt over `max_input_tokens` or the request over
-    `max_request_tokens` (TooManyTokens, as SemIf's rows are refused)."""
+    `max_request_tokens` (TooManyTokens, as SemIf's rows are refused). Mode B's candidates are
+    rows of their own: each counts against the row cap, the per-row limit and the budget."""
     plan = plan_request(state, questions, release.codes, release.options, has_head=release.head is not None)
-    if limits is not None and len(plan.rows) > limits.max_rows:
-        raise TooManyRows(len(plan.rows), limits.max_rows)
+    shown = {qid: candidate_texts(plan.questions[qid]) for qid, r in plan.routes.items() if r.mode == "B"}
+    rows_needed = len(plan.rows) + sum(len(texts) for texts in shown.values())
+    if limits is not None and rows_needed > limits.max_rows:
+        raise TooManyRows(rows_needed, limits.max_rows)
     positions = {qid: i for i, qid in enumerate(questions)}
     input_limit = None if limits is None else limits.max_input_tokens
     budget = None if limits is None else limits.max_request_tokens
@@ -232,15 +246,21 @@ def lev_rows(
             raise TooManyTokens(tokens, input_limit, positions[row.question_id], at_least=True) from None
         total += len(suffixes[-1])
     candidates: dict[str, list[list[int]]] = {}
-    for qid, route in plan.routes.items():
-        if route.mode != "B":
-            continue
-        ids = candidate_ids(release.tokenizer, candidate_texts(plan.questions[qid]))
+    counted = len(plan.rows)
+    for qid, texts in shown.items():
+        ids = candidate_ids(release.tokenizer, texts)  # each cut at lev's 64 tokens
         if not all(ids):
             raise ModeBUnavailable(
                 f"question {qid!r}: a candidate encodes to no token, which lev's head cannot read",
                 question=positions[qid],
             )
+        longest = max(len(one) for one in ids)
+        if input_limit is not None and longest > input_limit:
+            raise TooManyTokens(longest, input_limit, positions[qid])
+        counted += len(ids)
+        total += sum(len(one) for one in ids)
+        if budget is not None and total > budget:
+            raise TooManyTokens.for_request(total, budget, counted, rows_needed)
         candidates[qid] = ids
     return LevRows(plan, prefix_ids, suffixes, candidates)
 
@@ -289,8 +309,7 @@ def lev_answers(release: LevRelease, rows: LevRows, readouts: Sequence[Readout])
         for k, i in enumerate(rows.head_rows):
             scores[i] = head_scores(release.head, heads.rows[k].hidden, states[plan.rows[i].question_id])
     answers = read_plan(plan, scores, release.calibration)
-    input_tokens = len(rows.prefix_ids) + sum(len(s) for s in rows.suffixes)
-    return LevReply(answers, input_tokens, len(rows.prefix_ids), joined([r.timing for r in readouts]))
+    return LevReply(answers, rows.input_tokens, len(rows.prefix_ids), joined([r.timing for r in readouts]))
 
 
 def joined(runs: Sequence[BatchTiming]) -> BatchTiming:
@@ -372,4 +391,4 @@ class LevCore:
         )
         engine_seconds = sum(r.forward_seconds for r in readouts)
         wait = max((r.wait for r in readouts), key=lambda w: w.seconds)
-        return LevOutcome(reply, len(rows.plan.rows), engine_seconds, wait, encoded)
+        return LevOutcome(reply, rows.forward_rows, engine_seconds, wait, encoded)
