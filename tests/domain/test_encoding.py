@@ -26,9 +26,10 @@ from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import HostMemory, ReleasePolicy
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.startup import Service
-from tests.http.test_hardening import HardenedServer, post_head, read_response, wait_until
+from tests.http.test_hardening import HardenedServer, post_head, read_response
 from tests.http.test_no_stalls import rendered
 from tests.support import TOKEN, in_process_client, make_settings
+from tests.support.polling import wait_until, wait_until_async
 
 # What tokenizers treat specially: runs of spaces and newlines, long punctuation tokens, digits,
 # contractions, combining marks NFC composes, added tokens, wide characters.
@@ -158,8 +159,7 @@ def test_a_tiny_requests_encoding_is_not_queued_behind_a_big_ones(engine):
             done.append(state)
 
         big = asyncio.create_task(ask("big"))
-        while not big_started.is_set():
-            await asyncio.sleep(0.01)
+        await wait_until_async(big_started.is_set, timeout=30, what="the big request's encoding to start")
         await asyncio.wait_for(ask("tiny"), 30)
         release.set()
         await big

@@ -24,6 +24,7 @@ from semif_serve.engine.state_cache import StateCache
 from semif_serve.service.startup import Service
 from tests.support import TOKEN, make_settings
 from tests.support.memory_sim import SimulatedMemory, cuda_oom
+from tests.support.polling import wait_until_async
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LIMITS = dict(max_input_tokens=4096, max_options=16, max_rows=64)
@@ -86,8 +87,9 @@ async def held_burst(service: Service, calls):
     gate = EngineGate()
     held = await gate.hold(service)
     tasks = [asyncio.create_task(call()) for call in calls]
-    while service.worker.batcher.queued < len(tasks):
-        await asyncio.sleep(0.01)
+    await wait_until_async(
+        lambda: service.worker.batcher.queued >= len(tasks), timeout=60, what="every call queued"
+    )
     gate.opened.set()
     await held
     return await asyncio.gather(*tasks, return_exceptions=True)
@@ -198,10 +200,11 @@ def test_a_cancelled_request_is_dropped_before_its_forward_and_the_others_are_an
             )
             for i in range(3)
         ]
-        while fresh.worker.batcher.queued < 3:
-            await asyncio.sleep(0.01)
+        await wait_until_async(
+            lambda: fresh.worker.batcher.queued >= 3, timeout=60, what="the three calls queued"
+        )
         calls[1].cancel()
-        await asyncio.sleep(0.01)
+        await wait_until_async(calls[1].done, what="the cancelled call to end")
         before = fresh.worker.batcher.stats()
         gate.opened.set()
         await held

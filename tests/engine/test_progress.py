@@ -13,6 +13,7 @@ from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import HostMemory, ReleasePolicy
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
+from tests.support.polling import wait_until_async
 
 CHUNK = 16
 ROW = PromptRow("Did it recover?", ("Yes.", "No."))
@@ -49,8 +50,9 @@ def ask_together(engine, states: list[str], seconds: float = 120) -> list:
             seen = len(started)
             request = RowsRequest.of(state, [ROW, ROW], shared=True, max_input_tokens=8192)
             asks.append(asyncio.ensure_future(worker.score(request)))
-            while len(started) == seen:
-                await asyncio.sleep(0.005)
+            await wait_until_async(
+                lambda seen=seen: len(started) > seen, seconds, "the engine's next forward", every=0.005
+            )
         return await asyncio.wait_for(asyncio.gather(*asks), seconds)
 
     try:

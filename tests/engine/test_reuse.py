@@ -25,6 +25,7 @@ from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, state_di
 from semif_serve.service.startup import Service
 from tests.engine.test_merging import EngineGate
 from tests.support import TOKEN, make_settings
+from tests.support.polling import wait_until_async
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TOL = 1e-5
@@ -114,8 +115,9 @@ def test_eight_concurrent_decides_about_one_new_state_share_one_prefill_and_each
                 asyncio.create_task(c.post("/decide", json=decide_body(state, q), headers=AUTH))
                 for q in questions
             ]
-            while fresh.worker.batcher.queued < len(calls):
-                await asyncio.sleep(0.01)
+            await wait_until_async(
+                lambda: fresh.worker.batcher.queued >= len(calls), timeout=60, what="every call in the queue"
+            )
             gate.opened.set()
             await held
             return await asyncio.gather(*calls)
