@@ -187,8 +187,18 @@ def loaded(prometheus, target, memory) -> Prometheus:
         "the load's requests in a scrape",
     )
     wait_for(lambda: scraped(prometheus, "semif_out_of_memory_total", 1), "the OOM in a scrape")
-    time.sleep(2)  # two more evaluation rounds over the scraped load
+    for _ in range(2):  # two more evaluation rounds of every rule group over the scraped load
+        before = last_evaluations(prometheus)
+        wait_for(
+            lambda before=before: all(last_evaluations(prometheus)[g] != t for g, t in before.items()),
+            "an evaluation round of every rule group",
+        )
     return prometheus
+
+
+def last_evaluations(prometheus: Prometheus) -> dict[str, str]:
+    """When each rule group was last evaluated, as Prometheus reports it."""
+    return {g["name"]: g["lastEvaluation"] for g in prometheus.get("/api/v1/rules")["groups"]}
 
 
 def selectors(expr: str) -> list[str]:
