@@ -401,7 +401,9 @@ def test_candidate_head_under_a_label_cap(score, style, base, releases, referenc
         )
         < TOL
     )
-    assert reply.input_tokens == tokens_of(tok, prefix_of(style), list(MODE_B[style].values()))
+    # Every candidate is a row of its own: its ids count beside the head rows' suffixes.
+    shown = sum(len(tok.encode(t, add_special_tokens=False)) for qid in CANDIDATES for t in CANDIDATES[qid])
+    assert reply.input_tokens == tokens_of(tok, prefix_of(style), list(MODE_B[style].values())) + shown
 
 
 def test_mode_b_without_a_head_is_refused(score, base, releases):

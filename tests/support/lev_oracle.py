@@ -27,6 +27,7 @@ def lev_per_row(release: Any, model: Any, bank: Any, state: Any, questions: Mapp
     suffixes = [tokenizer.encode(row.suffix, add_special_tokens=False) for row in plan.rows]
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     scores: list[list[float]] = []
+    shown_tokens = 0  # semif-serve counts each candidate, a row of its own, where lev counts none
     with torch.no_grad(), bank.rows(release.adapter):
         candidates = {}
         for qid, question in plan.questions.items():
@@ -41,6 +42,7 @@ def lev_per_row(release: Any, model: Any, bank: Any, state: Any, questions: Mapp
                 add_special_tokens=False,
             )
             hidden = decoder(**encoded, use_cache=False).last_hidden_state
+            shown_tokens += int(encoded["attention_mask"].sum())
             last = encoded["attention_mask"].sum(dim=1).long() - 1
             candidates[qid] = hidden[torch.arange(hidden.size(0)), last]
         for row, suffix_ids in zip(plan.rows, suffixes, strict=True):
@@ -53,7 +55,8 @@ def lev_per_row(release: Any, model: Any, bank: Any, state: Any, questions: Mapp
                 shown = candidates[row.question_id].float().unsqueeze(0)
                 scores.append(release.head(last.float().unsqueeze(0), shown)[0].float().tolist())
     answers = read_plan(plan, scores, release.calibration)
-    return LevReply(answers, len(prefix_ids) + sum(len(s) for s in suffixes), len(prefix_ids), None)  # type: ignore[arg-type]
+    tokens = len(prefix_ids) + sum(len(s) for s in suffixes) + shown_tokens
+    return LevReply(answers, tokens, len(prefix_ids), None)  # type: ignore[arg-type]
 
 
 def lev_on_engine(release: Any, engine: Any, state: Any, questions: Mapping[str, LevQuestion]) -> LevReply:
