@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import json
 import shutil
 import socket
 import time
@@ -179,6 +180,13 @@ def rolled_out(plane: ControlPlane, namespace: str, replicas: int) -> bool:
         and status.get("readyReplicas") == replicas
         and status.get("replicas") == replicas
     )
+
+
+def stalled(plane: ControlPlane, namespace: str) -> bool:
+    """Whether the deployment controller reports the rollout past its progress deadline."""
+    conditions = deployment(plane, namespace).get("status", {}).get("conditions", [])
+    stuck = ("Progressing", "False", "ProgressDeadlineExceeded")
+    return any((c["type"], c["status"], c.get("reason")) == stuck for c in conditions)
 
 
 def scheduling_events(plane: ControlPlane, namespace: str) -> str:
@@ -383,13 +391,20 @@ def test_the_old_surge_strategy_stalls_at_full_scale(plane, namespace):
     values = {**FIXED, **HOST_PATH, "replicaCount": GPU_POOL, "rollout": {"maxSurge": 1, "maxUnavailable": 0}}
     install(plane, values, namespace)
     plane.wait_for(lambda: rolled_out(plane, namespace, GPU_POOL), 60, "a full pool")
+    # A short progress deadline: the deployment controller itself then says when a rollout stalls.
+    patched = plane.api.patch(
+        f"/apis/apps/v1/namespaces/{namespace}/deployments/{FULLNAME}",
+        content=json.dumps({"spec": {"progressDeadlineSeconds": 5}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert patched.status_code == 200, patched.text
     install(plane, {**values, "calibration": {"authored144": 1.5}}, namespace)
     plane.wait_for(
         lambda: "Insufficient nvidia.com/gpu" in scheduling_events(plane, namespace),
         30,
         "the surge pod refused",
     )
-    time.sleep(5)
+    plane.wait_for(lambda: stalled(plane, namespace), 60, "the controller to report the rollout stalled")
     status = deployment(plane, namespace)["status"]
     assert status["updatedReplicas"] == 1 and status["readyReplicas"] == GPU_POOL, status
 
@@ -487,7 +502,8 @@ def test_the_hpa_keda_would_create_scales_up_one_a_period_to_the_cap_and_waits_t
     )
     assert replicas() == 1
     # Read through the aggregator from the loopback server, by Kubernetes' own HPA controller.
-    assert f"/apis/{ExternalMetrics.GROUP}/v1beta1/namespaces/{namespace}/{metric}" in metrics.requests
+    metric_path = f"/apis/{ExternalMetrics.GROUP}/v1beta1/namespaces/{namespace}/{metric}"
+    assert metric_path in metrics.requests
     # Load for 10 replicas: up by one a period, capped at maxReplicas (the GPU pool).
     metrics.values[metric] = target * 10
     steps = [time.monotonic()]
@@ -505,7 +521,14 @@ def test_the_hpa_keda_would_create_scales_up_one_a_period_to_the_cap_and_waits_t
         30,
         "the HPA to report the cap",
     )
-    time.sleep(up + 2)
+    # The policy would allow another step a period after the last; the HPA then decides at its syncs.
+    plane.wait_for(
+        lambda: time.monotonic() >= steps[-1] + up, up * 2, "a scale-up period after the last step"
+    )
+    read = metrics.requests.count(metric_path)  # the HPA reads the metric once per sync
+    plane.wait_for(
+        lambda: metrics.requests.count(metric_path) >= read + 2, 30, "an HPA sync after that period"
+    )
     assert replicas() == cap
     # Re-applying the chart (an upgrade) keeps the HPA's count: the Deployment renders no replicas.
     install(plane, values, namespace)
