@@ -5,10 +5,12 @@ the tiny checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from semif_serve.engine.threads import (
     ThreadPolicy,
     pinned_threads,
 )
+from tests.support.polling import wait_until
 
 TOL = 1e-5
 ROWS = [PromptRow(f"Which team owns step {i}?", ("platform", "payments", "search")) for i in range(4)]
@@ -72,16 +75,23 @@ def test_by_default_a_forward_of_sixteen_tokens_runs_on_two_free_cores():
     assert policy.wanted(16, others_busy=1.0) == 1  # unless another process holds one
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) process `pid` has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_another_process_burning_a_core_counts_as_busy():
     load = OtherLoad()
-    load.busy_cores()
-    burner = subprocess.Popen(
-        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"]
-    )
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(1.2)
+        load.busy_cores()
+        start = cpu_seconds(burner.pid)
+        # Half a CPU second within 1.5 s is a third of a core, inside OtherLoad's 2 s fresh window.
+        wait_until(lambda: cpu_seconds(burner.pid) - start >= 0.5, 1.5, "the burner's half CPU second")
         others = load.busy_cores()
     finally:
+        burner.kill()
         burner.wait()
     assert others >= 0.3  # the burner's share of a core (the machine is shared: not a whole one)
 
