@@ -12,7 +12,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -579,8 +578,16 @@ def test_cancel_stops_sending(page, server, tmp_path):
     page.find("#eval-cancel").click()
     page.wait(20).until(lambda d: page.find("#eval-status").text.startswith("Cancelled"))
     count = len([r for r in sent(page) if r["url"].endswith("/v1/systemone")])
-    time.sleep(1.5)
-    later = len([r for r in sent(page) if r["url"].endswith("/v1/systemone")])
+    # The page's own request after the cancel ends the window watched (the log keeps send order).
+    page.driver.execute_script("fetch('/health?after-cancel')")
+    since: list[dict] = []
+
+    def marker_sent(_driver) -> bool:
+        since.extend(sent(page))
+        return any(r["url"].endswith("/health?after-cancel") for r in since)
+
+    page.wait(20).until(marker_sent)
+    later = len([r for r in since if r["url"].endswith("/v1/systemone")])
     assert later == 0  # the log was read once above: nothing more was sent since
     assert 1 <= count < 40
     assert page.find("body").get_attribute("data-eval-sent") == str(count)
