@@ -464,7 +464,7 @@ def test_the_corrupt_header_jpeg_is_refused_before_any_engine_work_while_health_
         started = time.perf_counter()
         assert httpx.get(f"{vision_server.url}/health", timeout=10).status_code == 200
         health_times.append(time.perf_counter() - started)
-        time.sleep(0.05)
+        time.sleep(0.05)  # the probes' pacing while the sender runs (it waits for nothing)
     sender.join()
     started = time.perf_counter()
     tiny = live_post(vision_server, body(state="A plain sentence."))
