@@ -69,9 +69,10 @@ class BatchScorer:
     async def answer(self, client: httpx.AsyncClient, line: BatchLine) -> dict[str, Any]:
         """The output line for `line`: its route's answer, or the refusal of a line it never reaches."""
         if line.problem is not None:
-            status, body = self.refusal(
-                line, ServiceError(400, "invalid_json", f"line {line.number}: {line.problem}")
+            error = ServiceError(
+                line.problem_status, line.problem_code, f"line {line.number}: {line.problem}"
             )
+            status, body = self.refusal(line, error)
         elif line.url not in BATCH_URLS:
             known = ", ".join(BATCH_URLS)
             message = f"no batch route {line.url}: a line's url is one of {known}"
@@ -197,10 +198,14 @@ class ResultWriter:
 
 
 def encode_result(result: dict[str, Any]) -> bytes:
-    """One output line: compact JSON, non-ASCII kept, and a newline."""
-    return (json.dumps(result, ensure_ascii=False, separators=(",", ":")) + "\n").encode(
-        "utf-8", "surrogatepass"
-    )
+    """One output line: compact JSON, non-ASCII kept, and a newline; always UTF-8. A line holding a
+    lone UTF-16 surrogate (a custom_id or an echoed string such as "\\ud800", which has no UTF-8
+    form) is written with every non-ASCII character escaped, so JSON reads back the same string."""
+    text = json.dumps(result, ensure_ascii=False, separators=(",", ":")) + "\n"
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(result, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
 
 
 def _is_regular_file(out: BinaryIO) -> bool:

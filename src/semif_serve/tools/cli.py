@@ -173,10 +173,12 @@ def token_configured() -> bool:
 
 def run_batch(args: argparse.Namespace) -> int:
     """`semif-serve run-batch`: score a batch file with the service's settings, in this process
-    (or on Ray with --ray); 0 when every line has its result, 2 on bad input or settings,
-    3 when the model cannot start, 130 when interrupted (the same command continues)."""
-    from semif_serve.batch.job import BatchFiles
+    (or on Ray with --ray); 0 when every line has its result, 2 when a file, flag or setting is
+    refused (one line on stderr, before anything is written or loaded), 3 when the model cannot
+    start, 130 when interrupted (the same command continues)."""
+    from semif_serve.batch.job import BatchFiles, BatchRefused, check_report, prepared, score_plan
     from semif_serve.batch.lines import DuplicateCustomId
+    from semif_serve.batch.ray_job import RayJobFailed, RayPlan, require_ray, score_on_ray
     from semif_serve.batch.runner import Pacing
     from semif_serve.http.logs import configure_logging
 
@@ -194,26 +196,31 @@ def run_batch(args: argparse.Namespace) -> int:
     bar = {"auto": None, "bar": True, "plain": False}[args.progress]
     try:
         if args.ray:
-            from semif_serve.batch.ray_job import RayPlan, score_on_ray
+            require_ray()  # an environment refused first, before the files are read
+        with prepared(files, settings.max_body_bytes, check_only=args.check) as plan:
+            if args.check:
+                print(check_report(files, plan), file=sys.stderr)
+            elif args.ray:
+                ray_plan = RayPlan(args.ray_address, args.num_actors, args.ray_batch_size, args.ray_gpus)
+                score_on_ray(settings, plan, pacing, ray_plan, bar=bar)
+            else:
 
-            ray_plan = RayPlan(args.ray_address, args.num_actors, args.ray_batch_size, args.ray_gpus)
-            score_on_ray(settings, files, pacing, ray_plan, bar=bar)
-        else:
-            from semif_serve.batch.job import score_file
+                @contextmanager
+                def started() -> Iterator[Service]:
+                    service = start_service(settings)
+                    if isinstance(service, int):
+                        raise SystemExit(service)
+                    try:
+                        yield service
+                    finally:
+                        service.worker.shutdown()
 
-            @contextmanager
-            def started() -> Iterator[Service]:
-                service = start_service(settings)
-                if isinstance(service, int):
-                    raise SystemExit(service)
-                try:
-                    yield service
-                finally:
-                    service.worker.shutdown()
-
-            score_file(started, files, pacing, bar=bar)
+                score_plan(started, plan, pacing, bar=bar)
     except DuplicateCustomId as exc:
         print(f"run-batch: {args.input}: {exc}; nothing was scored", file=sys.stderr)
+        return EXIT_CONFIG
+    except BatchRefused as exc:
+        print(f"run-batch: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as exc:
         print(f"run-batch: {exc}", file=sys.stderr)
@@ -224,6 +231,9 @@ def run_batch(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
+    except RayJobFailed as exc:
+        print(f"run-batch: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
     return 0
 
 
@@ -257,6 +267,12 @@ def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="lines in flight at once (at most SEMIF_MAX_QUEUE) [SEMIF_MAX_QUEUE]",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the files (the input's custom_ids, the lines already in OUT) and stop: no model "
+        "is loaded and nothing is written",
     )
     parser.add_argument(
         "--progress",
