@@ -125,8 +125,12 @@ class OutputLock:
             # O_NOFOLLOW: a symlink planted at the lock's name is never followed (and written).
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            why = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
-            raise BatchRefused(f"-o {self.shown}: its lock file {self.path} {why}") from None
+            if exc.errno == errno.ELOOP:
+                raise BatchRefused(f"-o {self.shown}: its lock file {self.path} is a symlink") from None
+            raise BatchRefused(
+                f"-o {self.shown}: the directory {self.path.parent} does not take new files "
+                f"({exc.strerror}: {self.path})"
+            ) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise BatchRefused(f"-o {self.shown}: its lock file {self.path} is not a regular file")
