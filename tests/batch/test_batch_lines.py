@@ -128,6 +128,11 @@ class ReadRecorder(io.BytesIO):
         self.largest = max(self.largest, size)
         return super().readline(size)
 
+    def read(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        assert size is not None and size > 0, "the whole file was asked for"
+        self.largest = max(self.largest, size)
+        return super().read(size)
+
 
 def test_a_long_line_is_read_in_bounded_chunks_and_kept_as_its_head_and_length():
     head = b'{"custom_id": "huge", "url": "/decide", "body": "'

@@ -1,83 +1,115 @@
-"""`semif-serve run-batch --ray` on a real local Ray cluster this test starts (`ray start --head`
-on 127.0.0.1, two CPUs, a small object store): two actors, each with its own engine, write the
-lines the local run writes (images, the lev release and refusals included)."""
+"""`semif-serve run-batch --ray` on the Ray it starts for itself (no address given): two actors,
+each with its own engine, write the lines the local run writes (images, the lev release and
+refusals included); every socket of every Ray process, the driver's own included, is on
+127.0.0.1, whatever the machine's network address; the session lives in a fresh directory that
+is gone after the run, with no process left and nothing written to the user's home."""
 
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import subprocess
 import tempfile
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import psutil
 import pytest
 
 from semif_serve.batch.job import BatchFiles, score_file
 from semif_serve.batch.runner import Pacing
 from semif_serve.service.startup import Service
-from tests.docs.test_readme import free_port, stop
 from tests.support.batch import (
+    LIMITS,
     UNROUTED,
     answered_lines,
     assert_same_results,
     batch_file,
     refused_lines,
     results,
-    run_batch,
 )
+from tests.support.polling import wait_until
 
 pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_address(batch_env):
-    """A Ray head on loopback in its own session (stopped by its process group), in a short
-    temporary directory (Ray's socket paths must stay short)."""
-    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    port = free_port()
-    log = (temp / "head.log").open("w")
-    command = [
-        "ray",
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        f"--port={port}",
-        "--num-cpus=2",
-        "--include-dashboard=false",
-        "--object-store-memory=200000000",
-        f"--temp-dir={temp}",
-        "--disable-usage-stats",
-    ]
-    process = subprocess.Popen(
-        command, env=batch_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while "Ray runtime started" not in (temp / "head.log").read_text():
-            assert process.poll() is None, (temp / "head.log").read_text()
-            assert time.monotonic() < deadline, "the Ray head did not start"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop(process, grace=5)  # the head takes ~35 s to stop itself here; its group is killed after 5
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
+def addresses_of(process: psutil.Process) -> tuple[set[str], set[str]]:
+    """The addresses `process` listens on, and those it is connected to (its own side and the far one)."""
+    listening, connected = set(), set()
+    for connection in process.net_connections(kind="inet"):
+        if connection.status == psutil.CONN_LISTEN:
+            listening.add(connection.laddr.ip)
+        elif connection.raddr:
+            connected.update((connection.laddr.ip, connection.raddr.ip))
+    return listening, connected
 
 
-def test_two_ray_actors_write_the_lines_of_the_local_run(
-    ray_address, batch_env, batch_settings, vision_engine, tmp_path
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def watch(process: subprocess.Popen, timeout: float) -> dict:
+    """Until `process` ends: every descendant's pid, command line, listening and connected addresses."""
+    seen: dict = {"pids": set(), "commands": [], "listening": set(), "connected": set()}
+    root = psutil.Process(process.pid)
+
+    def ended() -> bool:
+        try:
+            for child in [root, *root.children(recursive=True)]:
+                listening, connected = addresses_of(child)
+                seen["listening"] |= listening
+                seen["connected"] |= connected
+                if child.pid not in seen["pids"]:
+                    seen["pids"].add(child.pid)
+                    seen["commands"].append(" ".join(child.cmdline()))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            pass  # a process that ended between two looks
+        return process.poll() is not None
+
+    wait_until(ended, timeout=timeout, what="the Ray batch to finish", every=0.2)
+    return seen
+
+
+def test_two_ray_actors_on_a_loopback_ray_of_their_own_write_the_lines_of_the_local_run(
+    batch_env, batch_settings, vision_engine, tmp_path
 ):
     lines = answered_lines() + refused_lines() + [text for text, _, _ in UNROUTED]
     source = batch_file(tmp_path / "in.jsonl", lines)
     local = tmp_path / "local.jsonl"
     service = Service.start(batch_settings, engine=vision_engine)
-    score_file(lambda: nullcontext(service), BatchFiles(str(source), str(local)), Pacing())
+    files = BatchFiles(str(source), str(local))
+    score_file(lambda: nullcontext(service), files, Pacing(), max_body_bytes=LIMITS["max_body_bytes"])
 
     out = tmp_path / "ray.jsonl"
-    args = ("--ray", "--ray-address", ray_address, "--num-actors", "2", "--ray-batch-size", "6")
-    on_ray = run_batch(batch_env, "-i", str(source), "-o", str(out), *args)
-    assert on_ray.returncode == 0, on_ray.stderr[-3000:]
-    assert f"{len(lines)} lines, 0 already in the output" in on_ray.stderr
-    assert_same_results(results(out), results(local))
+    temp = Path(tempfile.mkdtemp(prefix="rb-", dir="/tmp"))  # short: Ray's socket paths are capped
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in batch_env.items() if not k.startswith("RAY_")}
+    env.update(TMPDIR=str(temp), HOME=str(home))
+    command = ["semif-serve", "run-batch", "-i", str(source), "-o", str(out), "--ray"]
+    command += ["--num-actors", "2", "--ray-batch-size", "6", "--progress", "plain"]
+    log = tmp_path / "stderr.log"
+    process = None
+    try:
+        with log.open("w") as stderr_file:
+            process = subprocess.Popen(command, env=env, stderr=stderr_file, start_new_session=True)
+            seen = watch(process, timeout=600)
+        stderr = log.read_text()
+        assert process.returncode == 0, stderr[-3000:]
+        assert f"{len(lines)} lines, 0 already in the output" in stderr
+        assert_same_results(results(out), results(local))
+
+        assert any("gcs_server" in command for command in seen["commands"]), seen["commands"]
+        assert seen["listening"], "no Ray socket was seen"
+        assert all(is_loopback(address) for address in seen["listening"] | seen["connected"]), seen
+        assert any(f"{temp}/semif-ray-" in command for command in seen["commands"])  # its own directory
+        assert list(temp.iterdir()) == [], "the Ray session's directory was left behind"
+        assert not (home / ".ray").exists(), "a token was written to the user's home"
+        wait_until(
+            lambda: not any(psutil.pid_exists(pid) for pid in seen["pids"]), 60, "every Ray process to end"
+        )
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+        shutil.rmtree(temp, ignore_errors=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -285,8 +286,8 @@ class Piece(NamedTuple):
 
 
 def pieces(source: BinaryIO, hold: int, limit: int | None = None) -> Iterator[Piece]:
-    """Each physical line of `source`, holding at most `hold` bytes of it: a longer one is read
-    in chunks to its newline and kept as a `LongLine` (its first HEAD_BYTES, its length).
+    """Each physical line of `source` (seekable), holding at most `hold` bytes of it: a longer one
+    is read in chunks to its newline and kept as a `LongLine` (its first HEAD_BYTES, its length).
     `limit` is the body limit a `LongLine` records (default: `hold`)."""
     while True:
         raw = source.readline(hold + 2)
@@ -306,9 +307,13 @@ def pieces(source: BinaryIO, hold: int, limit: int | None = None) -> Iterator[Pi
         head, size, blank = raw[:HEAD_BYTES], len(raw), raw.isspace()
         chunk = raw
         while not ended:
-            chunk = source.readline(_CHUNK)
+            chunk = source.read(_CHUNK)  # read, not readline: a long readline copies 8 KiB at a time
             if not chunk:
                 break
+            newline = chunk.find(b"\n")
+            if newline >= 0:
+                source.seek(newline + 1 - len(chunk), os.SEEK_CUR)  # the next line starts after it
+                chunk = chunk[: newline + 1]
             size += len(chunk)
             blank = blank and chunk.isspace()
             if len(head) < HEAD_BYTES:  # a hold shorter than the head (a test's) reads on for it
