@@ -10,7 +10,6 @@ import io
 import json
 import signal
 import subprocess
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from tests.support.batch import (
     results,
     run_batch,
 )
+from tests.support.polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +161,12 @@ def killed_midway(env: dict, source: Path, out: Path, sig: int, after: int) -> s
         )
     finally:
         signal.signal(signal.SIGINT, previous)
-    deadline = time.monotonic() + 180
-    while not (out.exists() and out.read_bytes().count(b"\n") >= after):
+
+    def written() -> bool:
         assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "no line was written"
-        time.sleep(0.005)
+        return out.exists() and out.read_bytes().count(b"\n") >= after
+
+    wait_until(written, timeout=180, what=f"{after} lines written", every=0.005)
     process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=120)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
@@ -192,3 +193,36 @@ def test_a_run_killed_by_sigkill_then_by_sigint_continues_to_the_uninterrupted_o
     assert again.returncode == 0, again.stderr
     assert f"{KILL_LINES} lines, {kept} already in the output" in again.stderr
     assert_same_results(results(out), uninterrupted)
+
+
+def test_a_second_run_on_the_same_output_is_refused_naming_the_first(
+    batch_env, long_file, uninterrupted, tmp_path
+):
+    out, lock = tmp_path / "out.jsonl", tmp_path / "out.jsonl.lock"
+    first = subprocess.Popen(
+        ["semif-serve", "run-batch", "-i", str(long_file), "-o", str(out), *ARGS],
+        env=batch_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def locked() -> bool:
+            assert first.poll() is None, first.communicate()
+            return lock.exists() and lock.read_text() == f"run-batch pid {first.pid}\n"
+
+        wait_until(locked, timeout=60, what="the first run's lock")  # taken before its model loads
+        second = run_batch(batch_env, "-i", str(long_file), "-o", str(out), *ARGS)
+        assert second.returncode == 2, second.stderr
+        assert (
+            f"-o {out} is being written by another run-batch (pid {first.pid}, lock {lock})" in second.stderr
+        )
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr
+    assert out.read_bytes().count(b"\n") == KILL_LINES  # each line once, not twice
+    assert_same_results(results(out), uninterrupted)
+    assert not lock.exists()
