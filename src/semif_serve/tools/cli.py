@@ -425,8 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Each input line is {custom_id, method, url, body} with url /v1/systemone, /decide or "
         "/decide/shared; each output line is {id, custom_id, response: {status_code, request_id, "
         "body}, error}, the body the route answers. Settings are the service's (SEMIF_*); no port "
-        "is bound. A rerun skips the lines already in OUT. Exits 0 when done, 2 on a repeated "
-        "custom_id or bad settings, 3 when the model cannot start, 130 when interrupted.",
+        "is bound. A rerun skips the lines already in OUT, once every line of OUT is checked to be "
+        "this input's; OUT is never the input, a device or another file, and one run at a time "
+        "writes it. Exits 0 when done, 2 when a file, flag or setting is refused (a repeated "
+        "custom_id, OUT not this input's output, OUT locked, Ray missing: one line, nothing "
+        "written), 3 when the model cannot start, 130 when interrupted.",
     )
     add_run_batch_arguments(batch)
     command("env-template", "print every SEMIF_* variable with its default, as a commented env file")
