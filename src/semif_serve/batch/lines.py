@@ -17,10 +17,9 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from json.decoder import scanstring
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, cast
 
 #: The routes a batch line may name (all POST), each answered by the door that serves it.
 BATCH_URLS = ("/v1/systemone", "/decide", "/decide/shared")
@@ -31,8 +30,11 @@ ENVELOPE_BYTES = 64 * 1024
 HEAD_BYTES = 64 * 1024
 _CHUNK = 1 << 20
 _DECODER = json.JSONDecoder()
-_SCAN = _DECODER.scan_once
+# json's own scanners (C where built), called directly: the line's members are read one by one.
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
+_SCAN_STRING: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 _SPACES = re.compile(r"[ \t\n\r]*")
+_SPACE = cast(Callable[[str, int], "re.Match[str]"], _SPACES.match)  # `*` always matches
 _BRACKET_OR_QUOTE = re.compile(r'["\[\]{}]')
 _STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
@@ -119,7 +121,7 @@ class _Broken(ValueError):
 def _top_level(text: str) -> dict[str, tuple[Any, str]]:
     """A JSON object's top-level keys -> (value, the value's exact text). Raises _Broken."""
     fields: dict[str, tuple[Any, str]] = {}
-    space = _SPACES.match
+    space = _SPACE
     index = space(text, 0).end()
     if text[index : index + 1] != "{":
         raise _Broken("the line is not a JSON object", fields)
@@ -131,7 +133,7 @@ def _top_level(text: str) -> dict[str, tuple[Any, str]]:
             while True:
                 if text[index : index + 1] != '"':
                     raise ValueError("a key of the line's object is not a string")
-                key, index = scanstring(text, index + 1)
+                key, index = _SCAN_STRING(text, index + 1)
                 index = space(text, index).end()
                 if text[index : index + 1] != ":":
                     raise ValueError(f"no ':' after the key {key!r}")
@@ -196,12 +198,12 @@ def parse_line(number: int, raw: RawLine) -> BatchLine:
     A custom_id (and method, url) read before the line breaks off is kept: a line that is not
     valid JSON, or one too long to read, keeps what its first members say."""
     if isinstance(raw, LongLine):
-        problem = (
+        too_long = (
             f"the line is {raw.length} bytes, more than the body limit ({raw.limit} bytes) and "
             f"{ENVELOPE_BYTES} bytes for the rest of the line: refused from its length, unread"
         )
         line = _envelope(number, {k: v for k, v in _head_fields(raw).items() if k != "body"})
-        return replace(line, problem=problem, problem_status=413, problem_code="body_too_large")
+        return replace(line, problem=too_long, problem_status=413, problem_code="body_too_large")
     fields, problem = _read(raw)
     line = _envelope(number, fields)
     if problem is not None:
