@@ -260,3 +260,27 @@ def test_ray_missing_is_one_line_saying_how_to_install_it(env, source, tmp_path)
     line = assert_refused(result, "pip install 'semif-serve[ray]'")
     assert line == "run-batch: --ray needs Ray, which is not installed here: pip install 'semif-serve[ray]'"
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        ((), "the following arguments are required: -o/--output"),
+        (("-o", "out.jsonl", "--ray-gpus", "-1"), "argument --ray-gpus: -1 is not a number of at least 0"),
+        (("-o", "out.jsonl", "--window", "0"), "argument --window: 0 is not at least 1"),
+    ],
+)
+def test_a_refused_flag_is_one_line(env, source, flags, why):
+    line = assert_refused(run_batch(env, "-i", str(source), *flags, cwd=source.parent))
+    assert line == f"semif-serve run-batch: {why} (--help lists the flags)"
+    assert not (source.parent / "out.jsonl").exists()
+
+
+def test_a_ray_address_ray_cannot_read_is_one_line(env, source, tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "out.jsonl"
+    result = run_batch(env, "-i", str(source), "-o", str(out), "--ray", "--ray-address", "not-an-address")
+    line = assert_refused(result)
+    joined = "run-batch: --ray: cannot join the Ray at not-an-address"
+    assert line == f"{joined}: ValueError: Invalid address format: not-an-address"
+    assert not out.exists() and not Path(f"{out}.lock").exists()

@@ -148,7 +148,12 @@ def ray_session(where: RayPlan) -> Iterator[ModuleType]:
         except ImportError:
             raise BatchRefused(MISSING) from None
         offline = {name: os.environ[name] for name in OFFLINE_ENV if name in os.environ}
-        ray.init(**session.init, runtime_env={"env_vars": offline}, log_to_driver=False)
+        try:
+            ray.init(**session.init, runtime_env={"env_vars": offline}, log_to_driver=False)
+        except Exception as exc:  # noqa: BLE001 - a bad address, no cluster there, no token: one line
+            joined = session.init["address"]
+            what = "start a Ray of its own" if joined == "local" else f"join the Ray at {joined}"
+            raise BatchRefused(f"--ray: cannot {what}: {_first_line(exc)}") from None
         try:
             yield ray
         finally:
@@ -160,6 +165,11 @@ def ray_session(where: RayPlan) -> Iterator[ModuleType]:
             else:
                 os.environ[name] = value
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 class LineScorer:
@@ -250,8 +260,7 @@ def score_on_ray(
                     for result in results:
                         progress(result)
         except ray.exceptions.RayError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RayJobFailed(f"the job failed on Ray: {type(exc).__name__}: {first}") from exc
+            raise RayJobFailed(f"the job failed on Ray: {_first_line(exc)}") from exc
         finally:
             progress.close()
     return progress.summary

@@ -245,8 +245,23 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> float:
+    """An argparse type: a finite number of at least 0."""
+    import math
+
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of at least 0")
+    return value
+
+
 def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `semif-serve run-batch` (docs/batch.md)."""
+    """The flags of `semif-serve run-batch` (docs/batch.md); a refused flag is one line (exit 2)."""
+
+    def one_line(message: str) -> None:
+        parser.exit(EXIT_CONFIG, f"{parser.prog}: {message} (--help lists the flags)\n")
+
+    parser.error = one_line  # type: ignore[method-assign,assignment]
     parser.add_argument("-i", "--input", required=True, metavar="IN", help="the batch file (- for stdin)")
     parser.add_argument(
         "-o",
@@ -296,7 +311,7 @@ def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ray.add_argument(
         "--ray-gpus",
-        type=float,
+        type=non_negative,
         default=None,
         metavar="G",
         help="GPUs per actor (default: 1 when SEMIF_DEVICE is cuda, else 0)",
