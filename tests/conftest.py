@@ -17,6 +17,7 @@ from semif_serve.engine.runner import TorchEngine  # noqa: E402
 from semif_serve.service.startup import Service, load_engine  # noqa: E402
 from semif_serve.tools.demo import write_checkpoint  # noqa: E402
 from tests.support import in_process_client, make_settings  # noqa: E402
+from tests.support.memory_report import MemoryReport  # noqa: E402
 
 LAYERS = ("domain", "engine", "http", "doors", "service", "batch", "deploy", "docs")
 # What a module needs beyond Python, so `-m "not browser"` (or `-m proxy`) picks by it.
@@ -36,6 +37,35 @@ NEEDS = {
     "test_run_batch": ("slow",),
     "test_ray_batch": ("slow",),
 }
+
+
+MEMORY = MemoryReport()
+
+
+def pytest_runtest_setup(item):
+    """Account resident memory by module (printed at the end of the run)."""
+    MEMORY.enter(item.nodeid.split("::")[0])
+
+
+MEMORY_LIMIT_GIB = float(os.environ.get("SEMIF_TEST_MEMORY_GIB", "6"))  # CI's bound (issue 49)
+
+
+def pytest_sessionfinish(session):
+    """A run whose test process, or any process it started, passed MEMORY_LIMIT_GIB fails."""
+    MEMORY.leave()
+    if MEMORY.peak_gib() > MEMORY_LIMIT_GIB:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's peak resident memory and the modules that left the most behind."""
+    terminalreporter.section("memory")
+    for line in MEMORY.lines():
+        terminalreporter.write_line(line)
+    if MEMORY.peak_gib() > MEMORY_LIMIT_GIB:
+        terminalreporter.write_line(
+            f"FAILED: the run passed its memory bound of {MEMORY_LIMIT_GIB} GiB", red=True
+        )
 
 
 def pytest_collection_modifyitems(config, items):
