@@ -73,6 +73,9 @@ RUNS = {
     "uv run semif-serve check-model ": "test_check_model_on_the_demo_checkpoint_says_complete",
     "cat > tickets.jsonl": "test_the_batch_block_scores_its_file_as_the_demo_answers_each_line",
     "uv run semif-serve manifest ": "test_the_manifest_block_pins_and_verifies_the_demo_checkpoint",
+    "uv run semif-serve presentation-checks --demo": (
+        "test_the_presentation_checks_line_measures_the_demo_within_the_committed_report"
+    ),
 }
 
 
@@ -504,3 +507,22 @@ def test_the_manifest_block_pins_and_verifies_the_demo_checkpoint(checkpoint, tm
     assert result.returncode == 0, result.stderr
     assert "model.safetensors" in manifest.read_text()
     assert re.search(r"manifest: all \d+ files match", result.stdout)
+
+
+def test_the_presentation_checks_line_measures_the_demo_within_the_committed_report(vision_checkpoint):
+    result = subprocess.run(
+        ["bash", "-c", here(block("uv run semif-serve presentation-checks --demo"))],
+        cwd=ROOT,
+        env=clean_env(SEMIF_DEMO_DIR=str(vision_checkpoint)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "every metric within 0.05 of conf/presentation-report.json" in result.stderr
+    committed = json.loads((ROOT / "conf" / "presentation-report.json").read_text())
+    for kind, orderings in committed["checks"].items():
+        for ordering, entry in orderings.items():
+            row = next(r.split() for r in result.stdout.splitlines() if r.split()[:2] == [kind, ordering])
+            lean = next(float(cell) for cell in row[2:] if cell[0] in "+-")  # the first signed column
+            assert lean == pytest.approx(entry["raw"]["identical"]["metric"], abs=6e-4), row

@@ -18,6 +18,7 @@ DOCUMENTED = [
     "env-template",
     "check-model",
     "manifest",
+    "presentation-checks",
 ]
 
 

@@ -1,5 +1,5 @@
 """The `semif-serve` command: serve, demo, demo-model, run-batch, calibrate, env-template, check-model,
-manifest.
+manifest, presentation-checks.
 
 The entry point forces HF_HUB_OFFLINE=1 before anything imports transformers: the service
 never downloads weights or data.
@@ -475,6 +475,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write the manifest to FILE instead of stdout",
     )
+    from semif_serve.tools.presentation_checks import add_presentation_arguments
+
+    checks = command(
+        "presentation-checks",
+        "measure how much the order of the options sways the model on your states, per ordering",
+        "lev's label-free position checks (identical options; the first-slot rate over every order "
+        "of three options) under each ordering the service offers, calibrated and raw: a JSON report, "
+        "a table, --compare against a committed report, --recommend the cheapest ordering per kind "
+        "within the gates. Exits 0, 1 when a metric drifted, 2 on bad input or other settings, 3 when "
+        "the service cannot start or be reached (docs/presentation-checks.md).",
+    )
+    add_presentation_arguments(checks)
     return parser
 
 
@@ -505,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         return write_manifest(args.directory, args.write)
     if args.command == "run-batch":
         return run_batch(args)
+    if args.command == "presentation-checks":
+        from semif_serve.tools.presentation_checks import presentation_checks
+
+        return presentation_checks(args, demo_overrides, checked_settings, start_service)
     if args.command == "demo":
         overrides = demo_overrides()
         if args.port is not None:
