@@ -45,6 +45,13 @@ MEMORY = MemoryReport()
 def pytest_runtest_setup(item):
     """Account resident memory by module (printed at the end of the run)."""
     MEMORY.enter(item.nodeid.split("::")[0])
+    MEMORY.before_test()
+
+
+def pytest_runtest_teardown(item):
+    """See the processes a test started while they still run, and whether it raised the peak."""
+    MEMORY.after_test(item.nodeid)
+    MEMORY.watch_children()
 
 
 MEMORY_LIMIT_GIB = float(os.environ.get("SEMIF_TEST_MEMORY_GIB", "6"))  # CI's bound (issue 49)

@@ -70,7 +70,7 @@ def plain_forward(
     text = rendered(tokenizer, codes, state, question, descriptions)
     ids = tokenizer.encode(text, add_special_tokens=False)
     with torch.no_grad():
-        logits = engine.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+        logits = engine.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1]
     option_logits = [float(logits[token_id]) for _, token_id in codes[: len(descriptions)]]
     exps = [math.exp(v - max(option_logits)) for v in option_logits]
     return option_logits, [e / sum(exps) for e in exps], hashlib.sha256(text.encode()).hexdigest()

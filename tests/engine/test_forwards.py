@@ -13,7 +13,7 @@ SLOTS = [32, 33, 34, 35, 1000, 5]
 def whole_prompt_logits(model, ids: list[int]) -> torch.Tensor:
     """The independent reference: transformers' own forward of the prompt, every logit."""
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        return model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1].float()
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -46,7 +46,7 @@ def expected(fresh_base, tok, suffixes, orders, labels):
     for suffix, order in zip(suffixes, orders, strict=True):
         row = tok.encode(PLAIN_PREFIX, add_special_tokens=True) + tok.encode(suffix, add_special_tokens=False)
         with torch.no_grad():
-            logits = fresh_base(input_ids=torch.tensor([row])).logits[0, -1]
+            logits = fresh_base(input_ids=torch.tensor([row]), logits_to_keep=1).logits[0, -1]
         for shown, p in enumerate(softmax_t([float(logits[i]) for i in ids], 1.0)):
             total[order[shown]] += p
     return [t / len(suffixes) for t in total]

@@ -92,9 +92,17 @@ def test_the_loader_runs_the_checkpoint_on_the_own_kernels_and_the_setting_turns
 def test_an_accelerated_model_gives_a_plain_forwards_logits(models) -> None:
     served, reference = models
     ids = torch.randint(0, 2000, (2, 150), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got, expected = served(input_ids=ids).logits, reference(input_ids=ids).logits
+    with torch.no_grad():  # every position's final state: what the head reads (one vocabulary row each)
+        got, expected = (
+            served.model(input_ids=ids).last_hidden_state,
+            reference.model(input_ids=ids).last_hidden_state,
+        )
+        last = (
+            served(input_ids=ids, logits_to_keep=1).logits,
+            reference(input_ids=ids, logits_to_keep=1).logits,
+        )
     assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+    assert torch.allclose(*last, atol=1e-5, rtol=0)
 
 
 def test_a_prefill_continued_by_padded_suffix_rows_gives_the_plain_forwards_logits(models) -> None:

@@ -40,7 +40,7 @@ def ids(n: int, seed: int) -> list[int]:
 def alone(reference, sequence) -> torch.Tensor:
     """The logits at COLUMNS after `sequence`, by one plain forward of it alone."""
     with torch.no_grad():
-        return reference(input_ids=torch.tensor([list(sequence)])).logits[0, -1, COLUMNS]
+        return reference(input_ids=torch.tensor([list(sequence)]), logits_to_keep=1).logits[0, -1, COLUMNS]
 
 
 def packed_logits(engine, packed, segment: int, model: int = -1) -> torch.Tensor:
@@ -180,6 +180,8 @@ def test_one_engine_turn_answers_rows_of_requests_over_different_states_as_plain
     for n, (p, outcome) in enumerate(zip(prepared, outcomes, strict=True)):
         for prompt, row in zip(p.prompts, outcome[("turn", n)], strict=True):
             with torch.no_grad():
-                want = reference(input_ids=torch.tensor([prompt.ids])).logits[0, -1, slots[:3]]
+                want = reference(input_ids=torch.tensor([prompt.ids]), logits_to_keep=1).logits[
+                    0, -1, slots[:3]
+                ]
             assert row.run.forward_requests == 16 and row.run.packed
             assert torch.allclose(torch.tensor(row.option_logits), want, atol=TOLERANCE), n

@@ -1,7 +1,7 @@
 """A lone question at the plain forward's cost, follow-ups from the cache, on every door.
 
 Every answer is compared with an independent computation: SemIf's plain forward of the same
-prompt (`model(input_ids=prompt, use_cache=False).logits[0, -1]`), within 1e-5 in float32,
+prompt (`model(input_ids=prompt, use_cache=False, logits_to_keep=1).logits[0, -1]`), within 1e-5 in float32,
 with the same `prompt_sha256` and `input_tokens`.
 """
 
@@ -40,7 +40,11 @@ def plain_forward(engine, state, question: str, descriptions) -> tuple[list[floa
     """SemIf's plain forward of the rendered prompt: slot logits, prompt sha256, input tokens."""
     prompt = engine.codec.encode_prompt(state, question, tuple(descriptions), 4096)
     with torch.inference_mode():
-        logits = engine.model(input_ids=torch.tensor([prompt.ids]), use_cache=False).logits[0, -1].float()
+        logits = (
+            engine.model(input_ids=torch.tensor([prompt.ids]), use_cache=False, logits_to_keep=1)
+            .logits[0, -1]
+            .float()
+        )
     slots = logits[torch.tensor(engine.codec.slots[: len(descriptions)])].tolist()
     return slots, hashlib.sha256(prompt.text.encode()).hexdigest(), len(prompt.ids)
 
@@ -252,7 +256,8 @@ def test_system_one_asks_a_lone_question_like_decide_and_serves_its_follow_up_fr
 def test_a_lone_question_over_a_state_past_the_direct_bound_is_prefilled_in_chunks_not_one_forward(
     fresh, engine
 ):
-    state = " ".join(f"line {i}: zone {i % 7} healthy." for i in range(900))  # well past 4,096 tokens
+    # About 4,500 tokens: past the direct bound (4,096), and no longer than that needs.
+    state = " ".join(f"line {i}: zone {i % 7} healthy." for i in range(420))
     assert len(engine.codec.encode(state)) > DIRECT_MAX_TOKENS
     noul = {"type": "noul", "instructions": "Did the rollout succeed?", "x_orderings": "none"}
 
@@ -268,7 +273,11 @@ def test_a_lone_question_over_a_state_past_the_direct_bound_is_prefilled_in_chun
         state, "Did the rollout succeed?", ("Yes, it is true.", "No, it is false."), 32768
     )
     with torch.inference_mode():
-        logits = engine.model(input_ids=torch.tensor([prompt.ids]), use_cache=False).logits[0, -1].float()
+        logits = (
+            engine.model(input_ids=torch.tensor([prompt.ids]), use_cache=False, logits_to_keep=1)
+            .logits[0, -1]
+            .float()
+        )
     plain = logits[torch.tensor(engine.codec.slots[:2])].tolist()
     assert max(abs(a - b) for a, b in zip(semif["option_logits"].values(), plain, strict=True)) <= TOL
     assert semif["input_tokens"] == len(prompt.ids)

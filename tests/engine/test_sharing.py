@@ -40,7 +40,11 @@ def ids(n: int, seed: int) -> list[int]:
 
 def whole_forward(engine, row: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return engine.model(input_ids=torch.tensor([row]), use_cache=False).logits[0, -1].float()
+        return (
+            engine.model(input_ids=torch.tensor([row]), use_cache=False, logits_to_keep=1)
+            .logits[0, -1]
+            .float()
+        )
 
 
 @pytest.mark.parametrize(("prefix_tokens", "kept"), [(12, False), (300, True)])

@@ -38,7 +38,7 @@ def token_ids(n: int, seed: int) -> list[int]:
 def full_forward_logits(model, ids: list[int]) -> torch.Tensor:
     """The independent reference: a plain forward of the whole prompt, no cache."""
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        return model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1].float()
 
 
 def snapshot(state: StoredState) -> list[torch.Tensor]:

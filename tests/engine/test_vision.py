@@ -71,6 +71,7 @@ def full_forward(model, tokenizer, text: str, data: bytes):
             pixel_values=pixels["pixel_values"],
             image_grid_thw=pixels["image_grid_thw"],
             mm_token_type_ids=(ids == pad).int(),
+            logits_to_keep=1,
         )
     return out.logits[0, -1].float(), ids[0].tolist()
 

@@ -614,7 +614,11 @@ def plain_last_logits(engine, ids: list[int]):
     import torch
 
     with torch.no_grad():
-        return engine.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        return (
+            engine.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+            .logits[0, -1]
+            .float()
+        )
 
 
 @pytest.mark.parametrize("chunk", [5, 64])

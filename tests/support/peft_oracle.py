@@ -30,5 +30,5 @@ def peft_last(reference: Any, ids: Sequence[int], scale: float = 1.0) -> tuple[A
     from peft.helpers import rescale_adapter_scale
 
     with torch.no_grad(), rescale_adapter_scale(reference, scale):
-        out = reference(input_ids=torch.tensor([list(ids)]), output_hidden_states=True)
+        out = reference(input_ids=torch.tensor([list(ids)]), output_hidden_states=True, logits_to_keep=1)
     return out.logits[0, -1], out.hidden_states[-1][0, -1]

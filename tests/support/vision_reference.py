@@ -63,7 +63,11 @@ def expected_row(reference, text: str, n_options: int, images: dict[str, bytes])
             image_grid_thw=torch.cat([p["image_grid_thw"] for p in shown]),
         )
     with torch.inference_mode():
-        logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).int(), **extra).logits[0, -1].float()
+        logits = (
+            model(input_ids=ids, mm_token_type_ids=(ids == pad).int(), logits_to_keep=1, **extra)
+            .logits[0, -1]
+            .float()
+        )
     slots = [tokenizer.convert_tokens_to_ids(chr(ord("A") + i)) for i in range(n_options)]
     chosen = [float(logits[s]) for s in slots]
     top = max(chosen)
