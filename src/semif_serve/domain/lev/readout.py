@@ -46,11 +46,6 @@ class LevPlan:
     questions: Mapping[str, LevQuestion]
     routes: Mapping[str, LevRoute]
 
-    @property
-    def needs_head(self) -> bool:
-        """Whether any question reads the candidate head (and so wants hidden states)."""
-        return any(r.mode == "B" for r in self.routes.values())
-
 
 def plan_request(
     state: Any,
