@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from semif_serve.batch.runner import retry_after
 from semif_serve.domain.lev.calibration import UNCALIBRATED
 from semif_serve.domain.lev.types import ScoreOrderAverage
 from semif_serve.domain.orderings import ALLOWED_ORDERINGS, CORE_ORDERINGS, order_count
@@ -49,7 +50,6 @@ ROWS_FORMULA = {
     "cyclic": "n",
 }
 RETRIES = 3
-MAX_RETRY_SECONDS = 10.0
 PROBE_PATH = "/v1/systemone"
 VARIANT_MARK = ":presentation:"  # a lev ordering's copy is served as <model>:presentation:<ordering>:<scores>
 
@@ -251,7 +251,7 @@ class Prober:
                 reply = await self.client.post(PROBE_PATH, json=body, headers=self.headers)
             except httpx.HTTPError as exc:
                 raise ProbeRefused(f"{PROBE_PATH}: {type(exc).__name__}: {exc}") from None
-            wait = _retry_after(reply)
+            wait = retry_after(reply)
             if wait is None or attempt == RETRIES:
                 break
             await asyncio.sleep(wait)
@@ -277,15 +277,6 @@ class Prober:
         finally:
             for task in tasks:
                 task.cancel()
-
-
-def _retry_after(reply: httpx.Response) -> float | None:
-    if reply.status_code not in (429, 503):
-        return None
-    try:
-        return min(MAX_RETRY_SECONDS, max(0.0, float(reply.headers["Retry-After"])))
-    except (KeyError, ValueError):
-        return None
 
 
 @dataclass
