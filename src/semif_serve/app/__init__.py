@@ -66,13 +66,13 @@ def create_app(service: Service, doors: Sequence[DecisionDoor] | None = None) ->
 
     admission = Admission(
         ReplyCoding(cast(ASGIApp, GZipMiddleware(api, minimum_size=COMPRESS_FROM_BYTES))),
-        settings.max_queue,
-        settings.max_body_bytes,
-        settings.body_timeout_seconds,
-        Authenticator(service.token),
-        protected,
-        render,
-        body_limit,
+        max_queue=settings.max_queue,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_seconds=settings.body_timeout_seconds,
+        authenticator=Authenticator(service.token),
+        protected_paths=protected,
+        render=render,
+        body_limit=body_limit,
     )
     metrics = Metrics()
     metrics.watch(lambda: take_snapshot(service, admission))

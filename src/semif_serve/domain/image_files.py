@@ -125,7 +125,15 @@ def png_layout(data: bytes) -> PngLayout:
     if header is None or not idat:
         raise BrokenImage("the PNG has no image data (IDAT)")
     width, height, depth, colour, _, _, interlace = header
-    return PngLayout(width, height, depth, colour, interlace == 1, tuple(idat), palette or 0)
+    return PngLayout(
+        width=width,
+        height=height,
+        bit_depth=depth,
+        colour_type=colour,
+        interlaced=interlace == 1,
+        idat=tuple(idat),
+        palette=palette or 0,
+    )
 
 
 def _png_palette(length: int, depth: int, seen: int | None) -> int:

@@ -334,7 +334,15 @@ def read_adapter(directory: Path, model: Any, base_names: Sequence[str] = ()) ->
         b = b.to(device=layer.weight.device, dtype=layer.weight.dtype).contiguous()
         modules[module] = (a, b)
         nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
-    return LoraWeights(directory, rank, alpha, rslora, base_model, modules, nbytes)
+    return LoraWeights(
+        directory=directory,
+        rank=rank,
+        alpha=alpha,
+        rslora=rslora,
+        base_model=base_model,
+        modules=modules,
+        nbytes=nbytes,
+    )
 
 
 def module_name(peft_module: str) -> str:

@@ -250,7 +250,16 @@ def plain_logits(
 
     with torch.inference_mode():
         if images is not None and any(t < 0 for t in ids):
-            return logits_over(model, None, 0, [ids], pad_id, chunk_tokens, images, columns=columns)[0]
+            return logits_over(
+                model,
+                None,
+                0,
+                [ids],
+                pad_id=pad_id,
+                chunk_tokens=chunk_tokens,
+                images=images,
+                columns=columns,
+            )[0]
         tensor = torch.tensor([list(ids)], device=device)
         last = model.get_decoder()(input_ids=tensor, use_cache=False).last_hidden_state[:, -1]
         return head_logits(model, last, columns)[0]

@@ -226,7 +226,17 @@ def base_release(
     tokenizer, no adapter, no candidate head, every temperature 1.0. `directory` is the base
     checkpoint; `flags` are lev's server flags, as `load_lev_release` takes them (`prompt_style`,
     `noul_readout`, `score_order_average`, `max_label_options`)."""
-    manifest = LevManifest(base_name, None, None, None, None, False, False, None, None)
+    manifest = LevManifest(
+        base_model=base_name,
+        name=None,
+        prompt_style=None,
+        noul_readout=None,
+        lora_rank=None,
+        mode_b_head=False,
+        calibrated=False,
+        files=None,
+        adapter_scale=None,
+    )
     options = serving_options(manifest, source=settings_source, **flags)
     return LevRelease(
         directory=Path(directory),

@@ -276,14 +276,16 @@ class PackedRunner:
         start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, model, stepped)
         ref = _ref_of(start)
         if state_first:
-            ref = self._kept(prefix[:state_tokens], _ref_of(superseded), STATE, images, model, plan, entry)
+            ref = self._kept(
+                prefix[:state_tokens], _ref_of(superseded), STATE, images, model, plan=plan, entry=entry
+            )
         if stepped is not None:  # continue from the last step's slice where it is the longer start
             longer = self.cache.longest_prefix(prefix, model)
             if longer is not None and len(longer) > ref.covers:
                 superseded, start, ref = start, longer, _ref_of(longer)
         entry.how = _costlier(entry.how, how)
         if ref.covers < len(prefix):
-            ref = self._kept(prefix, ref, kind, images, model, plan, entry)
+            ref = self._kept(prefix, ref, kind, images, model, plan=plan, entry=entry)
         for slice_ in (superseded, start if stepped is not None else None):
             entry.after.append(functools.partial(self.stepped.drop_slice, slice_, state_tokens))
         return ref
@@ -295,6 +297,7 @@ class PackedRunner:
         kind: str,
         images: ImageSet | None,
         model: int,
+        *,
         plan: ForwardPlan,
         entry: _Planned,
     ) -> Ref:

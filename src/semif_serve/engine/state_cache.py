@@ -348,14 +348,14 @@ class StateCache:
                 for kind, tier in self._tiers.items()
             }
             return CacheStats(
-                self.budget_bytes,
-                self._bytes,
-                sum(k.entries for k in by_kind.values()),
-                sum(k.hits for k in by_kind.values()),
-                sum(k.misses for k in by_kind.values()),
-                self._evictions,
-                self._refused,
-                by_kind,
+                budget_bytes=self.budget_bytes,
+                bytes=self._bytes,
+                entries=sum(k.entries for k in by_kind.values()),
+                hits=sum(k.hits for k in by_kind.values()),
+                misses=sum(k.misses for k in by_kind.values()),
+                evictions=self._evictions,
+                refused=self._refused,
+                by_kind=by_kind,
             )
 
     @property

@@ -46,13 +46,13 @@ class TowerPrices:
         unit = config.spatial_merge_size**2
         inputs = config.in_channels * config.temporal_patch_size * config.patch_size**2
         return cls(
-            patches,
-            config.hidden_size,
-            config.intermediate_size,
-            config.depth,
-            inputs,
-            config.hidden_size * unit,
-            config.out_hidden_size,
+            patches=patches,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            depth=config.depth,
+            patch_inputs=inputs,
+            merged_hidden=config.hidden_size * unit,
+            out_hidden=config.out_hidden_size,
         )
 
     @property

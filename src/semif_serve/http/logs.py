@@ -7,7 +7,8 @@ import logging
 import sys
 import time
 
-RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+_BLANK = logging.LogRecord(name="", level=0, pathname="", lineno=0, msg="", args=(), exc_info=None)
+RESERVED = set(vars(_BLANK)) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):

@@ -106,7 +106,17 @@ class Service:
         )  # a thread per admitted request
         core = DecisionCore(worker, calibration)
         lev = LevCore.over(releases, worker)
-        return cls(settings, engine, worker, core, token, weights, models, ready=True, lev=lev)
+        return cls(
+            settings=settings,
+            engine=engine,
+            worker=worker,
+            core=core,
+            token=token,
+            weights=weights,
+            models=models,
+            ready=True,
+            lev=lev,
+        )
 
 
 def served_models(settings: Settings) -> ModelSet:

@@ -405,7 +405,13 @@ class NativeDoor(DecisionDoor):
         model = self.reader(call)
         served_as = model or self.service.core.model_info["source"]
         asked = DecisionRequest(
-            call.state, tuple(call.questions), shared, self.limits, (), call.reply_bytes, model, served_as
+            call.state,
+            tuple(call.questions),
+            shared=shared,
+            limits=self.limits,
+            reply_bytes=call.reply_bytes,
+            model=model,
+            served_as=served_as,
         )
         outcome = await self.ask(request, asked)
         return outcome, self.identity(model)

@@ -297,7 +297,14 @@ class SystemOneDoor(DecisionDoor):
         questions = [question for own in asked for question in own]
         # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
         call = DecisionRequest(
-            parsed.state, tuple(questions), False, self.limits, tuple(images), need, adapter, reply_model
+            parsed.state,
+            tuple(questions),
+            shared=False,
+            limits=self.limits,
+            images=tuple(images),
+            reply_bytes=need,
+            model=adapter,
+            served_as=reply_model,
         )
         outcome = await self.ask(request, call)
         answers = await asyncio.to_thread(answers_of, parsed.questions, asked, outcome.questions)
