@@ -15,30 +15,36 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+class Deadline:
+    """`timeout` seconds from now; `check` raises AssertionError naming `what` once they pass."""
+
+    def __init__(self, timeout: float, what: str) -> None:
+        self.timeout, self.what = timeout, what
+        self.at = time.monotonic() + timeout
+
+    def check(self) -> None:
+        if time.monotonic() >= self.at:
+            raise AssertionError(f"timed out after {self.timeout:g} s waiting for {self.what}")
+
+
 def wait_until(
     condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition", every: float = 0.01
 ) -> T:
     """`condition()`'s first truthy value, polled every `every` seconds; AssertionError naming
     `what` once `timeout` seconds have passed without one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    deadline = Deadline(timeout, what)
+    while not (value := condition()):
+        deadline.check()
         time.sleep(every)
+    return value
 
 
 async def wait_until_async(
     condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition", every: float = 0.01
 ) -> T:
     """`wait_until` inside an event loop: the loop runs the other tasks between two polls."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    deadline = Deadline(timeout, what)
+    while not (value := condition()):
+        deadline.check()
         await asyncio.sleep(every)
+    return value
