@@ -149,8 +149,8 @@ def health_body(service: Service, now: StatusSnapshot) -> HealthBody:
         {name: getattr(settings, name) for name in SETTINGS_LIMITS}
         | {
             "max_options": MAX_OPTIONS,
-            "answer_codes": service.core.capacity,
-            "systemone_max_options": min(SYSTEMONE_MAX_OPTIONS, service.core.capacity),
+            "answer_codes": service.engine.capacity,
+            "systemone_max_options": min(SYSTEMONE_MAX_OPTIONS, service.engine.capacity),
         }
     )
     if settings.device == "cuda":
@@ -160,13 +160,13 @@ def health_body(service: Service, now: StatusSnapshot) -> HealthBody:
         ready=now.ready,
         version=__version__,
         semif=SemIfPins(commit=SEMIF_COMMIT, prompt_version=PROMPT_VERSION),
-        model=ModelInfo.model_validate(service.core.model_info),
+        model=ModelInfo.model_validate(service.engine.model_info),
         device=settings.device,
-        dtype=service.core.identity.dtype,  # the dtype the settings resolved and the engine loaded
+        dtype=service.engine.identity.dtype,  # the dtype the settings resolved and the engine loaded
         demo=service.demo,
         limits=limits,
         images=HealthImages(
-            reads_images=service.core.reads_images,
+            reads_images=service.engine.reads_images,
             max_images=settings.systemone_max_images,
             max_image_pixels=settings.systemone_max_image_pixels,
             max_image_bytes=settings.systemone_max_image_bytes,

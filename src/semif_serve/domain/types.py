@@ -139,7 +139,10 @@ class DecisionOutcome:
 
 
 class DecisionError(Exception):
-    """Why a decision call was not answered; `question`/`option` are positions where known."""
+    """Why a decision call was not answered; `question`/`option` are positions where known, and
+    `field` the request's field as the door named it, where the error names one itself."""
+
+    field: str | None = None
 
     def __init__(self, message: str, question: int | None = None, option: int | None = None) -> None:
         super().__init__(message)
@@ -306,6 +309,20 @@ class TooManyOptions(Refusal):
         super().__init__(f"{options} options, over the limit of {limit}", question)
         self.options = options
         self.limit = limit
+
+
+class Unanswerable(Refusal):
+    """The model a request names cannot answer a question as it was asked (its method reads no
+    such thing); refused, never approximated."""
+
+
+class NotRead(Unanswerable):
+    """A request sets something the method reading it does not read (images, a question type,
+    a field): refused naming the field as the door calls it."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field: str | None = field
 
 
 class OutOfMemory(DecisionError):

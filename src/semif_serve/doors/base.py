@@ -21,9 +21,10 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
 from semif_serve.domain.echo import quoted
-from semif_serve.domain.requests import DecisionRequest
-from semif_serve.domain.types import BatchTiming, DecisionError, DecisionOutcome
+from semif_serve.domain.types import BatchTiming, DecisionError
 from semif_serve.http.errors import ServiceError, internal
+from semif_serve.service.decisions import ReplyCount
+from semif_serve.service.methods import Ask, Decided
 from semif_serve.service.records import RequestRecord
 from semif_serve.service.startup import Service
 
@@ -96,7 +97,7 @@ def refusal_of(
     where = ""
     if exc.question is not None and exc.question < len(ids):
         where = f"question {quoted(ids[exc.question])}: "
-    field = rule.field_for(shared, exc.question)
+    field = rule.field_for(shared, exc.question) or exc.field
     return ServiceError(rule.status, rule.code, where + exc.message, field, dict(rule.headers))
 
 
@@ -172,16 +173,17 @@ class DecisionDoor(ABC):
         `ids`: the questions, in order, named where the door `names_question`)."""
         return refusal_of(self.errors, exc, shared, ids if self.names_question else ())
 
-    async def ask(self, request: Request, asked: DecisionRequest) -> DecisionOutcome:
-        """Ask the core the call `asked` (built by the door: its limits, model, images and the
-        reply bytes it would send), record it for the log line and the metrics, and turn a domain
-        error into the door's refusal through its table."""
+    async def ask(self, request: Request, asked: Ask, reply_bytes: ReplyCount | None = None) -> Decided:
+        """Ask the method of the model `asked` names (the door's call: its limits, images and
+        defaults; `reply_bytes`, the door's count of its reply from the method's plan), record it
+        for the log line and the metrics, and turn a domain error into the door's refusal
+        through its table."""
         try:
-            outcome = await self.service.core.decide(asked)
+            decided = await self.service.decide(asked, reply_bytes)
         except DecisionError as exc:
             raise self.refusal(exc, asked.shared, [q.id for q in asked.questions]) from None
-        request.state.record = RequestRecord.of(outcome, asked)
-        return outcome
+        request.state.record = RequestRecord.of(decided, asked)
+        return decided
 
     async def reply(self, request: Request, build: Build) -> JSONResponse:
         """Read the body, build the reply model and send it as JSON, serialised on a worker

@@ -142,7 +142,7 @@ def load_lev_release(
     base_name: str | None = None,
     prompt_style: str | None = None,
     noul_readout: str | None = None,
-    score_order_average: str = "off",
+    score_order_average: str = "none",
     max_label_options: int | None = None,
     settings_source: str = "settings",
     base_directory: Path | None = None,

@@ -3,7 +3,7 @@ batcher), a scored row and the group run that computed it, and one request's `Re
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,17 @@ class PreparedRows:
             row_tokens=tuple(len(p.ids) - n for p in self.prompts),
             payload=self,
         )
+
+
+@dataclass(frozen=True)
+class RowsJob:
+    """One call's rows for the worker: prepared on an encoder thread (`prepare`, which refuses
+    before anything runs; the one image thread where `images`), over the state `demand_key`
+    names (`state_cache.state_digest` with the model), so requests in flight for it are counted."""
+
+    demand_key: str
+    prepare: Callable[[], PreparedRows]
+    images: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from typing import Any
 
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
 from semif_serve.domain.requests import RowsRequest
-from semif_serve.domain.types import PromptRow
 from semif_serve.engine.adapters import BASE, AdapterBank
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
 from semif_serve.engine.group_runs import GroupRunner
@@ -139,11 +138,6 @@ class TorchEngine:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def score(self, state: Any, rows: Sequence[PromptRow], **limits: Any) -> Readout:
-        """`read` of rows given one by one, with `RowsRequest.of`'s keywords (warm-up, tests and
-        benches; the worker sends a request)."""
-        return self.read(RowsRequest.of(state, rows, **limits))
-
     def read(self, request: RowsRequest) -> Readout:
         """Read one request's rows alone. `shared=False` with one row runs SemIf's plain
         forward; otherwise the state prefix is prefilled once (or found in the state cache)
@@ -174,7 +168,7 @@ class TorchEngine:
         the door checks first; an image too large for the tower's memory is refused here."""
         started = time.perf_counter()
         state, rows, limits = request.state, request.rows, request.limits
-        model = self.model_index(request.model)
+        model = request.adapter
         image_set = None
         codec = self.codec
         if request.images:

@@ -15,11 +15,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from semif_serve.domain.requests import RowsRequest
+from semif_serve.domain.requests import BASE, RowsRequest
 from semif_serve.domain.types import DecisionError, EngineFailure, EngineWait, OutOfMemory, Refusal
 from semif_serve.engine.batching import Batcher, Bounds, Group, Unfinished, Wait
 from semif_serve.engine.loader import ModelIdentity
 from semif_serve.engine.memory import ReleasePolicy
+from semif_serve.engine.rows import RowsJob
 from semif_serve.engine.state_cache import state_digest
 
 if TYPE_CHECKING:
@@ -104,19 +105,22 @@ class EngineWorker:
         """Whether the loaded model reads images (it has a vision tower)."""
         return self.engine.reads_images
 
-    async def score(self, request: RowsRequest) -> Readout:
-        """The engine's readout of one request, merged with whatever else is queued when the
-        engine is free; the numbers are those of the request alone. A cancelled caller's rows
-        are dropped before their forward."""
-        demand_key = state_digest(request.state, [image.sha256 for image in request.images], request.model)
-        encoder = self._image_encoder if request.images else self._encoder
-        return await self._scored(demand_key, encoder, functools.partial(self.engine.prepare, request))
+    async def score_job(self, job: RowsJob) -> Readout:
+        """The engine's readout of one job's rows, merged with whatever else is queued when the
+        engine is free; the numbers are those of the job alone. `job.prepare` makes its rows on
+        an encoder thread (the one image thread for a job with images); `job.demand_key` names
+        the state they read, so a lone row sees that others want it too. A cancelled caller's
+        rows are dropped before their forward."""
+        encoder = self._image_encoder if job.images else self._encoder
+        return await self._scored(job.demand_key, encoder, job.prepare)
 
-    async def score_prepared(self, demand_key: str, prepare: Callable[[], PreparedRows]) -> Readout:
-        """`score` for a method that renders its own rows (lev's): `prepare` (on an encoder
-        thread) makes them (`TorchEngine.prepare_ids`); `demand_key` names the state they read
-        (`state_digest` with the model), so the same scheduler, bounds, cache and demand hold."""
-        return await self._scored(demand_key, self._encoder, prepare)
+    async def score(self, request: RowsRequest) -> Readout:
+        """`score_job` of one request's rows as SemIf's codec encodes them (warm-up and benches)."""
+        images = [image.sha256 for image in request.images]
+        key = state_digest(request.state, images, None if request.adapter == BASE else str(request.adapter))
+        return await self.score_job(
+            RowsJob(key, functools.partial(self.engine.prepare, request), bool(images))
+        )
 
     async def _scored(
         self, demand_key: str, encoder: ThreadPoolExecutor, prepare: Callable[[], PreparedRows]

@@ -1,98 +1,33 @@
-"""lev releases served by name: every `method = "lev"` model of SEMIF_MODELS, read at startup over
-the base the engine holds, and answered as jobs of the one batcher, like SemIf's rows.
+"""lev's method below its plug-in (`service.methods.lev`): a request rendered and encoded once,
+its rows as the batcher's jobs, and its answers read as lev's server reads them.
 
-`load_lev_releases` reads each release with `engine.lev_release.load_lev_release`: its adapter
-becomes an entry of the engine's adapter bank (read once, by the bank's rules; the entry's
-`scale` over the manifest's `adapter_scale`), its head goes to the base's device, so the memory
-baseline counts both; an unreadable release stops startup with the SEMIF_MODELS file and key
-named, and the release's own file and key. `lev_rows` renders and encodes a request once (lev's
-prompt through the bounded encoder) and checks it against the door's limits; `lev_jobs` makes its
-rows the batcher's jobs: the label rows (Mode A) read their label codes' logits, the head's rows
-(Mode B) and their candidates read last hidden states; all of them merge with whatever else is
-queued (the same bounds, stepped prefill, state cache under the release's model, demand, forward
-counts), and `lev_answers` reads the answers (the head over the hidden states, then lev's softmax,
-orders and calibration).
+`lev_rows` renders and encodes a request once (lev's prompt through the bounded encoder) and
+checks it against the door's limits; `lev_jobs` makes its rows the batcher's jobs: the label rows
+(Mode A) read their label codes' logits, the head's rows (Mode B) and their candidates read last
+hidden states; all of them merge with whatever else is queued (the same bounds, stepped prefill,
+state cache under the release's model, demand, forward counts), and `lev_answers` reads the
+answers (the head over the hidden states, then lev's softmax, orders and calibration).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from semif_serve.domain.lev.prompt import candidate_texts
 from semif_serve.domain.lev.readout import LevPlan, plan_request, read_plan
-from semif_serve.domain.lev.types import LevAnswer, LevQuestion, LevReleaseError, ModeBUnavailable
+from semif_serve.domain.lev.types import LevAnswer, LevQuestion, ModeBUnavailable
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.tokens import BoundedEncoder, PastLimit
-from semif_serve.domain.types import BatchTiming, ConfigurationError, EngineWait, TooManyRows, TooManyTokens
+from semif_serve.domain.types import BatchTiming, TooManyRows, TooManyTokens
 from semif_serve.engine.lev_head import candidate_ids, head_scores
-from semif_serve.engine.lev_release import LevRelease, base_release, load_lev_release
-from semif_serve.engine.state_cache import state_digest
-from semif_serve.service.models import LEV, ModelSet
+from semif_serve.engine.lev_release import LevRelease
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from semif_serve.engine.rows import PreparedRows, Readout
     from semif_serve.engine.runner import TorchEngine
-    from semif_serve.engine.worker import EngineWorker
-
-
-def load_lev_releases(
-    models: ModelSet, engine: TorchEngine, base_name: str, base_directory: Path
-) -> dict[str, LevRelease]:
-    """Every lev model of `models` by name, read over `engine`'s base (`base_name`, the name a
-    release's `base_model` must give unless its entry vouches for another with `base_model`)."""
-    releases: dict[str, LevRelease] = {}
-    for entry in models.models.values():
-        if entry.method != LEV:
-            continue
-        key = f"models.{entry.name}"
-        where = f"SEMIF_MODELS: {models.source}: {key}"
-        options = entry.lev_options
-        flags: dict[str, Any] = {
-            "prompt_style": options.get("prompt_style"),
-            "noul_readout": options.get("noul_readout"),
-            "score_order_average": options.get("score_order_average", "off"),
-            "max_label_options": entry.max_label_options,
-            "settings_source": where,
-        }
-        try:
-            if entry.release is None:  # the frozen base, read with lev's method
-                tokenizer = engine.codec.tokenizer
-                releases[entry.name] = base_release(base_directory, tokenizer, base_name=base_name, **flags)
-                continue
-            releases[entry.name] = load_lev_release(
-                entry.release,
-                engine.adapters,
-                engine.codec.tokenizer,
-                name=entry.name,
-                base_name=entry.base_model or base_name,
-                base_directory=base_directory,
-                adapter_scale=entry.scale,
-                **flags,
-            )
-        except LevReleaseError as exc:
-            # A setting of the entry names its own key; a release file names the release key too.
-            if exc.file == where:
-                raise ConfigurationError(f"{where}.{exc.key}: {exc.problem}") from None
-            raise ConfigurationError(f"{where}.release: {exc}") from None
-    return releases
-
-
-@dataclass(frozen=True)
-class LevRequest:
-    """One call on a lev model, from the door to the core: the served model's name, the state,
-    lev's questions in the caller's order and the door's limits (None: unchecked)."""
-
-    model: str
-    state: Any
-    questions: Mapping[str, LevQuestion]
-    limits: Limits | None = None
 
 
 @dataclass(frozen=True)
@@ -103,22 +38,6 @@ class LevReply:
     input_tokens: int  # the prefix once, plus every row's suffix and every Mode B candidate
     cached_input_tokens: int  # the prefix
     timing: BatchTiming  # how the engine ran the rows (their jobs' reads joined)
-
-
-@dataclass(frozen=True)
-class LevOutcome:
-    """One request's answers with one release, and how its rows ran."""
-
-    reply: LevReply
-    rows: int  # forward rows: each question in each of its orders, and every Mode B candidate
-    engine_seconds: float  # the rows' forwards on the engine thread
-    wait: EngineWait  # the wait for the engine before its first forward (its longest job's)
-    encode_seconds: float = 0.0  # rendering, encoding and checking, before any job
-
-    @property
-    def wait_seconds(self) -> float:
-        """The whole wait for the engine."""
-        return self.wait.seconds
 
 
 @dataclass(frozen=True)
@@ -250,9 +169,9 @@ def lev_rows(
     for qid, texts in shown.items():
         ids = candidate_ids(release.tokenizer, texts)  # each cut at lev's 64 tokens
         if not all(ids):
+            # The message names the question: a method's own refusal reads whole.
             raise ModeBUnavailable(
-                f"question {qid!r}: a candidate encodes to no token, which lev's head cannot read",
-                question=positions[qid],
+                f"question {qid!r}: a candidate encodes to no token, which lev's head cannot read"
             )
         longest = max(len(one) for one in ids)
         if input_limit is not None and longest > input_limit:
@@ -329,66 +248,3 @@ def joined(runs: Sequence[BatchTiming]) -> BatchTiming:
         prefill=over[0].prefill,
         prefill_shared=any(run.prefill_shared for run in runs),
     )
-
-
-@dataclass(frozen=True)
-class LevCore:
-    """The lev releases the service serves, by model name, and the worker whose batcher runs
-    their rows. Empty (no release, no worker) where SEMIF_MODELS declares no lev model."""
-
-    releases: Mapping[str, LevRelease] = field(default_factory=dict)
-    worker: EngineWorker | None = None
-    encoders: Mapping[str, LevEncoder] = field(default_factory=dict)
-
-    @classmethod
-    def over(cls, releases: Mapping[str, LevRelease], worker: EngineWorker | None) -> LevCore:
-        """The core of `releases`, each with its tokenizer's bounded encoder (one per tokenizer)."""
-        by_tokenizer: dict[int, LevEncoder] = {}
-        encoders = {}
-        for name, release in releases.items():
-            key = id(release.tokenizer)
-            if key not in by_tokenizer:
-                by_tokenizer[key] = LevEncoder(release.tokenizer)
-            encoders[name] = by_tokenizer[key]
-        return cls(releases, worker, encoders)
-
-    def release(self, model_name: str) -> LevRelease:
-        """The release served as `model_name` (a LookupError names a model that is not one)."""
-        release = self.releases.get(model_name)
-        if release is None or self.worker is None:
-            raise LookupError(f"{model_name!r} is not a lev model of this service")
-        return release
-
-    def check(self, asked: LevRequest) -> LevRows:
-        """`lev_rows` for the release served as `asked.model`."""
-        return lev_rows(
-            self.release(asked.model), self.encoders[asked.model], asked.state, asked.questions, asked.limits
-        )
-
-    async def decide(self, asked: LevRequest) -> LevOutcome:
-        """Answer `asked` with its release exactly as lev does: rendered, encoded and checked off
-        the event loop, then every row a job of the worker's batcher (merged with other requests'
-        rows, the prefix prefilled once where it pays). Raises the refusals of `lev_rows`, and the
-        worker's OutOfMemory or EngineFailure."""
-        release = self.release(asked.model)
-        assert self.worker is not None  # release() refuses a core without one
-        started = time.perf_counter()
-        rows = await asyncio.to_thread(self.check, asked)
-        encoded = time.perf_counter() - started
-        key = state_digest(asked.state, (), asked.model)
-        jobs = lev_jobs(rows, self.worker.engine, release.adapter, encoded)
-        tasks = [asyncio.ensure_future(self.worker.score_prepared(key, job)) for job in jobs]
-        try:
-            readouts = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:  # a refused or cancelled job takes its siblings with it: no orphan forwards
-                task.cancel()
-            raise
-        reply = (
-            await asyncio.to_thread(lev_answers, release, rows, readouts)
-            if rows.head_rows
-            else (lev_answers(release, rows, readouts))
-        )
-        engine_seconds = sum(r.forward_seconds for r in readouts)
-        wait = max((r.wait for r in readouts), key=lambda w: w.seconds)
-        return LevOutcome(reply, rows.forward_rows, engine_seconds, wait, encoded)

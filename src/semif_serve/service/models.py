@@ -14,8 +14,10 @@ method = "lev"                   # lev's prompt and readout over the frozen base
 local = "lev-4b"
 ```
 
-`load_models(path, base_name)` reads and validates it once at startup: every error names the
-file and the key. Relative paths are read from the file's directory. `jev-latest` and
+`load_models(path, base_name, methods)` reads and validates it once at startup: every error
+names the file and the key. An entry's method is its `method` key, else the method that claims
+one of its keys (lev's `release`), else SemIf's; the method reads the entry's own keys
+(`service.methods`). Relative paths are read from the file's directory. `jev-latest` and
 `jev-preview` stay aliases of the base unless `[aliases]` points them elsewhere; no model may
 take their name or the base's.
 """
@@ -28,68 +30,32 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Protocol
 
-from semif_serve.domain.lev.types import MANIFEST_FILE
-from semif_serve.domain.peft_files import ADAPTER_FILES
 from semif_serve.domain.types import ConfigurationError
 
-Method = Literal["semif", "lev"]
-SEMIF: Method = "semif"  # SemIf's prompt and readout (the base, and any PEFT adapter)
-LEV: Method = "lev"  # lev's prompt and readout (a lev release)
 JEV_ALIASES = ("jev-latest", "jev-preview")
-# lev's server flags a release entry may set, and the values lev accepts.
-LEV_OPTIONS: dict[str, tuple[str, ...]] = {
-    "noul_readout": ("binary", "rating"),
-    "prompt_style": ("plain", "chat"),
-    "score_order_average": ("off", "reversed", "cyclic"),
-}
 COMMON_KEYS = ("scale", "base_model")
-LABEL_CAP = "max_label_options"  # lev's label cap: a question with more candidates reads its head
-RELEASE_KEYS = ("release", *LEV_OPTIONS, LABEL_CAP, *COMMON_KEYS)
-ADAPTER_KEYS = ("adapter", *COMMON_KEYS)
-# The base read with lev's method (lev's `serve --model` without a checkpoint): lev's flags only.
-LEV_BASE_KEYS = ("method", *LEV_OPTIONS, LABEL_CAP)
-# What lev's server reads the frozen base with: a binary noul in two orders (a release reads a rating).
-LEV_BASE_OPTIONS = {"noul_readout": "binary"}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One served model over the base weights: its name, its method and what it loads.
+    """One served model over the base weights: its name, the name of the method that reads it
+    and what that method loads.
 
-    `method` is the seam for the readout: "semif" (SemIf's prompt; `adapter` a PEFT LoRA
-    directory, or None for the base itself) or "lev" (`release` a lev release directory,
-    read with lev's prompt, labels and calibration; `lev_options` its server flags; `release`
-    None: the frozen base read with lev's method, `lev_base`).
-    `scale` is the serving multiplier on the adapter (None: 1.0, or the release's own
-    `adapter_scale`); `base_model` is a base name the operator vouches for, accepted where
-    the adapter's `base_model_name_or_path` names the base otherwise."""
+    `directory` is what is loaded over the base (a PEFT LoRA adapter for SemIf's method, a
+    release for lev's; None: the base weights alone); `scale` is the serving multiplier on its
+    adapter (None: 1.0, or the release's own); `base_model` a base name the operator vouches for,
+    accepted where the adapter names the base otherwise; `options` the method's own keys as
+    read (lev's server flags and label cap)."""
 
     name: str
-    method: Method
-    adapter: Path | None = None
-    release: Path | None = None
+    method: str
+    directory: Path | None = None
     scale: float | None = None
     base_model: str | None = None
-    lev_options: Mapping[str, str] = field(default_factory=dict)
-    max_label_options: int | None = None  # lev's label cap (None: Mode A while the codes last)
-
-    @property
-    def is_base(self) -> bool:
-        """The base itself (no adapter, SemIf's method)."""
-        return self.method == SEMIF and self.adapter is None
-
-    @property
-    def lev_base(self) -> bool:
-        """The base itself read with lev's method (no release, no adapter)."""
-        return self.method == LEV and self.release is None
-
-    @property
-    def path(self) -> Path | None:
-        """The adapter or release directory (None for the base)."""
-        return self.adapter if self.method == SEMIF else self.release
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -116,26 +82,61 @@ class ModelSet:
             return None
         return self.models[target]
 
-    def aliases_of(self, name: str) -> list[str]:
-        """Every alias that resolves to the model `name`, in the file's order."""
-        return [alias for alias, target in self.aliases.items() if target == name]
+    def is_base(self, entry: ModelEntry) -> bool:
+        """Whether `entry` is the base itself."""
+        return entry.name == self.base
 
     @property
-    def adapters(self) -> list[ModelEntry]:
-        """The models that load something over the base (adapters and releases), in order."""
-        return [entry for entry in self.models.values() if not entry.is_base]
+    def over_base(self) -> list[ModelEntry]:
+        """The models besides the base (adapters, releases, the base read another way), in order."""
+        return [entry for entry in self.models.values() if entry.name != self.base]
 
 
-def base_only(base: str) -> ModelSet:
-    """The set without a SEMIF_MODELS file: the base and the Jev aliases."""
-    return ModelSet(base, {base: ModelEntry(base, SEMIF)}, dict.fromkeys(JEV_ALIASES, base))
+class EntryReader(Protocol):
+    """A method as the file reads an entry of it (`service.methods.DecisionMethod`)."""
+
+    name: str
+    claims: tuple[str, ...]
+
+    def read_entry(self, name: str, table: Mapping[str, Any], place: EntryPlace) -> ModelEntry:
+        """The entry `name` from its table."""
+        ...
 
 
-def load_models(path: Path | None, base: str) -> ModelSet:
+class EntryReaders(Protocol):
+    """The methods an entry may name (`service.methods.MethodRegistry`)."""
+
+    @property
+    def default(self) -> EntryReader:
+        """The base's method, and an entry's that names none."""
+        ...
+
+    @property
+    def methods(self) -> Mapping[str, EntryReader]:
+        """Every method by name."""
+        ...
+
+    def named(self, name: str) -> EntryReader | None:
+        """The method called `name`."""
+        ...
+
+    def claiming(self, key: str) -> EntryReader | None:
+        """The method that claims `key`."""
+        ...
+
+
+def base_only(base: str, method: str = "semif") -> ModelSet:
+    """The set without a SEMIF_MODELS file: the base (read with `method`) and the Jev aliases."""
+    return ModelSet(base, {base: ModelEntry(base, method)}, dict.fromkeys(JEV_ALIASES, base))
+
+
+def load_models(path: Path | None, base: str, methods: EntryReaders) -> ModelSet:
     """Read and validate the SEMIF_MODELS file; `base` is the base model's served name
-    (`<source>@<revision>`). Raises ConfigurationError naming the file and the key."""
+    (`<source>@<revision>`), `methods` the methods an entry may name (`MethodRegistry`).
+    Raises ConfigurationError naming the file and the key."""
+    default = methods.default.name
     if path is None:
-        return base_only(base)
+        return base_only(base, default)
     where = f"SEMIF_MODELS: {path}"
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
@@ -152,7 +153,7 @@ def load_models(path: Path | None, base: str) -> ModelSet:
         )
     tables = _table(data.get("models", {}), where, "models")
     root = Path(path).parent
-    models: dict[str, ModelEntry] = {base: ModelEntry(base, SEMIF)}
+    models: dict[str, ModelEntry] = {base: ModelEntry(base, default)}
     for name, table in tables.items():
         key = f"models.{name}"
         if not NAME.match(name):
@@ -163,7 +164,7 @@ def load_models(path: Path | None, base: str) -> ModelSet:
             raise ConfigurationError(
                 f"{where}: {key}: {name!r} is the base model's name or a Jev alias (use [aliases] for those)"
             )
-        models[name] = _entry(name, _table(table, where, key), where, key, root)
+        models[name] = _entry(name, _table(table, where, key), EntryPlace(where, key, root), methods)
     aliases = dict.fromkeys(JEV_ALIASES, base)
     for alias, target in _table(data.get("aliases", {}), where, "aliases").items():
         key = f"aliases.{alias}"
@@ -183,101 +184,85 @@ def load_models(path: Path | None, base: str) -> ModelSet:
     return ModelSet(base, models, aliases, Path(path), declared)
 
 
+@dataclass(frozen=True)
+class EntryPlace:
+    """Where an entry is written, for its errors: the file (`where`), its key, and the directory
+    its relative paths are read from."""
+
+    where: str
+    key: str
+    root: Path
+
+    def error(self, key: str | None, problem: str) -> ConfigurationError:
+        """A refusal naming the file and the entry's `key` (None: the entry itself)."""
+        return ConfigurationError(f"{self.where}: {self.key}{'.' + key if key else ''}: {problem}")
+
+    def allow(self, table: Mapping[str, Any], keys: tuple[str, ...], what: str) -> None:
+        """Refuse a key of `table` that is not in `keys`, naming it and `what` the entry is."""
+        for k in table:
+            if k not in keys:
+                raise self.error(k, f"unknown key for {what} (keys: {', '.join(keys)})")
+
+    def directory(self, table: Mapping[str, Any], key: str, *needs: str) -> Path:
+        """`table[key]` as a directory (relative paths from the file's) holding each of `needs`."""
+        value = table[key]
+        if not isinstance(value, str) or not value:
+            raise self.error(key, "must be a directory path (a string)")
+        directory = Path(value).expanduser()
+        if not directory.is_absolute():
+            directory = self.root / directory
+        if not directory.is_dir():
+            raise self.error(key, f"{directory} is not a directory")
+        for file in needs:
+            if not (directory / file).is_file():
+                raise self.error(key, f"{directory} has no {file}")
+        return directory
+
+    def scale(self, table: Mapping[str, Any]) -> float | None:
+        """The entry's `scale`: a positive number, or None."""
+        scale = table.get("scale")
+        if scale is not None and (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not (math.isfinite(scale) and scale > 0)
+        ):
+            raise self.error("scale", f"must be a positive number, not {scale!r}")
+        return float(scale) if scale is not None else None
+
+    def base_model(self, table: Mapping[str, Any]) -> str | None:
+        """The entry's `base_model`: a non-empty string, or None."""
+        base_model = table.get("base_model")
+        if base_model is not None and (not isinstance(base_model, str) or not base_model):
+            raise self.error("base_model", "must be a non-empty string")
+        return base_model
+
+    def choices(self, table: Mapping[str, Any], allowed: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+        """The keys of `allowed` that `table` sets, each one of its values."""
+        chosen: dict[str, str] = {}
+        for option, values in allowed.items():
+            if option in table:
+                value = table[option]
+                if value not in values:
+                    listed = ", ".join(repr(v) for v in values)
+                    raise self.error(option, f"{value!r} is not one of {listed}")
+                chosen[option] = value
+        return chosen
+
+
 def _table(value: Any, where: str, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigurationError(f"{where}: {key}: must be a table")
     return value
 
 
-def _entry(name: str, table: dict[str, Any], where: str, key: str, root: Path) -> ModelEntry:
-    if "method" in table and not {"release", "adapter"} & set(table):
-        return _lev_base(name, table, where, key)
-    kinds = [k for k in ("release", "adapter") if k in table]
-    if len(kinds) != 1:
-        what = "both release and adapter" if kinds else "neither release nor adapter"
-        raise ConfigurationError(f"{where}: {key}: sets {what} (exactly one)")
-    kind = kinds[0]
-    allowed = RELEASE_KEYS if kind == "release" else ADAPTER_KEYS
-    for k in table:
-        if k not in allowed:
-            raise ConfigurationError(
-                f"{where}: {key}.{k}: unknown key for a {kind} (keys: {', '.join(allowed)})"
-            )
-    directory = _directory(table[kind], where, f"{key}.{kind}", root)
-    if kind == "release" and not (directory / MANIFEST_FILE).is_file():
-        raise ConfigurationError(f"{where}: {key}.release: {directory} has no {MANIFEST_FILE}")
-    if kind == "adapter":
-        for file in ADAPTER_FILES:
-            if not (directory / file).is_file():
-                raise ConfigurationError(f"{where}: {key}.adapter: {directory} has no {file}")
-    scale = table.get("scale")
-    if scale is not None and (
-        isinstance(scale, bool)
-        or not isinstance(scale, int | float)
-        or not (math.isfinite(scale) and scale > 0)
-    ):
-        raise ConfigurationError(f"{where}: {key}.scale: must be a positive number, not {scale!r}")
-    base_model = table.get("base_model")
-    if base_model is not None and (not isinstance(base_model, str) or not base_model):
-        raise ConfigurationError(f"{where}: {key}.base_model: must be a non-empty string")
-    options = _lev_options(table, where, key)
-    scale_value = float(scale) if scale is not None else None
-    if kind == "release":
-        return ModelEntry(
-            name,
-            LEV,
-            release=directory,
-            scale=scale_value,
-            base_model=base_model,
-            lev_options=options,
-            max_label_options=_label_cap(table, where, key),
-        )
-    return ModelEntry(name, SEMIF, adapter=directory, scale=scale_value, base_model=base_model)
-
-
-def _lev_base(name: str, table: dict[str, Any], where: str, key: str) -> ModelEntry:
-    """`method = "lev"` without a release: the frozen base read with lev's method."""
-    if table["method"] != LEV:
-        raise ConfigurationError(
-            f"{where}: {key}.method: {table['method']!r} needs a release or adapter "
-            '(only "lev" reads the base alone)'
-        )
-    for k in table:
-        if k not in LEV_BASE_KEYS:
-            raise ConfigurationError(
-                f"{where}: {key}.{k}: unknown key for the base read with lev's method "
-                f"(keys: {', '.join(LEV_BASE_KEYS)})"
-            )
-    options = {**LEV_BASE_OPTIONS, **_lev_options(table, where, key)}
-    return ModelEntry(name, LEV, lev_options=options, max_label_options=_label_cap(table, where, key))
-
-
-def _lev_options(table: dict[str, Any], where: str, key: str) -> dict[str, str]:
-    options: dict[str, str] = {}
-    for option, values in LEV_OPTIONS.items():
-        if option in table:
-            value = table[option]
-            if value not in values:
-                raise ConfigurationError(
-                    f"{where}: {key}.{option}: {value!r} is not one of {', '.join(repr(v) for v in values)}"
-                )
-            options[option] = value
-    return options
-
-
-def _label_cap(table: dict[str, Any], where: str, key: str) -> int | None:
-    cap = table.get(LABEL_CAP)
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ConfigurationError(f"{where}: {key}.{LABEL_CAP}: must be an integer >= 1, not {cap!r}")
-    return cap
-
-
-def _directory(value: Any, where: str, key: str, root: Path) -> Path:
-    if not isinstance(value, str) or not value:
-        raise ConfigurationError(f"{where}: {key}: must be a directory path (a string)")
-    directory = Path(value).expanduser()
-    if not directory.is_absolute():
-        directory = root / directory
-    if not directory.is_dir():
-        raise ConfigurationError(f"{where}: {key}: {directory} is not a directory")
-    return directory
+def _entry(name: str, table: dict[str, Any], place: EntryPlace, methods: EntryReaders) -> ModelEntry:
+    """The entry of the method it names, or of the one that claims one of its keys, or the default's."""
+    if "method" in table:
+        method = methods.named(table["method"]) if isinstance(table["method"], str) else None
+        if method is None:
+            known = ", ".join(repr(n) for n in methods.methods)
+            raise place.error("method", f"{table['method']!r} is not a method (methods: {known})")
+    else:
+        claimed = [m for k in table if (m := methods.claiming(k)) is not None]
+        method = claimed[0] if claimed else methods.default
+    return method.read_entry(name, table, place)

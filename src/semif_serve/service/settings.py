@@ -44,6 +44,12 @@ class Settings(BaseSettings):
         None,
         description="TOML file of the models served over the base (lev releases, PEFT adapters) and aliases.",
     )
+    methods: Annotated[list[str], NoDecode] = Field(
+        "",  # parsed once, by the validator below
+        validate_default=True,
+        description="Decision methods to serve besides SemIf's and lev's: module:Class, comma-separated "
+        "(docs/architecture.md, where to add a method); SEMIF_MODELS' `method` names them.",
+    )
     allow_any_architecture: bool = Field(
         False, description="Serve a checkpoint whose model_type is not a Qwen3.5 text model."
     )
@@ -180,6 +186,13 @@ class Settings(BaseSettings):
     @classmethod
     def _workload_map(cls, value: Any) -> Any:
         return parse_type_map(value) if isinstance(value, str) else value
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _method_paths(cls, value: Any) -> Any:
+        return (
+            [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+        )
 
     @field_validator("model_revision")
     @classmethod

@@ -6,7 +6,8 @@ Startup fails closed: any error here stops the process before the port is bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 
 from semif_serve.domain.calibration import CalibrationTable, load_calibration
@@ -14,7 +15,7 @@ from semif_serve.domain.images import ImageAsset, read_image
 from semif_serve.domain.numerics import MIB
 from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import ConfigurationError, PromptRow
-from semif_serve.engine.adapters import AdapterBank, AdapterError
+from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.batching import Bounds
 from semif_serve.engine.checkpoint_files import Verification, verify_checkpoint
 from semif_serve.engine.loader import CheckpointSpec, load_model
@@ -23,9 +24,10 @@ from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.threads import ThreadPolicy
 from semif_serve.engine.worker import EngineWorker
-from semif_serve.service.core import DecisionCore
-from semif_serve.service.lev_core import LevCore, load_lev_releases
-from semif_serve.service.models import LEV, ModelSet, load_models
+from semif_serve.service.decisions import Decisions, ReplyCount
+from semif_serve.service.methods import Ask, Decided, DecisionMethod, MethodRegistry, MethodStart
+from semif_serve.service.models import ModelSet, load_models
+from semif_serve.service.served import ServedModels
 from semif_serve.service.settings import Settings
 
 WARM_UP_STATE = {"service": "semif-serve", "check": "warm-up"}
@@ -37,31 +39,32 @@ WARM_UP_ROWS = (
 
 @dataclass
 class Service:
-    """A loaded, warmed-up process: its settings, the engine and its worker, and the core."""
+    """A loaded, warmed-up process: its settings, the engine and its worker, the methods it serves
+    models with (by name) and the models a request may name, each resolved to what serves it."""
 
     settings: Settings
     engine: TorchEngine
     worker: EngineWorker
-    core: DecisionCore
+    methods: Mapping[str, DecisionMethod]
+    models: ServedModels
+    calibration: CalibrationTable  # the workload temperatures of the calibration file
     token: str
     weights: Verification
-    models: ModelSet  # the names a request may pick: the base and its aliases
     ready: bool = False
-    lev: LevCore = field(default_factory=LevCore)  # the lev releases of SEMIF_MODELS, by name
-
-    @property
-    def calibration(self) -> CalibrationTable:
-        """The workload temperatures the core applies."""
-        return self.core.calibration
 
     @property
     def demo(self) -> bool:
         """Whether the loaded model is the random-weight demo (the one truth for demo)."""
         return self.engine.identity.demo
 
+    async def decide(self, ask: Ask, reply_bytes: ReplyCount | None = None) -> Decided:
+        """Answer one call with the method of the model it names (`service.decisions`)."""
+        return await Decisions(self.worker).decide(ask, reply_bytes)
+
     @classmethod
     def start(cls, settings: Settings, engine: TorchEngine | None = None) -> Service:
-        """Validate the token and calibration, load the engine, warm it up and mark the baseline.
+        """Validate the token and calibration, load the engine, start every method over it (their
+        adapters and heads loaded), warm it up and mark the baseline.
 
         The state cache is created here (empty, its budget from the settings) and counted in
         the baseline, so the headroom left for forwards is cap - warm floor - cache budget.
@@ -75,14 +78,17 @@ class Service:
             raise ConfigurationError(
                 f"SEMIF_SYSTEMONE_WORKLOADS: {', '.join(unknown)} not in the calibration file"
             )
-        models = served_models(settings)
-        calibration = calibration.with_models(workload_models(calibration, models, settings))
+        registry = MethodRegistry.of(settings.methods)
+        models = served_models(settings, registry)
+        calibration = calibration.with_models(workload_models(calibration, models, registry, settings))
         weights = verify_checkpoint(settings.require_model(), settings.model_manifest)
         if engine is None:
             engine = load_engine(settings)
-        engine = engine.with_adapters(load_adapters(models, engine, settings))  # counted in the baseline
-        # lev releases: entries of the same bank, read before warm-up so the baseline counts them.
-        releases = load_lev_releases(models, engine, settings.model_source, settings.require_model())
+        # Every method's adapters go into one bank, read before warm-up so the baseline counts them.
+        engine = engine.with_adapters(AdapterBank(engine.model))
+        context = MethodStart(engine, settings, calibration, models.base, models.source)
+        methods = start_methods(registry, models, context)
+        adapters = {served.name: index for index, served in enumerate(engine.adapters.adapters)}
         engine = engine.with_options(
             cache=StateCache(settings.state_cache_mib * MIB),
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -104,34 +110,50 @@ class Service:
         worker = EngineWorker(
             engine, policy, bounds, encoders=settings.max_queue
         )  # a thread per admitted request
-        core = DecisionCore(worker, calibration)
-        lev = LevCore.over(releases, worker)
         return cls(
             settings=settings,
             engine=engine,
             worker=worker,
-            core=core,
+            methods=methods,
+            models=ServedModels.over(models, methods, adapters),
+            calibration=calibration,
             token=token,
             weights=weights,
-            models=models,
             ready=True,
-            lev=lev,
         )
 
 
-def served_models(settings: Settings) -> ModelSet:
-    """The SEMIF_MODELS file, read and checked before the weights load: the base, its aliases, the
-    PEFT adapters read with SemIf's method (`load_adapters`) and the lev releases read with lev's
-    (`service.lev_core`)."""
-    return load_models(settings.models, f"{settings.model_source}@{settings.model_revision}")
+def served_models(settings: Settings, registry: MethodRegistry | None = None) -> ModelSet:
+    """The SEMIF_MODELS file, read and checked before the weights load: the base, its aliases and
+    each model's entry, read by its method (`registry`; None: the built-in methods and
+    SEMIF_METHODS')."""
+    registry = registry or MethodRegistry.of(settings.methods)
+    return load_models(settings.models, f"{settings.model_source}@{settings.model_revision}", registry)
+
+
+def start_methods(
+    registry: MethodRegistry, models: ModelSet, context: MethodStart
+) -> dict[str, DecisionMethod]:
+    """Every method that serves a model of `models`, started over `context.engine` with its
+    entries (in the file's order); a method that fails closes the bank (the engine reads the plain
+    base again) and stops startup."""
+    try:
+        return {
+            name: method.start([e for e in models.models.values() if e.method == name], context)
+            for name, method in registry.methods.items()
+            if any(e.method == name for e in models.models.values())
+        }
+    except BaseException:
+        context.engine.adapters.close()
+        raise
 
 
 def workload_models(
-    calibration: CalibrationTable, models: ModelSet, settings: Settings
+    calibration: CalibrationTable, models: ModelSet, registry: MethodRegistry, settings: Settings
 ) -> dict[str, str | None]:
-    """The served model each calibration workload names (`"model"`), as the engine knows it: an
-    adapter's name, or None for the base. A name that is no served model (or a lev release,
-    which carries its own temperatures) refuses to start, naming the file and the workload."""
+    """The served model each calibration workload names (`"model"`): a model's name, or None for
+    the base. A name that is no served model, or a model whose method reads its own calibration
+    (a lev release), refuses to start, naming the file and the workload."""
     resolved: dict[str, str | None] = {}
     for workload, name in calibration.models.items():
         if name is None:
@@ -141,30 +163,11 @@ def workload_models(
         if entry is None:
             known = ", ".join(repr(n) for n in [*models.models, *models.aliases])
             raise ConfigurationError(f"{where} is not a served model (served: {known})")
-        if entry.method == LEV:
-            raise ConfigurationError(f"{where} is a lev release, which reads its own calibration.json")
-        resolved[workload] = None if entry.is_base else entry.name
+        method = registry.methods[entry.method]
+        if not method.workloads:
+            raise ConfigurationError(f"{where} is {method.noun}, which reads its own calibration.json")
+        resolved[workload] = None if models.is_base(entry) else entry.name
     return resolved
-
-
-def load_adapters(models: ModelSet, engine: TorchEngine, settings: Settings) -> AdapterBank:
-    """Every PEFT adapter of the SEMIF_MODELS file in one bank over the engine's weights (loaded
-    once, on its device, before the memory baseline is marked). An adapter that does not match
-    the base is refused (ConfigurationError naming the file's key and the adapter's file and key)."""
-    bank = AdapterBank(engine.model)
-    base_names = (settings.model_source, str(settings.require_model()))
-    for entry in models.adapters:
-        if entry.adapter is None:
-            continue  # a lev release: served by lev's method
-        names = (*base_names, entry.base_model) if entry.base_model else base_names
-        try:
-            bank.add(entry.name, entry.adapter, multiplier=entry.scale or 1.0, base_names=names)
-        except AdapterError as exc:
-            bank.close()
-            raise ConfigurationError(
-                f"SEMIF_MODELS: {models.source}: models.{entry.name}.adapter: {exc}"
-            ) from None
-    return bank
 
 
 def checkpoint_spec(settings: Settings) -> CheckpointSpec:

@@ -124,7 +124,9 @@ def serve(overrides: dict | None = None, demo: bool = False, made_token: str | N
     if isinstance(service, int):
         return service
     if demo:
-        lev = next((name for name in service.lev.releases), None)
+        from semif_serve.tools.demo import DEMO_LEV_MODEL
+
+        lev = DEMO_LEV_MODEL if service.models.resolve(DEMO_LEV_MODEL) is not None else None
         print(demo_banner(settings.host, settings.port, made_token, lev), flush=True)
     from semif_serve.http.server import run_server
 

@@ -291,7 +291,7 @@ def recommend(report: Mapping[str, Any], target: Target) -> dict[str, Any]:
         if lev and SERVED in measured:
             by_cost: Sequence[str] = (SERVED,)
         elif lev:
-            by_cost = LEV_BY_COST if kind == "score" else ("reversed",)  # lev serves choice and noul reversed
+            by_cost = LEV_BY_COST if kind == "score" else ("reversal",)  # lev serves choice and noul reversed
         else:
             by_cost = SEMIF_BY_COST
         scored = {o: _gated(entry) for o, entry in measured.items()}
@@ -322,7 +322,7 @@ def setting_line(kinds: Mapping[str, Any], target: Target) -> str:
     not measured keep the ordering served now), or a lev model's `score_order_average`."""
     if target.method == "lev":
         score = kinds.get("score", {}).get("ordering")
-        if score in ("off", "reversed", "cyclic"):
+        if score in ("none", "reversal", "rotations"):
             return f'[models.{target.model}] score_order_average = "{score}"'
         return (
             f"[models.{target.model}]: measured as served; run in process (SEMIF_MODELS) to compare "
@@ -505,7 +505,7 @@ def in_process_target(
     if entry is None:
         known = ", ".join(repr(n) for n in [*served.models, *served.aliases])
         raise Refused(f"--model: unknown model {name!r} (served: {known})")
-    noul_readout = entry.lev_options.get("noul_readout", "rating")
+    noul_readout = entry.options.get("noul_readout", "rating")
     chosen = default_kinds(entry.method, noul_readout, kinds, entry.name)
     if entry.method == "lev" and workloads:
         raise Refused(f"--workloads: the lev model {entry.name!r} reads its release's own temperatures")
@@ -528,8 +528,8 @@ def in_process_target(
     assert settings.dtype is not None  # Settings fills the device's default
     served_now: dict[str, str] = {}
     if entry.method == "lev":
-        score = entry.lev_options.get("score_order_average", "off")
-        served_now = {"choice": "reversed", "noul": "reversed", "score": score}
+        score = entry.options.get("score_order_average", "none")
+        served_now = {"choice": "reversal", "noul": "reversal", "score": score}
     return Target(
         model=entry.name,
         method=entry.method,
@@ -556,7 +556,7 @@ def run_in_process(
     from semif_serve.tools.presentation_probe import lev_variants
 
     if target.method == "lev":
-        service, target.models = lev_variants(service, service.models.models[target.model])
+        service, target.models = lev_variants(service, target.model)
     scorer = BatchScorer(service)
     transport = httpx.ASGITransport(app=scorer.app, raise_app_exceptions=False)
 

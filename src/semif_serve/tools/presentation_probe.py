@@ -23,31 +23,25 @@ import httpx
 
 from semif_serve.batch.runner import retry_after
 from semif_serve.domain.lev.calibration import UNCALIBRATED
-from semif_serve.domain.lev.types import ScoreOrderAverage
 from semif_serve.domain.orderings import ALLOWED_ORDERINGS, CORE_ORDERINGS, order_count
 from semif_serve.domain.presentation import Probe, log_mean, probes
-from semif_serve.service.lev_core import LevCore
-from semif_serve.service.models import LEV, ModelEntry
+from semif_serve.service.served import ServedModels
 from semif_serve.service.startup import Service
 
+LEV = "lev"
 Scores = str  # "calibrated" (the answer as served) or "raw" (T = 1)
 SCORES: tuple[Scores, ...] = ("calibrated", "raw")
 # Each method's orderings from the cheapest up (rows per question never fall along this order).
 SEMIF_BY_COST = ("none", "reversal", "shifts", "rotations", "all")
-LEV_BY_COST = ("off", "reversed", "cyclic")
-# lev's score_order_average for each of its orderings (`off` also reads choice and noul once).
-LEV_SCORE_ORDERS: dict[str, ScoreOrderAverage] = {"off": "off", "reversed": "reversed", "cyclic": "cyclic"}
+LEV_BY_COST = ("none", "reversal", "rotations")  # lev's score orders (`none` also reads choice and noul once)
 SERVED = "served"  # a lev model by URL: its orders as the release serves them
-LEV_KIND_ORDERINGS = {"choice": ("off", "reversed"), "score": LEV_BY_COST, "noul": ("off", "reversed")}
+LEV_KIND_ORDERINGS = {"choice": ("none", "reversal"), "score": LEV_BY_COST, "noul": ("none", "reversal")}
 ROWS_FORMULA = {
     "none": "1",
     "reversal": "2",
     "shifts": "min(n, 4)",
     "rotations": "n",
     "all": "n!",
-    "off": "1",
-    "reversed": "2",
-    "cyclic": "n",
 }
 RETRIES = 3
 PROBE_PATH = "/v1/systemone"
@@ -72,7 +66,7 @@ def kind_orderings(method: str, kind: str) -> tuple[str, ...]:
 def rows_for(method: str, ordering: str, n: int) -> int:
     """Rows one question of n options costs under `ordering`."""
     if method == LEV:
-        return {"off": 1, "reversed": 2, "cyclic": n, SERVED: n}[ordering]  # served: at most n
+        return {"none": 1, "reversal": 2, "rotations": n, SERVED: n}[ordering]  # served: at most n
     return order_count(n, CORE_ORDERINGS[ordering])
 
 
@@ -202,33 +196,37 @@ def read_answer(answer: Mapping[str, Any]) -> Reading:
 # -- lev's orderings as served copies of the release ---------------------------------------------
 
 
-def lev_variants(service: Service, entry: ModelEntry) -> tuple[Service, dict[tuple[str, Scores], str]]:
-    """`service` with a copy of the lev model `entry` per ordering and scores, each served under
-    a name of its own over the same engine, adapter and head: `off` reads every question once
-    (lev's single order), `reversed` as given and reversed (a score too), `cyclic` a score in
+def lev_variants(service: Service, name: str) -> tuple[Service, dict[tuple[str, Scores], str]]:
+    """`service` with a copy of the lev model `name` per ordering and scores, each served under
+    a name of its own over the same engine, adapter and head: `none` reads every question once
+    (lev's single order), `reversal` as given and reversed (a score too), `rotations` a score in
     every rotation; `raw` drops the release's temperatures (T = 1)."""
-    release = service.lev.release(entry.name)
-    releases = dict(service.lev.releases)
-    models = dict(service.models.models)
+    served = service.models.served[name]
+    method = served.method
+    release = method.releases[name]  # type: ignore[attr-defined]
+    copies = {}
+    entries = dict(service.models.models.models)
     names: dict[tuple[str, Scores], str] = {}
     for ordering in LEV_BY_COST:
         options = dataclasses.replace(
             release.options,
-            order_average=ordering != "off",
-            score_order_average=LEV_SCORE_ORDERS[ordering],
+            order_average=ordering != "none",
+            score_order_average=ordering,
         )
         for scores in SCORES:
-            name = f"{entry.name}{VARIANT_MARK}{ordering}:{scores}"
+            copy = f"{name}{VARIANT_MARK}{ordering}:{scores}"
             calibration = release.calibration if scores == "calibrated" else UNCALIBRATED
-            releases[name] = dataclasses.replace(release, options=options, calibration=calibration)
-            models[name] = dataclasses.replace(entry, name=name)
-            names[(ordering, scores)] = name
-    served = dataclasses.replace(
-        service,
-        models=dataclasses.replace(service.models, models=models),
-        lev=LevCore.over(releases, service.worker),
-    )
-    return served, names
+            copies[copy] = dataclasses.replace(release, options=options, calibration=calibration)
+            entries[copy] = dataclasses.replace(served.entry, name=copy)
+            names[(ordering, scores)] = copy
+    widened = method.with_releases(copies)  # type: ignore[attr-defined]
+    models = dataclasses.replace(service.models.models, models=entries)
+    methods = {**service.methods, method.name: widened}
+    adapters = {s.name: s.adapter for s in service.models.served.values()}
+    adapters |= dict.fromkeys(copies, served.adapter)
+    return dataclasses.replace(
+        service, methods=methods, models=ServedModels.over(models, methods, adapters)
+    ), names
 
 
 # -- sending -----------------------------------------------------------------------------------

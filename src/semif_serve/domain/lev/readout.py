@@ -61,13 +61,12 @@ def plan_request(
         )
     routes = {qid: route(q, codes, options) for qid, q in questions.items()}
     if not has_head:
-        for position, (qid, r) in enumerate(routes.items()):
+        for qid, r in routes.items():
             if r.mode == "B":
                 raise ModeBUnavailable(
                     f"question {qid!r} needs lev's candidate head ({r.reason}), and this release has no "
-                    f"{HEAD_FILE}",
-                    question=position,
-                )
+                    f"{HEAD_FILE}"
+                )  # the message names the question: read whole
     rows = tuple(
         LevRow(
             qid,

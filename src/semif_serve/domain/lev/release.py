@@ -11,6 +11,7 @@ from semif_serve.domain.lev.types import (
     MANIFEST_FILE,
     NOUL_READOUTS,
     PROMPT_STYLES,
+    SCORE_ORDER_ALIASES,
     SCORE_ORDER_AVERAGES,
     LevReleaseError,
     NoulReadout,
@@ -84,7 +85,7 @@ class LevOptions:
 
     prompt_style: PromptStyle = "plain"
     noul_readout: NoulReadout = "rating"
-    score_order_average: ScoreOrderAverage = "off"
+    score_order_average: ScoreOrderAverage = "none"
     max_label_options: int | None = None
     order_average: bool = True
     skip_multi_token_codes: bool = True
@@ -100,7 +101,7 @@ def serving_options(
     *,
     prompt_style: str | None = None,
     noul_readout: str | None = None,
-    score_order_average: str = "off",
+    score_order_average: str = "none",
     max_label_options: int | None = None,
     source: str = "settings",
 ) -> LevOptions:
@@ -125,6 +126,7 @@ def serving_options(
         raise LevReleaseError(
             source, "noul_readout", f"must be one of {list(NOUL_READOUTS)}, not {noul_readout!r}"
         )
+    score_order_average = SCORE_ORDER_ALIASES.get(score_order_average, score_order_average)  # lev's names
     if score_order_average not in SCORE_ORDER_AVERAGES:
         raise LevReleaseError(
             source,

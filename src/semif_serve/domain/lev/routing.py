@@ -115,9 +115,9 @@ def question_orders(question: LevQuestion, chosen: LevRoute, options: LevOptions
         return (None,)
     reverse = tuple(reversed(range(n)))
     if isinstance(question, LevScore):
-        if options.score_order_average == "reversed":
+        if options.score_order_average == "reversal":
             return (None, reverse)
-        if options.score_order_average == "cyclic":
+        if options.score_order_average == "rotations":
             return (None, *(tuple((j + r) % n for j in range(n)) for r in range(1, n)))
         return (None,)
     if isinstance(question, LevNoul) and not chosen.binary_noul:

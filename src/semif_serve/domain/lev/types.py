@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from semif_serve.domain.types import ConfigurationError, Refusal
+from semif_serve.domain.types import ConfigurationError, Unanswerable
 
 MANIFEST_FILE = "lev_release.json"
 HEAD_FILE = "mode_b_head.pt"
@@ -16,7 +16,9 @@ TOKENIZER_FILE = "tokenizer.json"
 
 PromptStyle = Literal["plain", "chat"]
 NoulReadout = Literal["rating", "binary"]
-ScoreOrderAverage = Literal["off", "reversed", "cyclic"]
+# A score's orders, in the one vocabulary of `domain.orderings` (lev's names are aliases).
+ScoreOrderAverage = Literal["none", "reversal", "rotations"]
+SCORE_ORDER_ALIASES = {"off": "none", "reversed": "reversal", "cyclic": "rotations"}  # lev's own names
 Mode = Literal["A", "B"]
 Order = tuple[int, ...] | None  # shown position j holds the option at index order[j]; None: as given
 
@@ -39,7 +41,7 @@ class LevReleaseError(ConfigurationError):
         super().__init__(f"{file}: {key}: {problem}" if key else f"{file}: {problem}")
 
 
-class ModeBUnavailable(Refusal):
+class ModeBUnavailable(Unanswerable):
     """A question lev routes to the candidate head, on a release without one."""
 
 

@@ -20,7 +20,7 @@ from semif_serve.domain.echo import quoted
 from semif_serve.domain.fitting import calibration_entry, calibration_report, reliability_bins
 from semif_serve.domain.orderings import COMBINE_METHOD, order_count
 from semif_serve.domain.prompt import PROMPT_VERSION
-from semif_serve.domain.requests import DecisionRequest, Limits
+from semif_serve.domain.requests import OPTIONS, AskedQuestion, Limits
 from semif_serve.domain.types import (
     AnswerBoundary,
     BatchTiming,
@@ -39,6 +39,7 @@ from semif_serve.domain.types import (
     TooManyOptions,
     TooManyRows,
     TooManyTokens,
+    Unanswerable,
     UnknownWorkload,
     WorkloadOfAnotherModel,
 )
@@ -47,7 +48,6 @@ from semif_serve.doors.base import (
     DecisionDoor,
     ErrorRule,
     error_responses,
-    refusal_of,
 )
 from semif_serve.doors.native.schemas import (
     MAX_OPTIONS,
@@ -67,7 +67,10 @@ from semif_serve.doors.native.schemas import (
     TimingBody,
     parse_body,
 )
-from semif_serve.doors.reply_size import (
+from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
+from semif_serve.http.errors import ErrorEnvelope, ServiceError, error_response, invalid
+from semif_serve.service.methods import Ask, Decided, Served
+from semif_serve.service.reply_size import (
     FLOAT_BYTES,
     INT_BYTES,
     PREFILL_BYTES,
@@ -79,9 +82,6 @@ from semif_serve.doors.reply_size import (
     scalars_bytes,
     text_bytes,
 )
-from semif_serve.engine.runner import DIRECT_READOUT, SHARED_READOUT, SHARED_SERVING_CONFIG
-from semif_serve.http.errors import ErrorEnvelope, ServiceError, error_response, invalid
-from semif_serve.service.models import SEMIF
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
 CALIBRATE_PATH = "/calibrate"
@@ -146,6 +146,11 @@ NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
         "decisions",
         when="the reply, counted before any engine work, is over SEMIF_MAX_REPLY_BYTES; gives the need",
     ),
+    Unanswerable: ErrorRule(
+        422,
+        "validation_error",
+        when="the model's method does not read a field of the decision; the message names it",
+    ),
     OutOfMemory: ErrorRule(
         503,
         "out_of_memory",
@@ -158,12 +163,6 @@ NATIVE_ERRORS: dict[type[DecisionError], ErrorRule] = {
 }
 
 
-def native_error(exc: DecisionError, shared: bool) -> ServiceError:
-    """The native door's answer to a domain error, naming the request field it concerns: the
-    decision's own field where its position is known, else the list of decisions."""
-    return refusal_of(NATIVE_ERRORS, exc, shared, ())
-
-
 def to_question(body: QuestionBody) -> Question:
     """A validated body's question as the core's domain type."""
     return Question(
@@ -173,6 +172,28 @@ def to_question(body: QuestionBody) -> Question:
         orderings=body.orderings,
         workload=body.workload,
     )
+
+
+def asked_question(index: int, question: Question) -> AskedQuestion:
+    """A decision as the methods read it: a question over its options, its fields named."""
+    where = f"decisions[{index}]"
+    return AskedQuestion(
+        id=question.id,
+        type=OPTIONS,
+        instructions=question.text,
+        criteria=question.options,
+        orderings=question.orderings,
+        workload=question.workload,
+        fields={"type": where, "orderings": f"{where}.orderings", "workload": f"{where}.workload"},
+    )
+
+
+def readouts_of(decided: Decided) -> DecisionOutcome:
+    """The per-ordering readouts every native result reports (a method answering questions over
+    options gives them)."""
+    if decided.outcome is None:
+        raise TypeError("a method that answers questions over options gave no readouts")
+    return decided.outcome
 
 
 # -- results ------------------------------------------------------------------------------------
@@ -370,56 +391,59 @@ class NativeDoor(DecisionDoor):
             max_reply_bytes=settings.max_reply_bytes,
         )
 
-    def reader(self, call: NativeCall) -> str | None:
-        """The adapter that reads a call (None: the base): the model it names, else the one its
-        workloads' calibration names (several: the base, and the core refuses the mismatch).
-        A name that is no served model, or a lev release (System One only), is a 422 on `model`."""
+    def reader(self, call: NativeCall) -> Served:
+        """What reads a call, resolved once: the model it names, else the one its workloads'
+        calibration names (several: the base, and the method refuses the mismatch). A name that
+        is no served model, or one whose method answers no question over options (a lev release,
+        System One only), is a 422 on `model`."""
         models = self.service.models
         if call.model is None:
-            named = self.service.core.calibration.models
+            named = self.service.calibration.models
             implied = {named[w] for q in call.questions if (w := q.workload) is not None and w in named}
-            return implied.pop() if len(implied) == 1 else None
-        entry = models.resolve(call.model)
-        if entry is None:
-            served = ", ".join(repr(n) for n in [*models.models, *models.aliases])
+            name = implied.pop() if len(implied) == 1 else None
+            return models.base if name is None else models.served[name]
+        served = models.resolve(call.model)
+        if served is None:
+            listed = ", ".join(repr(n) for n in models.names())
             raise ServiceError(
                 UNKNOWN_MODEL.status,
                 UNKNOWN_MODEL.code,
-                f"unknown model {quoted(call.model)}; served: {served}",
+                f"unknown model {quoted(call.model)}; served: {listed}",
                 "model",
             )
-        if entry.method != SEMIF:
+        method = served.method
+        if OPTIONS not in method.answers:
             raise ServiceError(
                 UNKNOWN_MODEL.status,
                 UNKNOWN_MODEL.code,
-                f"model {quoted(call.model)} is a lev release, read with lev's method: "
+                f"model {quoted(call.model)} is {method.noun}, read with {method.name}'s method: "
                 f"ask it on {SYSTEM_ONE_PATH}",
                 "model",
             )
-        return None if entry.is_base else entry.name
+        return served
 
     async def asked(
         self, request: Request, call: NativeCall, *, shared: bool
-    ) -> tuple[DecisionOutcome, dict[str, str]]:
-        """A call's outcome from the core, read by the model it names, and its results' `model` block."""
-        model = self.reader(call)
-        served_as = model or self.service.core.model_info["source"]
-        asked = DecisionRequest(
+    ) -> tuple[Decided, dict[str, str]]:
+        """A call's outcome, read by the model it names, and its results' `model` block."""
+        served = self.reader(call)
+        adapter = None if served.is_base else served.name
+        ask = Ask(
+            served,
             call.state,
-            tuple(call.questions),
+            tuple(asked_question(k, q) for k, q in enumerate(call.questions)),
+            self.limits,
             shared=shared,
-            limits=self.limits,
-            reply_bytes=call.reply_bytes,
-            model=model,
-            served_as=served_as,
+            named=adapter or self.service.engine.model_info["source"],
         )
-        outcome = await self.ask(request, asked)
-        return outcome, self.identity(model)
+        decided = await self.ask(request, ask, lambda plan: call.reply_bytes)
+        return decided, self.identity(adapter)
 
     async def decide(self, request: Request, body: bytes) -> DecisionResult:
         """`POST /decide`: one decision; orderings run as one shared batch."""
-        call = await asyncio.to_thread(read_decision, body, self.service.core.model_info)
-        outcome, identity = await self.asked(request, call, shared=False)
+        call = await asyncio.to_thread(read_decision, body, self.service.engine.model_info)
+        decided, identity = await self.asked(request, call, shared=False)
+        outcome = readouts_of(decided)
         result = await asyncio.to_thread(decision_result, outcome.questions[0], outcome, identity)
         if outcome.shared:
             result.timing = timing_body(outcome.timing)
@@ -427,8 +451,9 @@ class NativeDoor(DecisionDoor):
 
     async def decide_shared(self, request: Request, body: bytes) -> SharedResponse:
         """`POST /decide/shared`: every decision (and ordering) over one state in one batch."""
-        call = await asyncio.to_thread(read_shared, body, self.service.core.model_info)
-        outcome, identity = await self.asked(request, call, shared=True)
+        call = await asyncio.to_thread(read_shared, body, self.service.engine.model_info)
+        decided, identity = await self.asked(request, call, shared=True)
+        outcome = readouts_of(decided)
         results = await asyncio.to_thread(
             lambda: [decision_result(q, outcome, identity) for q in outcome.questions]
         )
@@ -436,7 +461,7 @@ class NativeDoor(DecisionDoor):
 
     def identity(self, model: str | None) -> dict[str, str]:
         """The results' `model` block: the base's identity, and the adapter that read them."""
-        identity = self.service.core.model_info
+        identity = self.service.engine.model_info
         return identity if model is None else {**identity, "adapter": model}
 
     async def calibrate(self, request: Request, body: bytes) -> CalibrationReport:

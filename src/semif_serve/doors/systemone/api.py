@@ -20,8 +20,7 @@ from semif_serve import __version__
 from semif_serve.domain import types as domain
 from semif_serve.domain.echo import quoted
 from semif_serve.domain.images import VerifiedImages
-from semif_serve.domain.requests import DecisionRequest, Limits
-from semif_serve.domain.types import Question
+from semif_serve.domain.requests import Defaults, Limits
 from semif_serve.doors.base import (
     BEARER,
     DecisionDoor,
@@ -35,14 +34,12 @@ from semif_serve.doors.systemone.errors import (
     UNKNOWN_MODEL,
     error_reply,
 )
-from semif_serve.doors.systemone.lev import answer_lev, lev_listing
 from semif_serve.doors.systemone.mapping import (
-    Policy,
     answers_of,
-    core_questions,
-    evaluated_tokens,
+    asked_questions,
     rows_asked,
     timing_block,
+    usage_of,
 )
 from semif_serve.doors.systemone.multipart import (
     MultipartRefused,
@@ -55,19 +52,19 @@ from semif_serve.doors.systemone.schemas import (
     MODELS_PATH,
     SYSTEMONE_PATH,
     AdapterInfo,
-    ModelEntry,
     ModelList,
+    ModelListing,
     SystemOneRequest,
     SystemOneResponse,
     SystemOneValidationError,
-    Usage,
     parse_request,
 )
 from semif_serve.doors.systemone.sizes import reply_bytes
+from semif_serve.engine.adapters import BASE
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import headers_of
-from semif_serve.service.models import LEV, SEMIF
-from semif_serve.service.models import ModelEntry as ServedModel
+from semif_serve.service.decisions import refuse_unread
+from semif_serve.service.methods import Ask, Served
 from semif_serve.service.startup import Service
 
 
@@ -81,7 +78,7 @@ def release_date(service: Service) -> str:
 
 
 class SystemOneDoor(DecisionDoor):
-    """TypeSafe's System One over the decision core."""
+    """TypeSafe's System One over the decision methods."""
 
     path_prefix = "/v1/"
     protected_paths = frozenset({SYSTEMONE_PATH, MODELS_PATH})
@@ -93,15 +90,18 @@ class SystemOneDoor(DecisionDoor):
     def __init__(self, service: Service) -> None:
         super().__init__(service)
         settings = service.settings
-        self.policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
-        identity = service.core.identity
+        self.defaults = Defaults(settings.systemone_orderings, settings.systemone_workloads)
+        identity = service.engine.identity
         self.model_name = f"{identity.source}@{identity.revision}"
-        self.max_options = min(MAX_OPTIONS, service.core.capacity)
+        self.max_options = min(MAX_OPTIONS, service.engine.capacity)
         # Facts of the loaded model and the settings, computed once at startup.
         self.release_date = release_date(service)
-        allow = settings.systemone_allow_aliases  # the Jev names, unless SEMIF_MODELS declares them
+        self.allow_aliases = (
+            settings.systemone_allow_aliases
+        )  # the Jev names, unless SEMIF_MODELS declares them
+        models = service.models.models
         self.aliases = tuple(
-            name for name in service.models.aliases if service.models.resolve(name, jev_aliases=allow)
+            name for name in models.aliases if models.resolve(name, jev_aliases=self.allow_aliases)
         )
         self.limits = Limits(
             settings.systemone_max_input_tokens,
@@ -117,21 +117,21 @@ class SystemOneDoor(DecisionDoor):
         )
         self.verified_images = VerifiedImages()  # decoded whole once: a cached image is not decoded again
 
-    def refuse_past_row_cap(self, data: dict[str, Any]) -> None:
+    def served(self, model: object) -> Served | None:
+        """What serves a request naming `model` (a model's name, or an alias where allowed), or None."""
+        if not isinstance(model, str):
+            return None
+        return self.service.models.resolve(model, jev_aliases=self.allow_aliases)
+
+    def refuse_past_row_cap(self, data: dict[str, Any], served: Served | None) -> None:
         """Refuse (413) a decoded request whose questions already ask for more rows than the cap,
-        counted from the JSON before it is validated or mapped: milliseconds, whatever it holds."""
-        if self.lev_entry(data.get("model")) is not None:
-            return  # a lev model's rows are its own orders, counted from its plan (lev_core.py)
-        rows = rows_asked(data, self.policy)
+        counted from the JSON by the method of the model it names (the base's where it names none
+        it serves) before it is validated or mapped: milliseconds, whatever it holds."""
+        method = (served or self.service.models.base).method
+        rows = rows_asked(data, method, self.defaults)
         limit = self.service.settings.systemone_max_rows
         if rows > limit:
-            exc = domain.TooManyRows(rows, limit)
-            raise self.refusal(exc, True, ())
-
-    def lev_entry(self, model: object) -> ServedModel | None:
-        """The lev model (method "lev") a request naming `model` reads, or None."""
-        entry = self.served(model) if isinstance(model, str) else None
-        return entry if entry is not None and entry.method == LEV else None
+            raise self.refusal(domain.TooManyRows(rows, limit), True, ())
 
     def body_limit(self, path: str, content_type: str | None, default: int) -> int:
         """A multipart body on `/v1/systemone` may carry SEMIF_SYSTEMONE_MAX_IMAGE_BYTES of images
@@ -142,11 +142,18 @@ class SystemOneDoor(DecisionDoor):
 
     def parse(
         self, content_type: str | None, body: bytes
-    ) -> tuple[SystemOneRequest, dict[str, bytes] | None]:
-        """The validated request and, for a multipart body, its parts by name (None for JSON);
-        run off the event loop."""
+    ) -> tuple[SystemOneRequest, dict[str, bytes] | None, Served | None]:
+        """The validated request, a multipart body's parts by name (None for JSON) and what serves
+        the model it names (resolved once, before validation: the row screen counts by its method;
+        None: unknown); run off the event loop."""
+        resolved: list[Served | None] = [None]
+
+        def screen(data: dict[str, Any]) -> None:
+            resolved[0] = self.served(data.get("model"))
+            self.refuse_past_row_cap(data, resolved[0])
+
         if not is_multipart(content_type):
-            return parse_request(body, self.max_options, self.refuse_past_row_cap), None
+            return parse_request(body, self.max_options, screen), None, resolved[0]
         try:
             # The `request` part, one per image allowed, and one more: an image over the count
             # gets the image-count 413 below, with the request read.
@@ -166,23 +173,19 @@ class SystemOneDoor(DecisionDoor):
                 "request_too_large",
                 f"the `request` part is {len(multipart.request)} bytes, over SEMIF_MAX_BODY_BYTES ({limit})",
             )
-        return parse_request(multipart.request, self.max_options, self.refuse_past_row_cap), multipart.parts
+        parsed = parse_request(multipart.request, self.max_options, screen)
+        return parsed, multipart.parts, resolved[0]
 
-    def mapped(self, parsed: SystemOneRequest, model: str) -> tuple[list[tuple[Question, ...]], int]:
-        """The core questions each question is asked as, and the count of the reply naming
-        `model`; run off the event loop (both are linear in the request's text)."""
-        asked = [core_questions(qid, q, self.policy) for qid, q in parsed.questions.items()]
-        return asked, reply_bytes(parsed.questions, asked, model)
-
-    def served(self, model: str) -> ServedModel | None:
-        """The served model a request naming `model` reads (a model's name, or an alias when
-        allowed; the base's real name too), or None when unknown."""
-        if model == self.model_name:
-            return self.service.models.models[self.service.models.base]
-        if model in self.aliases:
-            return self.service.models.resolve(model)
-        entry = self.service.models.models.get(model)
-        return entry if entry is not None and not entry.is_base else None
+    def unknown_model(self, model: str) -> ServiceError:
+        """The door's refusal of a model it does not serve, listing those it does."""
+        aliases = f" (aliases: {', '.join(self.aliases)})" if self.aliases else ""
+        over = [served.name for served in self.service.models.over_base]
+        names = ", ".join(repr(n) for n in [self.model_name, *over])
+        return ServiceError(
+            UNKNOWN_MODEL.status,
+            UNKNOWN_MODEL.code,
+            f"unknown model {quoted(model)}; this server serves {names}{aliases}",
+        )
 
     def render(self, error: ServiceError, request: Request) -> Response:
         """Any error on `/v1/...` in TypeSafe's shapes (errors.py); the request id headers are
@@ -190,10 +193,12 @@ class SystemOneDoor(DecisionDoor):
         return error_reply(error)
 
     def models(self) -> ModelList:
-        """`GET /v1/models`: the loaded model's real identity first, then the aliases it answers."""
-        identity = self.service.core.identity
+        """`GET /v1/models`: the loaded model's real identity first, then every model over it and
+        the aliases it answers."""
+        engine = self.service.engine
+        identity = engine.identity
         demo = " Random demo weights: the answers carry no meaning." if identity.demo else ""
-        real = ModelEntry(
+        real = ModelListing(
             name=self.model_name,
             description=(
                 f"{identity.source} at revision {identity.revision} ({identity.dtype}), read by SemIf's "
@@ -204,22 +209,22 @@ class SystemOneDoor(DecisionDoor):
             x_source=identity.source,
             x_revision=identity.revision,
             x_max_options=self.max_options,
-            x_answer_codes=self.service.core.capacity,
+            x_answer_codes=engine.capacity,
             x_max_input_tokens=self.service.settings.systemone_max_input_tokens,
-            x_reads_images=self.service.core.reads_images,
+            x_reads_images=engine.reads_images,
             x_max_images=self.image_limits.max_images,
             x_max_image_pixels=self.image_limits.max_image_pixels,
             x_max_image_bytes=self.image_limits.max_image_bytes,
         )
-        real.x_method = SEMIF
-        real.x_calibration = self.service.core.calibration.workloads_of(None)
-        over = [self.model_over_base(entry) for entry in self.service.models.adapters]
+        real.x_method = self.service.models.base.method.name
+        real.x_calibration = self.service.calibration.workloads_of(None)
+        over = [self.listing(served) for served in self.service.models.over_base]
         aliases = []
         for alias in self.aliases:
             target = self.service.models.resolve(alias)
             name = self.model_name if target is None or target.is_base else target.name
             aliases.append(
-                ModelEntry(
+                ModelListing(
                     name=alias,
                     description=f"Alias of {name}.",
                     release_date=self.release_date,
@@ -228,62 +233,49 @@ class SystemOneDoor(DecisionDoor):
             )
         return ModelList(models=[real, *over, *aliases])
 
-    def model_over_base(self, entry: ServedModel) -> ModelEntry:
-        """`/v1/models`' entry of a model over the base: its method, adapter, scale, calibration."""
-        if entry.lev_base:  # the base read with lev's method: no adapter
-            release = self.service.lev.release(entry.name)
-            return lev_listing(release, None, entry.name, self.model_name, self.release_date)
-        bank = self.service.engine.adapters
-        served = bank.adapters[bank.index(entry.name)]
-        adapter = AdapterInfo(
-            name=served.weights.directory.name,
-            rank=served.weights.rank,
-            modules=len(served.weights.modules),
-            factor=served.scale,
-        )
-        if entry.method == LEV:  # a lev release: its own listing (lev.py)
-            release = self.service.lev.release(entry.name)
-            return lev_listing(release, adapter, entry.name, self.model_name, self.release_date)
-        listed = ModelEntry(
-            name=entry.name,
-            description=f"{entry.name}: a LoRA adapter over {self.model_name}, read by SemIf's "
-            "option-logit readout in the same forwards as the base.",
-            release_date=self.release_date,
-            x_method=entry.method,
-            x_max_options=self.max_options,
-            x_reads_images=self.service.core.reads_images,
-            x_calibration=self.service.core.calibration.workloads_of(entry.name),
-        )
-        listed.x_adapter = adapter
-        listed.x_scale = served.multiplier
-        return listed
+    def listing(self, served: Served) -> ModelListing:
+        """`/v1/models`' entry of a model over the base: its method's facts (`listing`), at most
+        System One's options, and the adapter the engine serves it with."""
+        fields = served.method.listing(served)
+        fields["x_max_options"] = min(MAX_OPTIONS, fields.get("x_max_options", MAX_OPTIONS))
+        if served.adapter != BASE:
+            adapter = self.service.engine.adapters.adapters[served.adapter]
+            fields["x_adapter"] = AdapterInfo(
+                name=adapter.weights.directory.name,
+                rank=adapter.weights.rank,
+                modules=len(adapter.weights.modules),
+                factor=adapter.scale,
+            )
+        return ModelListing(name=served.name, release_date=self.release_date, **fields)
 
     async def answer(self, request: Request, body: bytes) -> SystemOneResponse:
-        """`POST /v1/systemone`: every question (and ordering) over the state in one batch."""
+        """`POST /v1/systemone`: every question (and ordering) over the state, read by the method
+        of the model it names, in one batch."""
         content_type = headers_of(request.scope).media_type  # the one Content-Type admission bounded
-        parsed, parts = await asyncio.to_thread(self.parse, content_type, body)
-        # A lev model (method "lev") is answered by lev's method, on its own path (lev.py).
-        if (entry := self.lev_entry(parsed.model)) is not None:
-            return await answer_lev(self.service, request, parsed, entry, self.limits)
+        parsed, parts, served = await asyncio.to_thread(self.parse, content_type, body)
+        if served is None:
+            raise self.unknown_model(parsed.model)
+        method = served.method
+        ask = Ask(
+            served,
+            parsed.state,
+            asked_questions(parsed.questions),
+            self.limits,
+            defaults=self.defaults,
+            named=served.name,
+            fields={"images": "assets"},
+        )
+        try:
+            refuse_unread(ask, images=bool(parsed.assets))  # before any image is decoded
+        except domain.DecisionError as exc:
+            raise self.refusal(exc, True, list(parsed.questions)) from None
         if parsed.assets:  # decoding images is CPU work: off the event loop
             images = await asyncio.to_thread(
                 resolve_images, parsed, parts, self.image_limits, self.verified_images
             )
         else:  # only the placeholder and part checks: no thread hop for a text-only request
             images = resolve_images(parsed, parts, self.image_limits)
-        entry = self.served(parsed.model)
-        if entry is None:
-            aliases = f" (aliases: {', '.join(self.aliases)})" if self.aliases else ""
-            over = [e.name for e in self.service.models.adapters]
-            names = ", ".join(repr(n) for n in [self.model_name, *over])
-            raise ServiceError(
-                UNKNOWN_MODEL.status,
-                UNKNOWN_MODEL.code,
-                f"unknown model {quoted(parsed.model)}; this server serves {names}{aliases}",
-            )
-        adapter = None if entry.is_base else entry.name
-        reply_model = adapter or self.model_name
-        if images and not self.service.core.reads_images:
+        if images and not self.service.engine.reads_images:
             raise ServiceError(
                 NO_VISION.status,
                 NO_VISION.code,
@@ -293,26 +285,25 @@ class SystemOneDoor(DecisionDoor):
                 "assets",
             )
         parsed, images = place_images(parsed, images)
-        asked, need = await asyncio.to_thread(self.mapped, parsed, reply_model)
-        questions = [question for own in asked for question in own]
-        # One row runs like /decide's (the plain forward or a cached state); several share one prefill.
-        call = DecisionRequest(
+        ask = Ask(
+            served,
             parsed.state,
-            tuple(questions),
-            shared=False,
-            limits=self.limits,
+            asked_questions(parsed.questions),
+            self.limits,
             images=tuple(images),
-            reply_bytes=need,
-            model=adapter,
-            served_as=reply_model,
+            defaults=self.defaults,
+            named=served.name,
+            fields={"images": "assets"},
         )
-        outcome = await self.ask(request, call)
-        answers = await asyncio.to_thread(answers_of, parsed.questions, asked, outcome.questions)
+        kinds = [(qid, q.type) for qid, q in parsed.questions.items()]
+        decided = await self.ask(request, ask, lambda plan: reply_bytes(method, plan, kinds, served.name))
+        assert decided.answers is not None  # every System One question is typed
+        answers = await asyncio.to_thread(answers_of, list(parsed.questions), decided.answers, method)
         return SystemOneResponse(
-            model=reply_model,
+            model=served.name,
             answers=answers,
-            usage=Usage(input_tokens=evaluated_tokens(outcome), output_tokens=0),
-            x_timing=timing_block(outcome),
+            usage=usage_of(decided),
+            x_timing=timing_block(decided),
         )
 
     def router(self) -> APIRouter:

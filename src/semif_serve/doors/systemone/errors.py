@@ -55,6 +55,12 @@ SYSTEMONE_ERRORS: dict[type[DecisionError], ErrorRule] = {
         "request_too_large",
         when="the reply, counted before any engine work, is over SEMIF_MAX_REPLY_BYTES; gives the need",
     ),
+    domain.Unanswerable: ErrorRule(
+        400,
+        "api_usage_error",
+        when="the model's method does not read what was asked (a lev model: a box, images, `x_orderings` "
+        "or `x_workload`; a question for a candidate head its release lacks); the message names the field",
+    ),
     domain.OutOfMemory: ErrorRule(
         503,
         "overloaded_error",

@@ -23,6 +23,8 @@ from semif_serve.domain.orderings import ALLOWED_ORDERINGS, MAX_ALL_OPTIONS, Ord
 from semif_serve.doors.base import TimingBody
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.json_body import INVALID_JSON, BodyError, decode_json_object, require_finite
+from semif_serve.service.methods.lev import LevBlock
+from semif_serve.service.methods.semif import BoxCoordinates, BoxEdge, SemIfBlock
 
 SYSTEMONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
@@ -254,80 +256,53 @@ def parse_request(
 # -- responses (declared for the published schema) ----------------------------------------------
 
 
-class Reading(BaseModel):
-    """One ordering's native readout: the order the options were asked in, and their probabilities."""
-
-    order: list[str]
-    probabilities: dict[str, float]
-
-
-class SemIfBlock(BaseModel):
-    """`x_semif`: how one answer was read (native readout of the caller's order, orderings, T)."""
-
-    prompt_sha256: str
-    prompt_version: str
-    input_tokens: int
-    option_logits: dict[str, float]
-    orderings: str
-    rows: int
-    agreement: float
-    workload: str | None
-    temperature: float | None
-    readings: list[Reading]
+# An answer's fields are its type's; a method's block follows (`x_semif`, `x_lev`, or a plug-in
+# method's own `x_<name>`: the models take extra fields). Fields a method leaves out are not sent.
+ANSWER_CONFIG = ConfigDict(extra="allow")
 
 
 class NoulAnswer(BaseModel):
-    """P(true)."""
+    """P(true); a lev model adds `probabilities` over its nine rating levels ("0".."8"; null for
+    a binary noul) and lev's `confidence` (its normalised Gini), as lev's server sends them."""
 
+    model_config = ANSWER_CONFIG
     type: Literal["noul"]
     noul: float
-    x_semif: SemIfBlock
+    probabilities: dict[str, float] | None = None
+    confidence: float | None = None
+    x_semif: SemIfBlock | None = None
+    x_lev: LevBlock | None = None
 
 
 class ChoiceAnswer(BaseModel):
     """The most probable option, every option's probability (keys = names) and the confidence."""
 
+    model_config = ANSWER_CONFIG
     type: Literal["choice"]
     choice: str
     probabilities: dict[str, float]
     confidence: float
-    x_semif: SemIfBlock
+    x_semif: SemIfBlock | None = None
+    x_lev: LevBlock | None = None
 
 
 class ScoreAnswer(BaseModel):
     """The expected level sum(i * p_i), the legend, each level's probability and the confidence."""
 
+    model_config = ANSWER_CONFIG
     type: Literal["score"]
     score: float
     legend: dict[str, str]
     probabilities: dict[str, float]
     confidence: float
-    x_semif: SemIfBlock
-
-
-class BoxCoordinates(BaseModel):
-    """A box's edges: fractions of the image's height from its top (`top` < `bottom`) and of its
-    width from its left (`left` < `right`), each the expected value of its edge's position."""
-
-    top: float
-    bottom: float
-    left: float
-    right: float
-
-
-class BoxEdge(BaseModel):
-    """How one edge was read: its own distribution over the positions (keys `"0.00"`..`"1.00"`),
-    the distribution after the pair rule (whose expectation is the edge), and its question's
-    `x_semif`."""
-
-    probabilities: dict[str, float]
-    ordered: dict[str, float]
-    x_semif: SemIfBlock
+    x_semif: SemIfBlock | None = None
+    x_lev: LevBlock | None = None
 
 
 class BoxAnswer(BaseModel):
     """The box, its confidence (the least sure edge's), and each edge's reading."""
 
+    model_config = ANSWER_CONFIG
     type: Literal["box"]
     box: BoxCoordinates
     confidence: float | None
@@ -352,59 +327,14 @@ class BatchTimingBlock(TimingBody):
     total_seconds: float
 
 
-# -- answers of a lev model (method "lev"): System One's fields, lev's own reading in `x_lev` ----
-
-
-class LevBlock(BaseModel):
-    """`x_lev`: how lev read one answer: Mode A (label codes) or B (the candidate head), the
-    calibration bucket and its temperature, the orders averaged, lev's own `confidence` (its
-    normalised Gini, (K sum p^2 - 1) / (K - 1)) and the distribution it was computed from (a
-    rating noul: the levels "0".."8"; a binary noul: "yes", "no")."""
-
-    mode: Literal["A", "B"]
-    bucket: str
-    temperature: float
-    orders: int
-    confidence: float
-    distribution: dict[str, float]
-
-
-class LevNoulAnswer(BaseModel):
-    """A lev model's noul: P(true) as lev reads it, and the two fields lev's own server adds to
-    System One's noul (`lev/types.py`): `probabilities` over the nine rating levels ("0".."8";
-    null for a binary noul) and lev's `confidence` (its normalised Gini of the distribution)."""
-
-    type: Literal["noul"]
-    noul: float
-    probabilities: dict[str, float] | None
-    confidence: float
-    x_lev: LevBlock
-
-
-class LevChoiceAnswer(BaseModel):
-    """A lev model's choice: the top option, every option's probability, System One's confidence."""
-
-    type: Literal["choice"]
-    choice: str
-    probabilities: dict[str, float]
-    confidence: float
-    x_lev: LevBlock
-
-
-class LevScoreAnswer(BaseModel):
-    """A lev model's score: sum(i * p_i), the legend, each level's probability, System One's confidence."""
-
-    type: Literal["score"]
-    score: float
-    legend: dict[str, str]
-    probabilities: dict[str, float]
-    confidence: float
-    x_lev: LevBlock
-
-
-SystemOneAnswer = (
-    NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer | LevNoulAnswer | LevChoiceAnswer | LevScoreAnswer
-)
+SystemOneAnswer = NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer
+# The one wire shape of each type's answer, whatever method read it.
+ANSWERS: dict[str, type[NoulAnswer | ChoiceAnswer | ScoreAnswer | BoxAnswer]] = {
+    "noul": NoulAnswer,
+    "choice": ChoiceAnswer,
+    "score": ScoreAnswer,
+    "box": BoxAnswer,
+}
 
 
 class SystemOneResponse(BaseModel):
@@ -427,7 +357,7 @@ class AdapterInfo(BaseModel):
     factor: float
 
 
-class ModelEntry(BaseModel):
+class ModelListing(BaseModel):
     """One model name a request may use: the base (with its `x_` limits), a model over it (its
     method, adapter, serving scale and the calibration workloads fitted on it), or an alias."""
 
@@ -453,7 +383,7 @@ class ModelEntry(BaseModel):
 class ModelList(BaseModel):
     """`GET /v1/models`."""
 
-    models: list[ModelEntry]
+    models: list[ModelListing]
 
 
 class TypeSafeErrorDetail(BaseModel):
