@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response
 
 from semif_serve.app import create_app
 from semif_serve.domain.types import DecisionError, TooLargeForMemory, TooManyRows
-from semif_serve.doors.base import DecisionDoor, ErrorRule, NoErrorRule, rule_for
-from semif_serve.doors.native.api import NATIVE_ERRORS, native_error
+from semif_serve.doors.base import DecisionDoor, ErrorRule, NoErrorRule, refusal_of, rule_for
+from semif_serve.doors.native.api import NATIVE_ERRORS
 from semif_serve.doors.systemone.errors import SYSTEMONE_ERRORS
 from semif_serve.http.errors import ServiceError
 from semif_serve.service.startup import Service
@@ -65,7 +65,7 @@ def test_an_unmapped_domain_error_is_a_500_in_the_doors_shape_and_the_service_go
     async def unforeseen(*args, **kwargs):
         raise Unforeseen("nobody planned this")
 
-    monkeypatch.setattr(service.core, "decide", unforeseen)
+    monkeypatch.setattr(service, "decide", unforeseen)
     failed = request(app, "POST", path, json=body, headers=AUTH)
     assert failed.status_code == 500
     assert set(failed.json()) == {shape}
@@ -79,9 +79,9 @@ def test_an_unmapped_domain_error_is_a_500_in_the_doors_shape_and_the_service_go
 def test_a_refusal_whose_decision_is_unknown_names_the_decisions_not_the_first_one() -> None:
     refusal = TooLargeForMemory(10 * 2**30, 2**30)
     assert refusal.question is None
-    assert native_error(refusal, shared=True).field == "decisions"
+    assert refusal_of(NATIVE_ERRORS, refusal, True, ()).field == "decisions"
     refusal.question = 2
-    assert native_error(refusal, shared=True).field == "decisions[2]"
+    assert refusal_of(NATIVE_ERRORS, refusal, True, ()).field == "decisions[2]"
 
 
 def test_a_memory_refusal_names_the_widest_decision_whichever_it_is(engine, checkpoint) -> None:
