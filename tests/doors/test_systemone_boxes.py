@@ -3,8 +3,8 @@ Qwen3.5: a box is asked as four edge questions in the request's one batch, and i
 the pair rule written out with numpy over plain forwards of the edge prompts, softmax by hand.
 
 Here the edge questions are asked over a text state through the same functions the door's
-request path calls (`core_questions`, `answers_of`); about a real image, over HTTP and through
-the SDK, in test_systemone_vision.py."""
+request path calls (`asked_questions`, `Service.decide`, `answers_of`); about a real image, over
+HTTP and through the SDK, in test_systemone_vision.py."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from semif_serve.app import create_app
-from semif_serve.domain.requests import DecisionRequest, Limits
 from semif_serve.doors.systemone.api import SystemOneDoor
-from semif_serve.doors.systemone.mapping import answers_of, core_questions, evaluated_tokens, timing_block
-from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
+from semif_serve.doors.systemone.mapping import answers_of, asked_questions, timing_block, usage_of
+from semif_serve.doors.systemone.schemas import SystemOneResponse, parse_request
+from semif_serve.service.methods import Ask
+from semif_serve.service.methods.semif import core_questions, evaluated_tokens
 from semif_serve.service.startup import Service
 from tests.doors.test_systemone import STATE, answer_codes_by_hand, assert_close, call, plain_forward
 from tests.support import make_settings
@@ -40,28 +41,17 @@ def door(service):
 
 
 def answered(service, door, questions: dict, state=STATE):
-    """The door's mapping of `questions`, asked in one core call under the door's limits."""
+    """The door's mapping of `questions`, asked of the base in one call under the door's limits
+    and defaults: the answers, each question's core questions, and the method's outcome."""
     parsed = parse_request(
         json.dumps({"model": "jev-latest", "state": state, "questions": questions}).encode(), 255
     )
-    asked = [core_questions(qid, q, door.policy) for qid, q in parsed.questions.items()]
-    limits = door.limits
-    outcome = asyncio.run(
-        service.core.decide(
-            DecisionRequest(
-                state,
-                [q for own in asked for q in own],
-                False,
-                Limits(
-                    max_input_tokens=limits.max_input_tokens,
-                    max_options=limits.max_options,
-                    max_rows=limits.max_rows,
-                    max_request_tokens=limits.max_request_tokens,
-                ),
-            )
-        )
-    )
-    return answers_of(parsed.questions, asked, outcome.questions), asked, outcome
+    questions_asked = asked_questions(parsed.questions)
+    asked = [core_questions(q, door.defaults) for q in questions_asked]
+    served = service.models.base
+    ask = Ask(served, state, questions_asked, door.limits, defaults=door.defaults)
+    decided = asyncio.run(service.decide(ask))
+    return answers_of(list(parsed.questions), decided.answers, served.method), asked, decided
 
 
 def by_hand(logits: list[float]) -> np.ndarray:
@@ -107,9 +97,9 @@ CHOICE = {
 def test_a_box_beside_other_questions_equals_the_pair_rule_over_plain_forwards_of_its_edges(
     service, door, engine, tokenizer, codes
 ):
-    answers, asked, outcome = answered(service, door, {"n": NOUL, "where": BOX, "c": CHOICE})
+    answers, asked, decided = answered(service, door, {"n": NOUL, "where": BOX, "c": CHOICE})
     edges = asked[1]
-    assert len(edges) == 4 and outcome.timing is not None  # one shared batch for every row
+    assert len(edges) == 4 and decided.outcome.timing is not None  # one shared batch for every row
     assert edges[0].text == (
         "Locate in the image: the red square\n"
         "How far down from the top of the image is the top edge of the smallest box around it "
@@ -174,23 +164,26 @@ def test_a_workload_temperature_applies_to_each_edge_before_the_pair_rule(engine
 
 
 def test_a_box_is_four_rows_of_the_batch_and_its_prefix_counts_once_in_usage(service, door):
-    _, _, outcome = answered(service, door, {"where": BOX})
+    _, _, decided = answered(service, door, {"where": BOX})
+    outcome = decided.outcome
     assert outcome.timing is not None and outcome.timing.batch_size == 4
     rows = [r for q in outcome.questions for r in q.readouts]
     shared = outcome.timing.prefix_tokens
-    assert evaluated_tokens(outcome) == shared + sum(r.input_tokens - shared for r in rows)
+    evaluated = shared + sum(r.input_tokens - shared for r in rows)
+    assert evaluated_tokens(outcome) == evaluated
+    assert usage_of(decided).input_tokens == evaluated
 
 
 def test_the_official_sdk_parses_a_reply_holding_a_box_answer(service, door):
     from typesafe_sdk import BoxAnswer as SdkBoxAnswer
     from typesafe_sdk._core.response_types import SystemOneResponse as SdkResponse
 
-    answers, _, outcome = answered(service, door, {"where": BOX, "n": NOUL})
+    answers, _, decided = answered(service, door, {"where": BOX, "n": NOUL})
     reply = SystemOneResponse(
         model=door.model_name,
         answers=answers,
-        usage=Usage(input_tokens=evaluated_tokens(outcome), output_tokens=0),
-        x_timing=timing_block(outcome),
+        usage=usage_of(decided),
+        x_timing=timing_block(decided),
     )
     parsed = SdkResponse.model_validate_json(reply.model_dump_json())
     box = parsed.boxes["where"]
