@@ -237,9 +237,12 @@ def differences(got: Any, want: Any, where: str = "") -> list[str]:
 
 
 def test_both_doors_answer_the_script_exactly_as_the_snapshot_records(
-    engine, checkpoint, served_models, vision_engine, vision_checkpoint, tmp_path
+    engine, checkpoint, vision_engine, vision_checkpoint, tmp_path
 ):
-    got = recorded(engine, checkpoint, served_models, vision_engine, vision_checkpoint, tmp_path)
+    from tests.support.served_models import write_models_file
+
+    models = write_models_file(checkpoint, tmp_path / "models", third_method=False)  # the built-in methods
+    got = recorded(engine, checkpoint, models, vision_engine, vision_checkpoint, tmp_path)
     want = json.loads(SNAPSHOT.read_text(encoding="utf-8"))
     assert differences(got, want) == []
 
@@ -264,7 +267,7 @@ def write() -> None:
         root = Path(tmp)
         checkpoint = write_checkpoint(root / "text")
         vision_checkpoint = write_checkpoint(root / "vision", multimodal=True)
-        models = write_models_file(checkpoint, root / "models")
+        models = write_models_file(checkpoint, root / "models", third_method=False)
         got = recorded(
             load_engine(make_settings(checkpoint)),
             checkpoint,
