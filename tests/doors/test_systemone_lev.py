@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from semif_serve.app import create_app
+from semif_serve.doors.systemone.mapping import asked_questions
 from semif_serve.doors.systemone.schemas import SystemOneRequest
-from semif_serve.doors.systemone.sizes import lev_reply_bytes
+from semif_serve.doors.systemone.sizes import answer_bytes, response_bytes
+from semif_serve.service.methods.lev import LevMethod, answer_sizes
 from semif_serve.service.startup import Service
 from semif_serve.tools.lev_builder import DEFAULT_TEMPERATURES, write_lev_release
 from tests.engine.test_lev_release import (
@@ -210,7 +212,7 @@ def test_each_type_equals_lev_read_by_hand_in_both_prompt_styles(model, style, c
     assert timing["padded_suffix_tokens"] == sum(own)  # packed end to end: no padding
 
 
-def test_the_entrys_lev_options_binary_noul_and_cyclic_score_orders(client, references, tokenizer):
+def test_the_entrys_lev_options_binary_noul_and_rotations_score_orders_by_levs_name_cyclic(client, references, tokenizer):
     answers = ask(client, "lev-binary")["answers"]
     binary = expected(references, tokenizer, "plain", "urgent", noul="binary")
     assert abs(answers["urgent"]["noul"] - binary[0]) < TOL
@@ -380,26 +382,27 @@ def test_a_lev_reply_is_counted_before_any_engine_work_at_least_as_large_as_it_i
         sent = post(client, model=model, questions=questions)
         assert sent.status_code == 200
         request = SystemOneRequest.model_validate({"model": model, "state": "text", "questions": questions})
-        assert lev_reply_bytes(request.questions, model) >= len(sent.content)
+        # lev's count of each answer, in its type's one shape, in the reply around them
+        answers = [answer_bytes(q.type, answer_sizes(q)) for q in asked_questions(request.questions)]
+        assert response_bytes(model, list(request.questions), answers) >= len(sent.content)
 
 
 def test_a_lev_reply_over_the_reply_budget_is_refused_before_any_engine_work(
     engine, checkpoint, release_dirs, monkeypatch
 ):
-    from semif_serve.service.lev_core import LevCore
-
     settings = make_settings(checkpoint, models=release_dirs / "models.toml", max_reply_bytes=2048)
     small = in_process_client(create_app(Service.start(settings, engine=engine)))
     asked = []
-    real = LevCore.decide
+    real = LevMethod.jobs
 
-    async def counted(self, *args, **kwargs):
+    def counted(self, *args, **kwargs):
         asked.append(args)
-        return await real(self, *args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(LevCore, "decide", counted)
+    # A call's rows reach the batcher as the method's jobs: none are made for a refused reply.
+    monkeypatch.setattr(LevMethod, "jobs", counted)
     assert post(small, questions={"urgent": QUESTIONS["urgent"]}).status_code == 200
     wide = {"type": "choice", "criteria": {f"queue-{i}": None for i in range(40)}}
     message = refused(post(small, questions={"wide": wide}), 413, "request_too_large")
     assert "over the reply budget of 2048 bytes" in message and "fewer questions" in message
-    assert len(asked) == 1  # the refused request never reached lev's method
+    assert len(asked) == 1  # the refused request's rows never reached the engine
