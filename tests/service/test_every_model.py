@@ -1,5 +1,6 @@
 """The base's guarantees on every kind of served model (tests/support/served_models.py: the base,
-a PEFT adapter, a lev release, the base read with lev's method), each test parametrised over them
+a PEFT adapter, a lev release, the base read with lev's method, the base read by a third method
+defined in a test), each test parametrised over them
 and run through the real app: a state past the token limit is refused the same way, quickly,
 holding nothing; a reply past the budget is refused the same way before any forward; a second
 question about a state hits the state cache, under a key that names the model; each request is
@@ -23,6 +24,7 @@ from tests.support.served_models import (
     BASE,
     SERVED,
     SERVED_IDS,
+    THIRD_METHOD,
     Served,
     native_decision,
     noul,
@@ -90,9 +92,14 @@ def two_questions(served: Served, key: str) -> dict[str, dict]:
 
 
 def rows_of(reply: dict) -> int:
-    """The rows a reply says it read: SemIf's `x_semif.rows`, lev's orders (`x_lev.orders`)."""
+    """The rows a reply says it read: SemIf's `x_semif.rows`, lev's orders (`x_lev.orders`), the
+    third method's `x_yes_no.rows`."""
     return sum(
-        answer["x_semif"]["rows"] if "x_semif" in answer else answer["x_lev"]["orders"]
+        answer["x_semif"]["rows"]
+        if "x_semif" in answer
+        else answer["x_lev"]["orders"]
+        if "x_lev" in answer
+        else answer["x_yes_no"]["rows"]
         for answer in reply["answers"].values()
     )
 
@@ -187,7 +194,10 @@ def test_the_native_door_refuses_a_state_past_its_token_limit_alike_on_the_base_
 
 
 def wide_choice(served: Served) -> dict[str, dict]:
-    """One choice of 16 long-named options: a reply of several kB on every model."""
+    """One choice of 16 long-named options (32 long-named nouls where the model answers no
+    choice): a reply of several kB on every model."""
+    if not served.asks("choice"):
+        return {f"queue-{i:02d}-" + "n" * 60: noul(served, f"Is queue {i} late?") for i in range(32)}
     criteria = {f"queue-{i:02d}-" + "n" * 60: f"The team of queue {i}." for i in range(16)}
     question = {"type": "choice", "criteria": criteria}
     return {"pick": {**question, "x_orderings": "none"} if served.method == "semif" else question}
@@ -337,10 +347,16 @@ def test_every_models_state_tokens_are_counted_in_metrics_as_the_tokenizer_count
     assert grew("semif_prefix_tokens_sum") == sum(p or 0 for p in prefixes)
     # The longer state's prefix is longer by the tokenizer's own count of the sentence (lev's plain
     # prefix ends "<state>\n\n", where the sentence's full stop may merge with the blank line).
+    state = STATE.format(key=f"tokens-{served.id}")
     if served.method == "lev":
-        state = STATE.format(key=f"tokens-{served.id}")
         plain = [len(tokenizer.encode(f"Context:\n{s}\n\n")) for s in (state, state + SENTENCE)]
         assert prefixes == plain
+    elif served is THIRD_METHOD:  # its own head, "Evidence: <state>\n", encoded alone
+        from tests.service.test_third_method import evidence
+
+        assert prefixes == [
+            len(tokenizer.encode(evidence(s), add_special_tokens=False)) for s in (state, state + SENTENCE)
+        ]
     else:
         assert prefixes[1] - prefixes[0] == len(tokenizer.encode(SENTENCE, add_special_tokens=False))
 
