@@ -15,8 +15,10 @@ from typesafe_sdk import Box, Choice, Image, Noul, TypeSafeClient
 
 from harness.server import LoopbackServer
 from semif_serve.app import create_app
-from semif_serve.doors.systemone.mapping import Policy, core_questions, to_question
+from semif_serve.domain.requests import Defaults
+from semif_serve.doors.systemone.mapping import asked_question
 from semif_serve.doors.systemone.schemas import SystemOneRequest
+from semif_serve.service.methods.semif import core_question, core_questions
 from tests.support import TOKEN, in_process_client, make_settings
 from tests.support.vision_reference import expected_row, noise_png
 
@@ -58,10 +60,10 @@ def expected_answers(service, body: dict, images: dict[str, bytes], reference) -
     (the door's mapping to a question, SemIf's rendering, the caller's order)."""
     parsed = SystemOneRequest.model_validate(body)
     settings = service.settings
-    policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
+    defaults = Defaults(settings.systemone_orderings, settings.systemone_workloads)
     out = {}
     for qid, question in parsed.questions.items():
-        domain = to_question(qid, question, policy)
+        domain = core_question(asked_question(qid, question), defaults)
         descriptions = [o.description for o in domain.options]
         text = service.engine.codec.render_prompt(parsed.state, domain.text, descriptions)
         out[qid] = (domain, expected_row(reference, text, len(descriptions), images))
@@ -222,8 +224,8 @@ def test_images_as_option_names_without_descriptions_are_shown_and_the_names_ans
 def expected_answers_without_forward(service, body):
     parsed = SystemOneRequest.model_validate(body)
     settings = service.settings
-    policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
-    return [(to_question(qid, q, policy), None) for qid, q in parsed.questions.items()]
+    defaults = Defaults(settings.systemone_orderings, settings.systemone_workloads)
+    return [(core_question(asked_question(qid, q), defaults), None) for qid, q in parsed.questions.items()]
 
 
 def test_usage_counts_the_image_tokens(client, vision_service, vision_reference):
@@ -275,8 +277,8 @@ def test_a_box_about_an_image_equals_the_pair_rule_over_full_forwards_of_its_edg
     answer = reply.json()["answers"]["where"]
     parsed = SystemOneRequest.model_validate(body)
     settings = vision_service.settings
-    policy = Policy(settings.systemone_orderings, settings.systemone_workloads)
-    edges = core_questions("where", parsed.questions["where"], policy)
+    defaults = Defaults(settings.systemone_orderings, settings.systemone_workloads)
+    edges = core_questions(asked_question("where", parsed.questions["where"]), defaults)
     probabilities = {}
     for edge, question in zip(EDGES, edges, strict=True):
         descriptions = [o.description for o in question.options]
