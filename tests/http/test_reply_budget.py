@@ -28,9 +28,10 @@ from semif_serve.doors.native.api import result_bytes, shared_reply_bytes
 from semif_serve.doors.native.api import to_question as native_question
 from semif_serve.doors.native.schemas import DecisionBody, SharedDecisionsBody, parse_body
 from semif_serve.doors.systemone.api import SystemOneDoor
-from semif_serve.doors.systemone.mapping import core_questions, timing_block
+from semif_serve.doors.systemone.mapping import asked_questions, timing_block
 from semif_serve.doors.systemone.schemas import SystemOneResponse, Usage, parse_request
 from semif_serve.doors.systemone.sizes import reply_bytes
+from semif_serve.service.methods import Ask
 from semif_serve.service.settings import Settings
 from semif_serve.service.startup import Service
 from tests.doors.test_systemone_boxes import answered
@@ -74,6 +75,15 @@ def assert_bounds(real: int, counted: int) -> None:
     assert real <= counted <= LOOSEST * real, (real, counted)
 
 
+def counted(service: Service, door: SystemOneDoor, body: bytes) -> int:
+    """The door's count of its reply to `body`, from the plan of the base's method, as it asks it."""
+    parsed = parse_request(body, door.max_options)
+    served = service.models.base
+    ask = Ask(served, parsed.state, asked_questions(parsed.questions), door.limits, defaults=door.defaults)
+    kinds = [(qid, q.type) for qid, q in parsed.questions.items()]
+    return reply_bytes(served.method, served.method.plan(ask), kinds, door.model_name)
+
+
 # -- the count is an upper bound of the real reply, and a close one --------------------------------
 
 
@@ -102,13 +112,13 @@ def systemone_questions(draw) -> dict:
 
 @PROPERTY
 @given(questions=systemone_questions())
-def test_system_one_counts_at_least_every_byte_it_sends_and_at_most_twice_as_many(client, door, questions):
+def test_system_one_counts_at_least_every_byte_it_sends_and_at_most_twice_as_many(
+    client, calibrated, door, questions
+):
     body = json.dumps({"model": "jev-latest", "state": STATE, "questions": questions}).encode()
     reply = client.post("/v1/systemone", content=body)
     assert reply.status_code == 200, reply.text
-    parsed = parse_request(body, door.max_options)
-    asked = [core_questions(qid, q, door.policy) for qid, q in parsed.questions.items()]
-    assert_bounds(len(reply.content), reply_bytes(parsed.questions, asked, door.model_name))
+    assert_bounds(len(reply.content), counted(calibrated, door, body))
 
 
 def largest_legitimate_choice(name_chars: int) -> dict:
@@ -118,33 +128,30 @@ def largest_legitimate_choice(name_chars: int) -> dict:
     return {"pick": {"type": "choice", "criteria": criteria, "x_orderings": "rotations"}}
 
 
-def test_the_default_reply_budget_is_sized_to_the_largest_legitimate_reply(door):
+def test_the_default_reply_budget_is_sized_to_the_largest_legitimate_reply(calibrated, door):
     budget = Settings.model_fields["max_reply_bytes"].default
     counts = {}
     for chars in (16, 64):
         questions = largest_legitimate_choice(chars)
-        parsed = parse_request(
-            json.dumps({"model": "jev-latest", "state": STATE, "questions": questions}).encode(), 255
-        )
-        asked = [core_questions(qid, q, door.policy) for qid, q in parsed.questions.items()]
-        counts[chars] = reply_bytes(parsed.questions, asked, door.model_name)
+        body = json.dumps({"model": "jev-latest", "state": STATE, "questions": questions}).encode()
+        counts[chars] = counted(calibrated, door, body)
     assert counts[64] <= budget <= 1.5 * counts[64]  # names of 64 characters fit, with a margin, no more
 
 
 @pytest.mark.parametrize("orderings", ["none", "reversal"])
 def test_a_box_answer_is_counted_as_its_four_edges_with_every_position(calibrated, door, orderings):
     questions = {"where 'box'": {"type": "box", "x_orderings": orderings, "x_workload": "grading"}}
-    answers, asked, outcome = answered(calibrated, door, questions)
+    answers, _, decided = answered(calibrated, door, questions)
     sent = json_reply(
         SystemOneResponse(
             model=door.model_name,
             answers=answers,
             usage=Usage(input_tokens=1, output_tokens=0),
-            x_timing=timing_block(outcome),
+            x_timing=timing_block(decided),
         )
     )
-    parsed = parse_request(json.dumps({"model": "m", "state": "s", "questions": questions}).encode(), 255)
-    assert_bounds(len(sent.body), reply_bytes(parsed.questions, asked, door.model_name))
+    body = json.dumps({"model": "m", "state": "s", "questions": questions}).encode()
+    assert_bounds(len(sent.body), counted(calibrated, door, body))
 
 
 @st.composite
@@ -164,7 +171,7 @@ def native_decisions(draw) -> list[dict]:
 def test_the_native_door_counts_at_least_every_byte_it_sends_and_at_most_twice_as_many(
     client, calibrated, decisions
 ):
-    identity = native_model_bytes(calibrated.core.model_info)
+    identity = native_model_bytes(calibrated.engine.model_info)
     one = json.dumps(decisions[0]).encode()
     reply = client.post("/decide", content=one)
     assert reply.status_code == 200, reply.text
@@ -175,7 +182,7 @@ def test_the_native_door_counts_at_least_every_byte_it_sends_and_at_most_twice_a
     reply = client.post("/decide/shared", content=shared)
     assert reply.status_code == 200, reply.text
     questions = [native_question(d) for d in parse_body(SharedDecisionsBody, shared).decisions]
-    assert_bounds(len(reply.content), shared_reply_bytes(questions, calibrated.core.model_info))
+    assert_bounds(len(reply.content), shared_reply_bytes(questions, calibrated.engine.model_info))
 
 
 # -- a reply over the budget is refused before any engine work -------------------------------------
@@ -195,6 +202,7 @@ def no_engine(monkeypatch) -> None:
         raise AssertionError("the engine was asked")
 
     monkeypatch.setattr(EngineWorker, "score", refuse)
+    monkeypatch.setattr(EngineWorker, "score_job", refuse)  # every method's rows, as jobs
 
 
 def wide_options(count: int, name_length: int) -> dict[str, str]:
