@@ -17,7 +17,12 @@ from pathlib import Path
 
 from bench import peers
 from harness.server import LoopbackServer
-from semif_serve.service.models import LEV, load_models
+from semif_serve.service.methods import MethodRegistry
+from semif_serve.service.methods.lev import LevMethod
+from semif_serve.service.models import load_models
+
+# lev's `off` is the one vocabulary's `none`: the entry keeps the normalised name.
+NORMALISED = {"score_order_average": "none"}
 
 
 def test_release_models_file_reads_back_as_the_release_with_levs_options(tmp_path):
@@ -26,25 +31,26 @@ def test_release_models_file_reads_back_as_the_release_with_levs_options(tmp_pat
     (release / "lev_release.json").write_text(json.dumps({"name": "lev-bench"}))
     models = tmp_path / "models.toml"
     models.write_text(peers.release_models_toml(release, "/models/ckpt"))
-    loaded = load_models(models, "Qwen/Qwen3.5-4B@bench")
+    loaded = load_models(models, "Qwen/Qwen3.5-4B@bench", MethodRegistry.of())
     entry = loaded.models[peers.LEV_RELEASE]
-    assert entry.method == LEV and entry.release == release
-    assert dict(entry.lev_options) == peers.LEV_RELEASE_OPTIONS
-    assert entry.lev_options["noul_readout"] == "rating"  # lev's reading of a noul with a checkpoint
+    assert entry.method == LevMethod.name and entry.directory == release
+    assert dict(entry.options) == {**peers.LEV_RELEASE_OPTIONS, **NORMALISED}
+    assert entry.options["noul_readout"] == "rating"  # lev's reading of a noul with a checkpoint
     assert entry.base_model == "/models/ckpt"
     assert loaded.resolve("local") is entry
-    assert loaded.resolve("jev-latest").is_base  # the base is still the base
+    assert loaded.is_base(loaded.resolve("jev-latest"))  # the base is still the base
 
 
 def test_lev_base_models_file_reads_back_as_the_base_with_levs_method_and_frozen_flags(tmp_path):
     models = tmp_path / "models.toml"
     models.write_text(peers.lev_base_models_toml())
-    loaded = load_models(models, "Qwen/Qwen3.5-4B@bench")
+    loaded = load_models(models, "Qwen/Qwen3.5-4B@bench", MethodRegistry.of())
     entry = loaded.resolve(peers.LEV_BASE)
-    assert entry.method == LEV and entry.lev_base and entry.release is None and entry.adapter is None
-    assert dict(entry.lev_options) == peers.LEV_BASE_OPTIONS
-    assert entry.lev_options["noul_readout"] == "binary"  # lev's reading of a noul without a checkpoint
-    assert loaded.resolve("jev-latest").is_base
+    assert entry.method == LevMethod.name and not loaded.is_base(entry)
+    assert entry.directory is None  # no release, no adapter: the frozen base's weights alone
+    assert dict(entry.options) == {**peers.LEV_BASE_OPTIONS, **NORMALISED}
+    assert entry.options["noul_readout"] == "binary"  # lev's reading of a noul without a checkpoint
+    assert loaded.is_base(loaded.resolve("jev-latest"))
 
 
 def test_lev_flags_spell_levs_cli():

@@ -1,14 +1,13 @@
-"""The decision core: typed outcomes, per-call limits, and errors that name positions, not statuses."""
+"""SemIf's core, asked through `Service.decide`: typed outcomes, per-call limits, and errors that
+name positions, not statuses."""
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 
 from semif_serve.domain.calibration import CalibrationTable
 from semif_serve.domain.numerics import softmax
-from semif_serve.domain.requests import DecisionRequest, Limits
+from semif_serve.domain.requests import Limits
 from semif_serve.domain.types import (
     AnswerBoundary,
     Option,
@@ -18,7 +17,8 @@ from semif_serve.domain.types import (
     TooManyTokens,
     UnknownWorkload,
 )
-from semif_serve.service.core import _located, plan_rows
+from semif_serve.service.core import located, plan_rows
+from tests.support.asking import outcome_now
 
 YES_NO = (Option("yes", "It succeeded."), Option("no", "It failed."))
 THREE = (Option("a", "First."), Option("b", "Second."), Option("c", "Third."))
@@ -26,8 +26,7 @@ THREE = (Option("a", "First."), Option("b", "Second."), Option("c", "Third."))
 
 def decide(service, questions, shared=True, **limits):
     values = {"max_input_tokens": 4096, "max_options": 16, "max_rows": 64, **limits}
-    request = DecisionRequest("All zones are healthy.", tuple(questions), shared, Limits(**values))
-    return asyncio.run(service.core.decide(request))
+    return outcome_now(service, "All zones are healthy.", questions, Limits(**values), shared=shared)
 
 
 def test_an_outcome_holds_every_ordering_its_combination_and_the_batch_timing(service):
@@ -76,6 +75,6 @@ def test_a_boundary_error_in_a_rotated_row_names_the_callers_question_and_option
     questions = [Question("a", "q", YES_NO), Question("b", "q", THREE, orderings="rotations")]
     planned, _ = plan_rows(questions, max_rows=64, max_options=16, calibration=table)
     error = AnswerBoundary("A", option=0).located(row=3)  # question b, ordering (2, 0, 1): slot A is option 2
-    placed = _located(error, planned)
+    placed = located(error, planned)
     assert (placed.question, placed.option) == (1, 2)
     assert (error.question, error.option) == (None, 0)  # the engine's error is left as it was built
