@@ -55,9 +55,12 @@ def under(service, setting: str, value: int):
 
 
 def body(served: Served, limit: str) -> dict:
-    """A four-option choice about a new state (each state the same number of tokens: four digits)."""
+    """A four-option choice about a new state (each state the same number of tokens: four digits;
+    a noul where the model answers no choice)."""
     state = f"Ticket {next(STATES):04d}: the refund was charged twice and the customer wants a lawyer."
     question = {"type": "choice", "criteria": dict.fromkeys(OPTIONS)}
+    if not served.asks("choice"):
+        question = {"type": "noul", "instructions": "Does the customer want a lawyer?"}
     if limit == "tokens" and served.method == "semif":
         question["x_orderings"] = "none"
     return systemone_body(served, state, {"who": question})
@@ -67,6 +70,8 @@ def rows_of(answer: dict) -> int:
     """The forward rows a reply says its answer read."""
     if "x_semif" in answer:
         return answer["x_semif"]["rows"]
+    if "x_yes_no" in answer:  # the third method's
+        return answer["x_yes_no"]["rows"]
     lev = answer["x_lev"]
     return lev["orders"] + (len(OPTIONS) if lev["mode"] == "B" else 0)
 

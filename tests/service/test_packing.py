@@ -35,8 +35,10 @@ def shared(engine, checkpoint, served_models):
 
 
 def body(served: Served, i: int) -> dict:
+    """A choice about a new state (a noul where the model answers no choice)."""
     state = f"Ticket {i}: the customer in region {i * 7} was charged twice for plan {i % 5}."
-    return systemone_body(served, state, {"team": CHOICE})
+    question = CHOICE if served.asks("choice") else {"type": "noul", "instructions": "Is it billing's?"}
+    return systemone_body(served, state, {"team": question})
 
 
 def metric(metrics: str, name: str) -> float:
@@ -45,8 +47,9 @@ def metric(metrics: str, name: str) -> float:
 
 
 def answers(reply: httpx.Response) -> dict[str, float]:
-    """Each option's probability in the reply."""
-    return reply.json()["answers"]["team"]["probabilities"]
+    """Each option's probability in the reply (a noul's P(true))."""
+    answer = reply.json()["answers"]["team"]
+    return answer["probabilities"] if answer["type"] == "choice" else {"true": answer["noul"]}
 
 
 def together_then_alone(service, bodies: list[dict]):
