@@ -212,7 +212,7 @@ def test_each_type_equals_lev_read_by_hand_in_both_prompt_styles(model, style, c
     assert timing["padded_suffix_tokens"] == sum(own)  # packed end to end: no padding
 
 
-def test_the_entrys_lev_options_binary_noul_and_rotations_score_orders_by_levs_name_cyclic(client, references, tokenizer):
+def test_the_entrys_lev_options_binary_noul_and_cyclic_score_orders(client, references, tokenizer):
     answers = ask(client, "lev-binary")["answers"]
     binary = expected(references, tokenizer, "plain", "urgent", noul="binary")
     assert abs(answers["urgent"]["noul"] - binary[0]) < TOL

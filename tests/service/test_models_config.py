@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from semif_serve.domain.types import ConfigurationError
-from semif_serve.service.models import JEV_ALIASES, LEV, SEMIF, base_only, load_models
+from semif_serve.service.methods import MethodRegistry
+from semif_serve.service.models import JEV_ALIASES, base_only, load_models
 from semif_serve.service.settings import load_settings
 
 BASE = "Qwen/Qwen3.5-4B@main"
+METHODS = MethodRegistry.of()  # the built-in methods: SemIf's and lev's
 
 
 @pytest.fixture
@@ -37,7 +39,7 @@ ISSUE_SHAPE = """
 release = "{release}"
 noul_readout = "binary"
 prompt_style = "plain"
-score_order_average = "reversed"
+score_order_average = "reversed"  # lev's own name, read as the one vocabulary's
 [models.triage]
 adapter = "{adapter}"
 scale = 0.5
@@ -47,39 +49,66 @@ local = "lev-4b"
 
 
 def test_the_issue_shape(dirs):
-    models = load_models(write(dirs, ISSUE_SHAPE), BASE)
+    models = load_models(write(dirs, ISSUE_SHAPE), BASE, METHODS)
     assert list(models.models) == [BASE, "lev-4b", "triage"]
     lev = models.resolve("local")
-    assert lev is models.models["lev-4b"] and lev.method == LEV and lev.release == dirs["release"]
-    assert dict(lev.lev_options) == {
+    assert lev is models.models["lev-4b"] and lev.method == "lev" and lev.directory == dirs["release"]
+    assert dict(lev.options) == {
         "noul_readout": "binary",
         "prompt_style": "plain",
-        "score_order_average": "reversed",
+        "score_order_average": "reversal",
     }
     triage = models.resolve("triage")
-    assert triage is not None and triage.method == SEMIF and triage.adapter == dirs["adapter"]
-    assert triage.scale == 0.5 and not triage.is_base
+    assert triage is not None and triage.method == "semif" and triage.directory == dirs["adapter"]
+    assert triage.scale == 0.5 and not models.is_base(triage)
+    assert models.models[BASE].method == "semif" and models.is_base(models.models[BASE])
     for jev in JEV_ALIASES:  # still the base, unless configured
         assert models.resolve(jev) is models.models[BASE]
     assert models.resolve("nope") is None
-    assert [e.name for e in models.adapters] == ["lev-4b", "triage"]
-    assert models.aliases_of("lev-4b") == ["local"]
+    assert [e.name for e in models.over_base] == ["lev-4b", "triage"]
+    assert dict(models.aliases) == {"jev-latest": BASE, "jev-preview": BASE, "local": "lev-4b"}
+
+
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [("off", "none"), ("reversed", "reversal"), ("cyclic", "rotations")]
+    + [(name, name) for name in ("none", "reversal", "rotations")],
+)
+def test_levs_score_orders_are_read_in_the_one_vocabulary_of_orderings(dirs, written, read):
+    text = f'[models.lev-4b]\nrelease = "{{release}}"\nscore_order_average = "{written}"\n'
+    entry = load_models(write(dirs, text), BASE, METHODS).models["lev-4b"]
+    assert entry.options == {"score_order_average": read}
+
+
+def test_an_entry_names_its_method_or_is_read_by_the_one_that_claims_its_keys(dirs):
+    text = '[models.r]\nrelease = "{release}"\n[models.a]\nadapter = "{adapter}"\n'
+    text += '[models.lev-base]\nmethod = "lev"\n'
+    models = load_models(write(dirs, text), BASE, METHODS)
+    assert [(e.name, e.method) for e in models.over_base] == [
+        ("r", "lev"),
+        ("a", "semif"),
+        ("lev-base", "lev"),
+    ]
+    # The base read with lev's method: no weights of its own, lev's frozen-base noul readout.
+    assert models.models["lev-base"].directory is None
+    assert models.models["lev-base"].options == {"noul_readout": "binary"}
 
 
 def test_jev_aliases_may_be_repointed_and_turned_off(dirs):
     text = ISSUE_SHAPE + 'jev-latest = "triage"\n'
-    models = load_models(write(dirs, text), BASE)
+    models = load_models(write(dirs, text), BASE, METHODS)
     assert models.resolve("jev-latest").name == "triage"
     assert models.resolve("jev-preview").name == BASE
     # SEMIF_SYSTEMONE_ALLOW_ALIASES=false: the default Jev names go, the declared one stays.
     assert models.resolve("jev-preview", jev_aliases=False) is None
     assert models.resolve("jev-latest", jev_aliases=False).name == "triage"
     assert base_only(BASE).resolve("jev-latest").name == BASE
+    assert base_only(BASE).models[BASE].method == "semif"
 
 
 def test_relative_paths_are_read_from_the_file_directory(dirs):
     path = write(dirs, '[models.t]\nadapter = "triage-lora"\n')
-    assert load_models(path, BASE).models["t"].adapter == dirs["adapter"]
+    assert load_models(path, BASE, METHODS).models["t"].directory == dirs["adapter"]
 
 
 def test_settings_field(tmp_path, monkeypatch):
@@ -122,24 +151,37 @@ def test_settings_field(tmp_path, monkeypatch):
         ('[models.a]\nadapter = "{adapter}"\n[aliases]\na = "a"\n', "aliases.a: shadows the model 'a'"),
         ('[models.a]\nadapter = "{adapter}"\n[aliases]\nlocal = 1\n', "aliases.local: must be a model name"),
         ("models = 3\n", "models: must be a table"),
+        (
+            '[models.a]\nmethod = "nope"\n',
+            "models.a.method: 'nope' is not a method (methods: 'semif', 'lev')",
+        ),
+        ('[models.a]\nmethod = "semif"\n', "models.a.method: 'semif' needs an adapter"),
+        (
+            '[models.a]\nmethod = "lev"\nadapter = "{adapter}"\n',
+            "models.a.adapter: unknown key for the base read with lev's method",
+        ),
+        (
+            '[models.a]\nrelease = "{release}"\nscore_order_average = "sideways"\n',
+            "models.a.score_order_average: 'sideways' is not",
+        ),
     ],
 )
 def test_refusals_name_the_file_and_the_key(dirs, text, message):
     path = write(dirs, text)
     with pytest.raises(ConfigurationError) as refused:
-        load_models(path, BASE)
+        load_models(path, BASE, METHODS)
     assert f"SEMIF_MODELS: {path}: " in str(refused.value)
     assert message.format(**dirs) in str(refused.value)
 
 
 def test_an_alias_may_name_the_base(dirs):
-    models = load_models(write(dirs, f'[aliases]\nlocal = "{BASE}"\n'), BASE)
-    assert models.resolve("local").is_base
+    models = load_models(write(dirs, f'[aliases]\nlocal = "{BASE}"\n'), BASE, METHODS)
+    assert models.is_base(models.resolve("local"))
 
 
 def test_unreadable_file(tmp_path):
     with pytest.raises(ConfigurationError, match="cannot read"):
-        load_models(tmp_path / "absent.toml", BASE)
+        load_models(tmp_path / "absent.toml", BASE, METHODS)
 
 
 def test_a_service_answers_an_operators_alias_of_the_base_and_lists_it(engine, checkpoint, tmp_path):
