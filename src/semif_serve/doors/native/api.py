@@ -274,9 +274,10 @@ def model_bytes(identity: dict[str, str]) -> int:
     return map_bytes(sum(map(text_bytes, info)), sum(map(text_bytes, info.values())), len(info))
 
 
-def result_bytes(question: Question, model: int, *, timed: bool) -> int:
-    """At least the bytes of `decision_result` for `question` (`timed`: with its `timing`):
-    every ordering's result echoes the ids, and `combined` and `calibrated` key them again."""
+def result_bytes(question: Question, block_bytes: int, *, timed: bool) -> int:
+    """At least the bytes of `decision_result` for `question` (`block_bytes`: its `model`
+    block's, `model_bytes`; `timed`: with its `timing`): every ordering's result echoes the ids,
+    and `combined` and `calibrated` key them again."""
     n = len(question.options)
     ids = [text_bytes(o.id) for o in question.options]
     floats = array_bytes(n * FLOAT_BYTES, n)
@@ -291,7 +292,7 @@ def result_bytes(question: Question, model: int, *, timed: bool) -> int:
         "total_seconds": FLOAT_BYTES,
         "prompt_sha256": SHA256_BYTES,
         "prompt_version": text_bytes(PROMPT_VERSION),
-        "model": model,
+        "model": block_bytes,
         "readout": READOUT_BYTES,
         "probability_status": text_bytes(PROBABILITY_STATUS),
     }
@@ -328,8 +329,8 @@ def result_bytes(question: Question, model: int, *, timed: bool) -> int:
 
 def shared_reply_bytes(questions: Sequence[Question], identity: dict[str, str]) -> int:
     """At least the bytes of `/decide/shared`'s reply to `questions`."""
-    model = model_bytes(identity)
-    results = [result_bytes(q, model, timed=False) for q in questions]
+    block = model_bytes(identity)
+    results = [result_bytes(q, block, timed=False) for q in questions]
     return object_bytes(
         SharedResponse, {"results": array_bytes(sum(results), len(results)), "timing": TIMING_BYTES}
     )
