@@ -217,7 +217,7 @@ class YesMinusNo:
 
     def listing(self, served: Served) -> dict[str, Any]:
         return {
-            "description": f"{served.name}: P(yes) = sigmoid(logit(' yes') - logit(' no')), a row a question.",
+            "description": f"{served.name}: P(yes) = sigmoid(logit(' yes') - logit(' no')); a row each.",
             "x_method": self.name,
             "x_max_options": 2,
             "x_reads_images": False,
