@@ -302,16 +302,17 @@ def test_a_system_one_request_over_the_row_cap_is_refused_before_it_is_validated
 )
 def test_the_early_row_count_is_the_number_of_rows_the_core_plans(service, questions):
     from semif_serve.doors.systemone.api import SystemOneDoor
-    from semif_serve.doors.systemone.mapping import rows_asked, to_question
+    from semif_serve.doors.systemone.mapping import asked_question, rows_asked
     from semif_serve.doors.systemone.schemas import parse_request
     from semif_serve.service.core import plan_rows
+    from semif_serve.service.methods.semif import core_question
 
     door = SystemOneDoor(service)
     body = json.dumps({"model": "jev-latest", "state": "s", "questions": questions}).encode()
     parsed = parse_request(body, door.max_options)
-    mapped = [to_question(qid, q, door.policy) for qid, q in parsed.questions.items()]
+    mapped = [core_question(asked_question(qid, q), door.defaults) for qid, q in parsed.questions.items()]
     _, rows = plan_rows(mapped, max_rows=10_000, max_options=255, calibration=service.calibration)
-    assert rows_asked(json.loads(body), door.policy) == len(rows)
+    assert rows_asked(json.loads(body), service.models.base.method, door.defaults) == len(rows)
 
 
 @pytest.mark.parametrize("orderings", [[None], {"mode": "all"}, 7, "sideways"])
@@ -507,10 +508,10 @@ def test_health_answers_while_a_large_body_is_parsed_and_validated(server, monke
 
 
 def test_health_answers_while_rows_are_planned(server, monkeypatch):
-    import semif_serve.service.core as core
+    import semif_serve.service.methods.semif as semif
 
-    gate = Gate(core.plan_rows)
-    monkeypatch.setattr(core, "plan_rows", gate)
+    gate = Gate(semif.plan_rows)
+    monkeypatch.setattr(semif, "plan_rows", gate)  # SemIf's method plans the base's rows
     body = json.dumps({"state": "s", "decisions": [decision()]}).encode()
     health, post = health_while_held(server, gate, "/decide/shared", body, {})
     assert (health, post) == (200, 200)
@@ -660,12 +661,13 @@ def test_the_engine_never_runs_a_suffix_forward_wider_than_the_chunk(engine, mon
     monkeypatch.setattr(type(decoder), "forward", recording)
     long_question = "Across every zone, did the error rate stay under one percent after the fix? " * 12
     rows = [PromptRow(long_question, ("Yes.", "No.")), PromptRow("Short?", ("Yes.", "No."))]
-    readout = chunked.score("The zones recovered.", rows, shared=True, max_input_tokens=4096)
+    readout = chunked.read(RowsRequest.of("The zones recovered.", rows, shared=True, max_input_tokens=4096))
     assert readout.rows[0].input_tokens - readout.timing.prefix_tokens > 100  # a long suffix
     assert widths and max(widths) <= 32  # prefill and suffix alike, never a wider forward
     monkeypatch.undo()
     for got, row in zip(readout.rows, rows, strict=True):
-        direct = engine.score("The zones recovered.", [row], shared=False, max_input_tokens=4096).rows[0]
+        alone = RowsRequest.of("The zones recovered.", [row], shared=False, max_input_tokens=4096)
+        direct = engine.read(alone).rows[0]
         assert max(abs(a - b) for a, b in zip(got.option_logits, direct.option_logits, strict=True)) <= 1e-5
 
 
@@ -693,8 +695,8 @@ def test_a_long_state_is_prefilled_in_steps_that_give_the_numbers_of_one_prefill
     assert readout.timing.prefill == "fresh"
     kept = 2 if prepared.state_tokens < len(prepared.prefix) else 1  # the state prefix, the whole prefix
     assert stepping.cache.stats().entries == kept  # and no step's slice left behind
-    whole = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None).score(
-        LONG_STATE, rows, shared=True, max_input_tokens=4096
+    whole = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None).read(
+        RowsRequest.of(LONG_STATE, rows, shared=True, max_input_tokens=4096)
     )
     for got, want in zip(readout.rows, whole.rows, strict=True):
         assert max(abs(a - b) for a, b in zip(got.option_logits, want.option_logits, strict=True)) <= 1e-5
