@@ -272,7 +272,7 @@ def test_noul_is_true_then_false_with_default_wording_where_a_side_is_missing(ap
             "bare": native({"type": "noul"}),
         },
     )["answers"]
-    from semif_serve.doors.systemone.mapping import DEFAULT_INSTRUCTIONS, DEFAULT_NOUL_CRITERIA
+    from semif_serve.service.methods.semif import DEFAULT_INSTRUCTIONS, DEFAULT_NOUL_CRITERIA
 
     _, p, digest = plain_forward(
         engine, tokenizer, codes, STATE, "Refund?", ['{"asks": "refund"}', DEFAULT_NOUL_CRITERIA["false"]]
