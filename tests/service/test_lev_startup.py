@@ -39,9 +39,9 @@ def edit_json(path, **updates):
 
 def test_a_release_is_served_by_its_name_with_the_manifests_options(engine, checkpoint, tmp_path, release):
     service, _ = start(engine, checkpoint, tmp_path, f'release = "{release}"')
-    served = service.lev.releases["lev-tiny"]
+    served = service.methods["lev"].releases["lev-tiny"]
     assert served.options.prompt_style == "plain" and served.adapter_scale == 0.25
-    assert service.models.resolve("local").method == "lev"
+    assert service.models.resolve("local").method is service.methods["lev"]
 
 
 def test_a_releases_adapter_is_held_once_by_the_engines_bank_and_counted_there(
@@ -50,8 +50,9 @@ def test_a_releases_adapter_is_held_once_by_the_engines_bank_and_counted_there(
     from safetensors import safe_open
 
     service, _ = start(engine, checkpoint, tmp_path, f'release = "{release}"')
-    served = service.lev.releases["lev-tiny"]
+    served = service.methods["lev"].releases["lev-tiny"]
     assert served.adapter == service.engine.adapters.index("lev-tiny")  # the release is an entry of the bank
+    assert service.models.resolve("lev-tiny").adapter == served.adapter  # a request reads that entry
     with safe_open(str(release / "adapter_model.safetensors"), framework="pt") as saved:
         saved_bytes = sum(saved.get_tensor(k).numel() for k in saved.keys()) * 4  # float32 on the CPU
     assert service.engine.adapters.nbytes == saved_bytes
@@ -80,7 +81,7 @@ def test_a_base_the_operator_vouches_for_is_accepted(engine, checkpoint, tmp_pat
     service, _ = start(
         engine, checkpoint, tmp_path, f'release = "{other}"\nbase_model = "my-org/qwen35-4b-mirror"'
     )
-    assert "lev-tiny" in service.lev.releases
+    assert "lev-tiny" in service.methods["lev"].releases
 
 
 def test_an_adapter_tensor_the_base_cannot_take_names_the_tensor(engine, checkpoint, tmp_path, release):
@@ -134,7 +135,8 @@ def test_the_demo_serves_a_lev_release_beside_the_base_built_once(engine, checkp
     assert ensure_demo_models(base) == models
     assert (models.parent / "lev-demo" / "lev_release.json").stat().st_mtime_ns == built  # not rebuilt
     service = Service.start(make_settings(base, models=models), engine=engine)
-    assert list(service.lev.releases) == ["lev-demo"] and service.models.resolve("local").name == "lev-demo"
+    assert list(service.methods["lev"].releases) == ["lev-demo"]
+    assert service.models.resolve("local").name == "lev-demo"
     assert "'lev-demo' (a random lev-format release, alias 'local')" in demo_banner("h", 1, None, "lev-demo")
 
 
