@@ -34,14 +34,14 @@ CLOSE = 1e-4  # /decide and System One batch rows differently: float32 logits ag
 
 @pytest.fixture(scope="module")
 def service(vision_engine, vision_checkpoint, tmp_path_factory):
-    """The demo's checkpoint and lev release (served as lev-demo, and again as lev-cyclic with its
+    """The demo's checkpoint and lev release (served as lev-demo, and again as lev-rotations with its
     scores read in every rotation) and the shipped calibration, over the session's engine."""
     release = demo_lev_directory(vision_checkpoint) / "lev-demo"
     ensure_demo_models(vision_checkpoint)
     models = tmp_path_factory.mktemp("presentation") / "models.toml"
     models.write_text(
         f'[models.lev-demo]\nrelease = "{release}"\n'
-        f'[models.lev-cyclic]\nrelease = "{release}"\nscore_order_average = "cyclic"\n'
+        f'[models.lev-rotations]\nrelease = "{release}"\nscore_order_average = "rotations"\n'
     )
     started = Service.start(
         make_settings(vision_checkpoint, models=models, calibration=CALIBRATION), engine=vision_engine
@@ -273,14 +273,14 @@ def test_a_lev_release_reports_levs_definitions_from_its_own_replies_and_per_row
         "score",
     ]
     assert lev_report["settings"]["orderings"] == {
-        "choice": ["off", "reversed"],
-        "score": ["off", "reversed", "cyclic"],
+        "choice": ["none", "reversal"],
+        "score": ["none", "reversal", "rotations"],
     }
     client = in_process_client(create_app(service))
     # As served (choice as given and reversed; scores once, or in every rotation; the release's
     # temperatures): its System One replies.
-    for kind, ordering, model in (("choice", "reversed", "lev-demo"), ("score", "off", "lev-demo"),
-                                  ("score", "cyclic", "lev-cyclic")):  # fmt: skip
+    for kind, ordering, model in (("choice", "reversal", "lev-demo"), ("score", "none", "lev-demo"),
+                                  ("score", "rotations", "lev-rotations")):  # fmt: skip
         answers = []
         for state in STATES:
             asked = {str(i): q for i, (_, _, q) in enumerate(lev_questions(kind))}
@@ -288,7 +288,7 @@ def test_a_lev_release_reports_levs_definitions_from_its_own_replies_and_per_row
             answers.append([list(got[str(i)]["probabilities"].values()) for i in range(len(asked))])
         assert_matches(lev_report["checks"][kind][ordering]["calibrated"], lev_by_hand(kind, answers), kind)
     # lev's own single read at T = 1, which it does not serve: lev's per-row forward of each row.
-    release = service.lev.release("lev-demo")
+    release = service.methods["lev"].releases["lev-demo"]
     options = dataclasses.replace(release.options, order_average=False)
     single = dataclasses.replace(release, options=options, calibration=UNCALIBRATED)
     answers = []
@@ -299,7 +299,9 @@ def test_a_lev_release_reports_levs_definitions_from_its_own_replies_and_per_row
         }
         reply = lev_per_row(single, service.engine.model, service.engine.adapters, state, questions)
         answers.append([list(reply.answers[str(i)].probabilities) for i in range(len(questions))])
-    assert_matches(lev_report["checks"]["choice"]["off"]["raw"], lev_by_hand("choice", answers), "choice off")
+    assert_matches(
+        lev_report["checks"]["choice"]["none"]["raw"], lev_by_hand("choice", answers), "choice none"
+    )
     assert lev_report["recommend"]["setting"].startswith('[models.lev-demo] score_order_average = "')
 
 
