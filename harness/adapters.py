@@ -89,7 +89,8 @@ def measure(
     are loaded into a bank over `model` and removed again at the end."""
     import torch
 
-    from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
+    from semif_serve.domain.requests import BASE
+    from semif_serve.engine.adapters import AdapterBank, stacked_fork
     from semif_serve.engine.forwards import logits_over, prefill
     from semif_serve.engine.state_cache import StoredState
 
@@ -115,26 +116,26 @@ def measure(
         synchronize()
         delta = allocated() - before
         states = {}
-        for m in (BASE, *range(len(adapters))):
-            with bank.rows(m):
-                states[m] = StoredState(state, prefill(model, state))
+        for adapter in (BASE, *range(len(adapters))):
+            with bank.rows(adapter):
+                states[adapter] = StoredState(state, prefill(model, state))
 
-        def suffix(models: list[int]) -> Any:
+        def suffix(row_adapters: list[int]) -> Any:
             counts: list[tuple[Any, int]] = []
-            for m in models:
-                if counts and counts[-1][0] is states[m]:
-                    counts[-1] = (states[m], counts[-1][1] + 1)
+            for adapter in row_adapters:
+                if counts and counts[-1][0] is states[adapter]:
+                    counts[-1] = (states[adapter], counts[-1][1] + 1)
                 else:
-                    counts.append((states[m], 1))
-            with bank.rows(models):
+                    counts.append((states[adapter], 1))
+            with bank.rows(row_adapters):
                 return logits_over(model, stacked_fork(counts), len(state), questions, pad, columns=slots)
 
-        def fill(m: int) -> Any:
-            with bank.rows(m):
+        def fill(adapter: int) -> Any:
+            with bank.rows(adapter):
                 return prefill(model, state)
 
-        def lone_rows(models: list[int], rows: list[list[int]]) -> Any:
-            with bank.rows(models):
+        def lone_rows(row_adapters: list[int], rows: list[list[int]]) -> Any:
+            with bank.rows(row_adapters):
                 return run_plain(rows)
 
         mixed = [i // 2 for i in range(8)]

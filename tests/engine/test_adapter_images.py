@@ -103,6 +103,6 @@ def score_under(engine, rows, data, shared=False):
         shared=shared,
         max_input_tokens=MAX_TOKENS,
         images=[asset(data, PHOTO)],
-        model="triage",
+        adapter=engine.adapters.index("triage"),
     )
     return engine.read(request)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semif_serve.domain.requests import RowsRequest
+from semif_serve.domain.requests import BASE, RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.batching import Group, Part
@@ -49,8 +49,10 @@ def engine(checkpoint, adapter_dirs):
     bank.close()
 
 
-def request(model: str | None, rows=(QUESTION, REORDERED), shared: bool = True) -> RowsRequest:
-    return RowsRequest.of(STATE, list(rows), shared=shared, max_input_tokens=4096, model=model)
+def request(engine, model: str | None, rows=(QUESTION, REORDERED), shared: bool = True) -> RowsRequest:
+    """The rows read by the served adapter `model` (None: the base), resolved in the engine's bank."""
+    adapter = BASE if model is None else engine.adapters.index(model)
+    return RowsRequest.of(STATE, list(rows), shared=shared, max_input_tokens=4096, adapter=adapter)
 
 
 def reference(engine, checkpoint, adapter_dirs, model: str | None, ids: list[int], n: int) -> torch.Tensor:
@@ -75,7 +77,7 @@ def test_requests_of_three_models_share_one_forward_and_each_row_equals_its_mode
     engine, checkpoint, adapter_dirs
 ):
     models = ["triage", None, "routing", "triage"]
-    prepared, readouts = run_merged(engine, [request(m) for m in models])
+    prepared, readouts = run_merged(engine, [request(engine, m) for m in models])
     for model, prep, readout in zip(models, prepared, readouts, strict=True):
         assert readout.timing.merged_requests == len(models)
         assert readout.timing.forward_batches == 1
@@ -88,22 +90,22 @@ def test_requests_of_three_models_share_one_forward_and_each_row_equals_its_mode
 
 def test_a_state_cached_under_one_model_is_never_served_for_another(engine, checkpoint, adapter_dirs):
     engine.cache.clear()
-    engine.read(request(None))
-    again = engine.read(request(None))
+    engine.read(request(engine, None))
+    again = engine.read(request(engine, None))
     assert again.timing.prefill == "cached"
-    other = engine.read(request("routing"))
+    other = engine.read(request(engine, "routing"))
     assert other.timing.prefill == "fresh"  # the base's state is not the adapter's
-    prompts = engine.prepare(request("routing")).prompts
+    prompts = engine.prepare(request(engine, "routing")).prompts
     for prompt, row in zip(prompts, other.rows, strict=True):
         expected = reference(engine, checkpoint, adapter_dirs, "routing", prompt.ids, 3)
         torch.testing.assert_close(torch.tensor(row.option_logits), expected, atol=ATOL, rtol=0)
-    assert engine.read(request("routing")).timing.prefill == "cached"
+    assert engine.read(request(engine, "routing")).timing.prefill == "cached"
 
 
 def test_lone_rows_of_different_models_each_equal_the_plain_forward(engine, checkpoint, adapter_dirs):
     engine.cache.clear()
     models = ["routing", None, "triage"]
-    lone = [request(m, rows=(QUESTION,), shared=False) for m in models]
+    lone = [request(engine, m, rows=(QUESTION,), shared=False) for m in models]
     prepared, readouts = run_merged(engine, lone)
     for model, prep, readout in zip(models, prepared, readouts, strict=True):
         assert not readout.shared
@@ -111,18 +113,22 @@ def test_lone_rows_of_different_models_each_equal_the_plain_forward(engine, chec
         torch.testing.assert_close(torch.tensor(readout.rows[0].option_logits), expected, atol=ATOL, rtol=0)
 
 
-def test_an_unknown_model_name_is_a_key_error_before_any_forward(engine):
+def test_an_unknown_adapter_is_refused_by_the_bank(engine):
     with pytest.raises(KeyError):
-        engine.prepare(request("nobody"))
+        engine.adapters.index("nobody")
+    unserved = len(engine.adapters.adapters)
+    with pytest.raises(IndexError):
+        engine.read(RowsRequest.of(STATE, [QUESTION], shared=True, max_input_tokens=4096, adapter=unserved))
 
 
 def test_a_state_prefilled_in_steps_under_an_adapter_equals_its_plain_forward(
     engine, checkpoint, adapter_dirs
 ):
     stepped = engine.with_options(cache=StateCache(256 << 20), prefill_chunk_tokens=16)
-    readout = stepped.read(request("triage"))
+    readout = stepped.read(request(engine, "triage"))
     assert readout.timing.prefill == "fresh" and readout.timing.prefix_tokens > 32  # several steps
-    for prompt, row in zip(stepped.prepare(request("triage")).prompts, readout.rows, strict=True):
+    for prompt, row in zip(stepped.prepare(request(engine, "triage")).prompts, readout.rows, strict=True):
         expected = reference(engine, checkpoint, adapter_dirs, "triage", prompt.ids, 3)
         torch.testing.assert_close(torch.tensor(row.option_logits), expected, atol=ATOL, rtol=0)
-    assert stepped.read(request(None)).timing.prefill == "fresh"  # the adapter's steps are not the base's
+    # The adapter's steps are not the base's.
+    assert stepped.read(request(engine, None)).timing.prefill == "fresh"

@@ -12,7 +12,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM
 
-from semif_serve.engine.adapters import BASE, AdapterBank, AdapterError
+from semif_serve.domain.requests import BASE
+from semif_serve.engine.adapters import AdapterBank, AdapterError
 from semif_serve.engine.loader import CheckpointSpec, load_model
 from tests.support.peft_oracle import fresh_base, peft_model
 

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from semif_serve.domain.requests import RowsRequest
+from semif_serve.domain.requests import BASE, RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.batching import Group
 from semif_serve.engine.forwards import head_logits
@@ -43,8 +43,8 @@ def alone(reference, sequence) -> torch.Tensor:
         return reference(input_ids=torch.tensor([list(sequence)]), logits_to_keep=1).logits[0, -1, COLUMNS]
 
 
-def packed_logits(engine, packed, segment: int, model: int = -1) -> torch.Tensor:
-    with torch.inference_mode(), engine.adapters.rows([model]):
+def packed_logits(engine, packed, segment: int, adapter: int = BASE) -> torch.Tensor:
+    with torch.inference_mode(), engine.adapters.rows([adapter]):
         return head_logits(engine.model, packed.hidden[segment][None], COLUMNS)[0]
 
 
@@ -118,7 +118,7 @@ def test_a_segment_must_come_after_the_one_it_continues(engine):
 def test_adapter_rows_and_base_rows_in_one_packed_forward_equal_peft_and_the_base(
     engine, reference, checkpoint, tmp_path
 ):
-    from semif_serve.engine.adapters import BASE, AdapterBank
+    from semif_serve.engine.adapters import AdapterBank
     from tests.engine.test_adapters import write_adapter
 
     directory = write_adapter(
@@ -134,10 +134,10 @@ def test_adapter_rows_and_base_rows_in_one_packed_forward_equal_peft_and_the_bas
         adapter = bank.add("lora", directory)
         state, rows = ids(120, 8), [ids(5, 9), ids(17, 10)]
         segments = [
-            Segment(tuple(state), model=adapter, keep=True),
-            Segment(tuple(rows[0]), parent=0, model=adapter, read=True),
-            Segment(tuple(state + rows[1]), model=BASE, read=True),
-            Segment(tuple(rows[1]), parent=0, model=adapter, read=True),
+            Segment(tuple(state), adapter=adapter, keep=True),
+            Segment(tuple(rows[0]), parent=0, adapter=adapter, read=True),
+            Segment(tuple(state + rows[1]), adapter=BASE, read=True),
+            Segment(tuple(rows[1]), parent=0, adapter=adapter, read=True),
         ]
         packed = packed_forward(engine.model, segments, bank)
         with torch.inference_mode(), bank.rows([adapter, BASE, adapter]):

@@ -5,13 +5,13 @@ adapters (and of the base) in one forward, each row equal to its model alone.
 adapter directory (`adapter_config.json`, `adapter_model.safetensors`) once, checks it
 against the base (its named base, every target module is one of the base's Linear layers,
 A and B shaped to that layer and the rank) and refuses what it cannot read exactly, naming
-the file and key. `rows(models)` selects, for the forwards run inside it, which adapter
+the file and key. `rows(adapters)` selects, for the forwards run inside it, which adapter
 each batch row reads (an index from `add`, or `BASE` = -1); without a selection every
 forward is the plain base.
 
 The batched LoRA (docs/adapters.md): one forward hook per targeted Linear adds each row's
 `B(A(x)) * scale` to the base output, the way PEFT's LoRA layer computes it. The rows are
-taken as contiguous runs of one adapter (the engine orders a forward's rows by model), so a
+taken as contiguous runs of one adapter (the engine orders a forward's rows by adapter), so a
 run is a view of the batch and costs one low-rank product pair; base rows cost nothing
 beyond the base. A/B stay per adapter (no padding to a common rank, no per-row gather).
 """
@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from semif_serve.domain.peft_files import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, PEFT_PREFIX
+from semif_serve.domain.requests import BASE
 from semif_serve.engine.loader import CheckpointError
-from semif_serve.engine.state_cache import BASE_MODEL
 
-BASE = BASE_MODEL  # a row of the base model (no adapter)
 VL_TEXT_PREFIX = "model.language_model."  # an adapter saved over the vision-language class
 LINEAR_STATES = ("conv_states", "recurrent_states")  # a linear-attention cache layer's per-row states
 TENSOR_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
@@ -167,20 +166,20 @@ class AdapterBank:
         return index
 
     @contextmanager
-    def rows(self, models: int | Sequence[int]) -> Iterator[None]:
-        """Inside it, every forward reads adapter `models` in each row (an int), or adapter
-        `models[i]` in batch row i (a sequence as long as the batch; BASE for the base)."""
-        if isinstance(models, int):
-            self._check(models)
-            selection = _Selection(every=models)
+    def rows(self, adapters: int | Sequence[int]) -> Iterator[None]:
+        """Inside it, every forward reads adapter `adapters` in each row (an int), or adapter
+        `adapters[i]` in batch row i (a sequence as long as the batch; BASE for the base)."""
+        if isinstance(adapters, int):
+            self._check(adapters)
+            selection = _Selection(every=adapters)
         else:
-            for m in models:
-                self._check(m)
-            distinct = set(models)
+            for adapter in adapters:
+                self._check(adapter)
+            distinct = set(adapters)
             if len(distinct) == 1:
-                selection = _Selection(every=models[0], rows=len(models))
+                selection = _Selection(every=adapters[0], rows=len(adapters))
             else:
-                selection = _Selection(runs=tuple(_runs(models)), rows=len(models))
+                selection = _Selection(runs=tuple(_runs(adapters)), rows=len(adapters))
         if self._selection is not None:
             raise RuntimeError("adapter rows are already selected")
         self._selection = selection
@@ -196,9 +195,9 @@ class AdapterBank:
         self._handles.clear()
         self._tables.clear()
 
-    def _check(self, model: int) -> None:
-        if model != BASE and not 0 <= model < len(self.adapters):
-            raise IndexError(f"no adapter {model} (serving {len(self.adapters)})")
+    def _check(self, adapter: int) -> None:
+        if adapter != BASE and not 0 <= adapter < len(self.adapters):
+            raise IndexError(f"no adapter {adapter} (serving {len(self.adapters)})")
 
     def _hook(self, table: dict[int, tuple[Any, Any, float]]) -> Any:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -231,9 +230,9 @@ def _add_lora(output: Any, x: Any, a: Any, b: Any, scale: float) -> None:
 
 
 def stacked_fork(states: Sequence[tuple[Any, int]]) -> Any:
-    """One cache for a forward whose rows read several models' states: `n` rows of each
+    """One cache for a forward whose rows read several adapters' states: `n` rows of each
     `(state, n)` in turn (each a `StoredState` over the same tokens, prefilled under its own
-    model), consumable like `StoredState.fork`; the states themselves are left unchanged."""
+    adapter), consumable like `StoredState.fork`; the states themselves are left unchanged."""
     import torch
 
     lengths = {len(state) for state, _ in states}
@@ -255,13 +254,13 @@ def stacked_fork(states: Sequence[tuple[Any, int]]) -> Any:
     return first
 
 
-def _runs(models: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """Contiguous runs of one adapter in `models` (base rows left out)."""
+def _runs(adapters: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Contiguous runs of one adapter in `adapters` (base rows left out)."""
     start = 0
-    for i in range(1, len(models) + 1):
-        if i == len(models) or models[i] != models[start]:
-            if models[start] != BASE:
-                yield models[start], start, i
+    for i in range(1, len(adapters) + 1):
+        if i == len(adapters) or adapters[i] != adapters[start]:
+            if adapters[start] != BASE:
+                yield adapters[start], start, i
             start = i
 
 

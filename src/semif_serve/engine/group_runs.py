@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from semif_serve.engine.adapters import BASE, AdapterBank, stacked_fork
+from semif_serve.domain.requests import BASE
+from semif_serve.engine.adapters import AdapterBank, stacked_fork
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
 from semif_serve.engine.forward_shapes import ForwardShapes
 from semif_serve.engine.forwards import head_logits, logits_over, prefill, read_slots
@@ -60,20 +61,21 @@ class GroupRunner:
         A state longer than one prefill step is prefilled a step at a time (`SteppedPrefill`):
         this call prefills one step, keeps it in the state cache and returns UNFINISHED, so the
         batcher can run other requests' groups before the next step (the cache must be on)."""
-        # Rows of one model side by side: each adapter reads a contiguous run of the batch.
-        parts = sorted(group.parts, key=lambda p: p.job.payload.model)
+        # Rows of one adapter side by side: each adapter's rows are a contiguous run of the batch.
+        parts = sorted(group.parts, key=lambda p: p.job.payload.adapter)
         images = ImageSet.union([p.job.payload.images for p in parts])
         first = parts[0].job.payload
         prefix = first.prefix if group.prefix_key is not None else []
-        models = sorted({p.job.payload.model for p in parts})
-        if any(self.stepped.step(prefix, first.state_tokens, images, m, (group.job_ids, m)) for m in models):
+        adapters = sorted({p.job.payload.adapter for p in parts})
+        caller = group.job_ids
+        if any(self.stepped.step(prefix, first.state_tokens, images, a, (caller, a)) for a in adapters):
             return UNFINISHED
-        states = {m: self._state(prefix, first.state_tokens, images, m) for m in models}
+        states = {a: self._state(prefix, first.state_tokens, images, a) for a in adapters}
         hows = {how for _, how, _ in states.values()}
         how = next((k for k in PREFILL_KINDS if k in hows), "none")
         prefill_seconds = sum(seconds for _, _, seconds in states.values())
         rows = [
-            (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i], p.job.payload.model)
+            (p.job.payload.prompts[i].ids[len(prefix) :], p.job.payload.n_options[i], p.job.payload.adapter)
             for p in parts
             for i in range(p.start, p.stop)
         ]
@@ -89,14 +91,14 @@ class GroupRunner:
         with self.torch.inference_mode():
             for start in range(0, len(rows), step):
                 batch = rows[start : start + step]
-                row_models = [m for _, _, m in batch]
+                row_adapters = [a for _, _, a in batch]
                 t0 = time.perf_counter()
-                cache = _fork({m: stored for m, (stored, _, _) in states.items()}, row_models)
+                cache = _fork({a: stored for a, (stored, _, _) in states.items()}, row_adapters)
                 self.memory.synchronize()
                 t1 = time.perf_counter()
                 suffixes = [s for s, _, _ in batch]
                 any_hidden = any(hidden_rows[start : start + len(batch)])
-                with self.adapters.rows(row_models):
+                with self.adapters.rows(row_adapters):
                     last = logits_over(
                         self.model,
                         cache,
@@ -167,10 +169,10 @@ class GroupRunner:
         return self.torch.tensor(ids, device=self.device), at
 
     def _state(
-        self, prefix: list[int], state_tokens: int, images: ImageSet | None = None, model: int = BASE
+        self, prefix: list[int], state_tokens: int, images: ImageSet | None = None, adapter: int = BASE
     ) -> tuple[StoredState | None, str, float]:
-        """The state over exactly `prefix` under `model`: from the cache, extended from a cached
-        shorter one of the same model, or prefilled (in chunks). A prefix longer than the state
+        """The state over exactly `prefix` under `adapter`: from the cache, extended from a cached
+        shorter one of the same adapter, or prefilled (in chunks). A prefix longer than the state
         prefix (it covers a question) starts from the state prefix, looked up (and stored when
         fresh) on its own, so that the next question about the same state extends it; the
         longer prefix itself goes in the cache's lower `question` tier, which never evicts a
@@ -178,19 +180,19 @@ class GroupRunner:
         if not prefix:
             return None, "none", 0.0
         kind = QUESTION if len(prefix) > state_tokens else STATE
-        stored = self.cache.get(prefix, kind, model)
+        stored = self.cache.get(prefix, kind, adapter)
         if stored is not None:
             return stored, "cached", 0.0
         t0 = time.perf_counter()
-        stepped = self.stepped.take(prefix, model)  # prefilled in steps: still fresh
-        start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, model, stepped)
+        stepped = self.stepped.take(prefix, adapter)  # prefilled in steps: still fresh
+        start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, adapter, stepped)
         if state_first:
-            start = self._prefill(prefix[:state_tokens], superseded, STATE, images, model)
+            start = self._prefill(prefix[:state_tokens], superseded, STATE, images, adapter)
         if stepped is not None:  # continue from the last step's slice where it is the longer start
-            longer = self.cache.longest_prefix(prefix, model)
+            longer = self.cache.longest_prefix(prefix, adapter)
             if longer is not None and (start is None or len(longer) > len(start)):
                 superseded, start = start, longer
-        stored = self._prefill(prefix, start, kind, images, model)
+        stored = self._prefill(prefix, start, kind, images, adapter)
         self.memory.synchronize()
         for slice_ in (superseded, start if stepped is not None else None):
             self.stepped.drop_slice(slice_, state_tokens)
@@ -202,45 +204,45 @@ class GroupRunner:
         start: StoredState | None,
         kind: str = STATE,
         images: ImageSet | None = None,
-        model: int = BASE,
+        adapter: int = BASE,
         drop_start: bool = False,
     ) -> StoredState:
         """Prefill `ids` from `start` and store it in tier `kind` (`drop_start`: `start` is a
         superseded slice, dropped before the store so it costs no eviction)."""
-        with self.adapters.rows(model):
+        with self.adapters.rows(adapter):
             chunk = self.prefill_chunk_tokens
             cache = prefill(self.model, ids, start=start, chunk_tokens=chunk, images=images)
         if drop_start and start is not None:
-            self.cache.discard(start.ids, start.model)
-        return self.cache.put(ids, cache, kind, model)
+            self.cache.discard(start.ids, start.adapter)
+        return self.cache.put(ids, cache, kind, adapter)
 
 
 def state_start(
-    cache: Any, prefix: list[int], state_tokens: int, model: int, stepped: float | None
+    cache: Any, prefix: list[int], state_tokens: int, adapter: int, stepped: float | None
 ) -> tuple[StoredState | None, str, bool, StoredState | None]:
     """Where a state over `prefix` (not cached as it is) starts: the cached state it extends, its
     prefill kind ("extended" or "fresh"; a stepped prefill is fresh), whether the question-
     independent state prefix must be computed (and kept) first, and the shorter state that one
     extends (its start)."""
     if len(prefix) > state_tokens > 0:  # a question prefix: from its state, kept on its own
-        start = cache.get(prefix[:state_tokens], STATE, model)
+        start = cache.get(prefix[:state_tokens], STATE, adapter)
         how = "extended" if start is not None and stepped is None else "fresh"
         if start is None:
-            return None, how, True, cache.longest_prefix(prefix[:state_tokens], model)
+            return None, how, True, cache.longest_prefix(prefix[:state_tokens], adapter)
         return start, how, False, None
-    start = cache.longest_prefix(prefix, model)
+    start = cache.longest_prefix(prefix, adapter)
     return start, "extended" if start is not None and stepped is None else "fresh", False, None
 
 
-def _fork(states: dict[int, StoredState | None], row_models: Sequence[int]) -> Any:
-    """A consumable cache for a forward's rows (sorted by model): each row over its model's state
-    (None: no state); rows of several models stack their states (`stacked_fork`)."""
+def _fork(states: dict[int, StoredState | None], row_adapters: Sequence[int]) -> Any:
+    """A consumable cache for a forward's rows (sorted by adapter): each row over its adapter's
+    state (None: no state); rows of several adapters stack their states (`stacked_fork`)."""
     runs: list[tuple[int, int]] = []
-    for model in row_models:
-        if runs and runs[-1][0] == model:
-            runs[-1] = (model, runs[-1][1] + 1)
+    for adapter in row_adapters:
+        if runs and runs[-1][0] == adapter:
+            runs[-1] = (adapter, runs[-1][1] + 1)
         else:
-            runs.append((model, 1))
+            runs.append((adapter, 1))
     if states[runs[0][0]] is None:
         return None
     if len(runs) == 1:

@@ -16,7 +16,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from semif_serve.engine.state_cache import BASE_MODEL, STATE, StateCache, state_key
+from semif_serve.domain.requests import BASE
+from semif_serve.engine.state_cache import STATE, StateCache, state_key
 from semif_serve.engine.vision import has_image_tokens
 
 # The longest state a lone row's plain forward covers: SemIf's own per-row limit (/decide's 4096);
@@ -75,15 +76,13 @@ class LoneRowPolicy:
         self.keep_tokens = keep_tokens
         self.visits = visits if visits is not None else ReturnVisits()
 
-    def reuses(
-        self, ids: tuple[int, ...], demand_keys: Sequence[str | None], model: int = BASE_MODEL
-    ) -> bool:
-        """Whether lone rows over state `ids` under `model` (one per request of `demand_keys`)
+    def reuses(self, ids: tuple[int, ...], demand_keys: Sequence[str | None], adapter: int = BASE) -> bool:
+        """Whether lone rows over state `ids` under `adapter` (one per request of `demand_keys`)
         run over the state: it is cached, several rows or requests in flight want it (one prefill, joined by
         all), it is long enough to keep (`keep_tokens`), it was read without keeping before
         (`visits`: a client came back to it) or longer than DIRECT_MAX_TOKENS (prefilled in
         chunks like any state, never one unbounded plain forward)."""
-        if self.cache.has(ids, STATE, model):
+        if self.cache.has(ids, STATE, adapter):
             return True
         if len(ids) > DIRECT_MAX_TOKENS:
             return True
@@ -94,4 +93,4 @@ class LoneRowPolicy:
         wanted = max(self.cache.demand.count(key) for key in demand_keys)
         if len(demand_keys) > 1 or wanted > 1:
             return True
-        return self.visits.returned(state_key(ids, model))
+        return self.visits.returned(state_key(ids, adapter))

@@ -4,7 +4,7 @@ states, without padding (docs/packing.md).
 A forward is a list of `Segment`s. A segment is a run of tokens that continues a state: nothing
 (a new sequence from position 0), a stored state (`StoredState`, from the state cache), or an
 earlier segment of the same forward (a new state's tokens, then each of its rows). Its tokens
-sit end to end with every other segment's in one `[tokens, hidden]` tensor, laid out by model,
+sit end to end with every other segment's in one `[tokens, hidden]` tensor, laid out by adapter,
 so the token-wise work (embeddings, norms, every projection, the MLP, the batched LoRA) runs
 once over all of them as one matrix; only the sequence mixers run per segment, each told where
 its segment starts and what it continues:
@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from semif_serve.engine.adapters import BASE, AdapterBank
+from semif_serve.domain.requests import BASE
+from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.forwards import RowImages
 from semif_serve.engine.linear_attention_cpu import accelerated_kernels
 from semif_serve.engine.state_cache import StoredState
@@ -38,14 +39,15 @@ from semif_serve.engine.state_cache import StoredState
 @dataclass(frozen=True)
 class Segment:
     """Tokens one forward computes after what they continue: `parent` (an earlier segment of
-    the same forward, by its index), else `start` (a stored state), else nothing. `keep`: return
-    the state at its end; `read`: return its last position's hidden state. `images` gives the
-    embeddings and 3-D positions where the chain holds image tokens (negative ids)."""
+    the same forward, by its index), else `start` (a stored state), else nothing, read by
+    `adapter` (the adapter bank's index; BASE: the base weights alone). `keep`: return the state
+    at its end; `read`: return its last position's hidden state. `images` gives the embeddings
+    and 3-D positions where the chain holds image tokens (negative ids)."""
 
     ids: tuple[int, ...]
     parent: int | None = None
     start: StoredState | None = None
-    model: int = BASE
+    adapter: int = BASE
     keep: bool = False
     read: bool = False
     images: RowImages | None = field(default=None, compare=False)
@@ -74,7 +76,8 @@ def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBan
 
     _check(segments)
     decoder = model.get_decoder()
-    layout = sorted(range(len(segments)), key=lambda i: segments[i].model)  # each model's tokens contiguous
+    # Each adapter's tokens contiguous: the batched LoRA reads runs of one adapter.
+    layout = sorted(range(len(segments)), key=lambda i: segments[i].adapter)
     spans: dict[int, tuple[int, int]] = {}
     at = 0
     for i in layout:
@@ -85,9 +88,9 @@ def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBan
         hidden = _inputs(model, segments, layout, chains, at)
         positions = _positions(segments, layout, chains, hidden.device)
         cos, sin = decoder.rotary_emb(hidden[None], positions[:, None, :])
-        token_models = [segments[i].model for i in layout for _ in segments[i].ids]
+        token_adapters = [segments[i].adapter for i in layout for _ in segments[i].ids]
         mixers = _Mixers(decoder, segments, spans, cos, sin)
-        selection = adapters.rows(token_models) if adapters is not None else _nothing()
+        selection = adapters.rows(token_adapters) if adapters is not None else _nothing()
         with selection, accelerated_kernels(decoder) as kernels:
             mixers.kernels = kernels
             for index, layer in enumerate(decoder.layers):

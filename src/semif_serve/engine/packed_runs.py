@@ -64,34 +64,34 @@ class ForwardPlan:
     reads: list[RowRead] = field(default_factory=list)
     kept: dict[tuple[int, tuple[int, ...]], Ref] = field(
         default_factory=dict
-    )  # states planned, by model and ids
+    )  # states planned, by adapter and ids
 
-    def add(self, ids: Sequence[int], ref: Ref, model: int, images: ImageSet | None, **flags: bool) -> int:
+    def add(self, ids: Sequence[int], ref: Ref, adapter: int, images: ImageSet | None, **flags: bool) -> int:
         """Add a segment continuing `ref`; its index."""
-        self.segments.append(Segment(tuple(ids), ref.parent, ref.start, model, images=images, **flags))
+        self.segments.append(Segment(tuple(ids), ref.parent, ref.start, adapter, images=images, **flags))
         return len(self.segments) - 1
 
     def keep(
         self,
         ids: Sequence[int],
         ref: Ref,
-        model: int,
+        adapter: int,
         images: ImageSet | None,
         store: Callable[[Any], StoredState],
     ) -> Ref:
         """A segment over `ids[ref.covers:]` kept at its end (`store` puts its cache); the ref
         that continues it. A state another group of the forward computes already is shared."""
-        known = self.kept.get((model, tuple(ids)))
+        known = self.kept.get((adapter, tuple(ids)))
         if known is not None:
             return known
-        index = self.add(ids[ref.covers :], ref, model, images, keep=True)
+        index = self.add(ids[ref.covers :], ref, adapter, images, keep=True)
         self.stores.append(lambda packed: store(packed.caches[index]))
-        self.kept[(model, tuple(ids))] = continued = Ref(parent=index, covers=len(ids))
+        self.kept[(adapter, tuple(ids))] = continued = Ref(parent=index, covers=len(ids))
         return continued
 
-    def read(self, ids: Sequence[int], ref: Ref, model: int, images: ImageSet | None, how: RowRead) -> int:
+    def read(self, ids: Sequence[int], ref: Ref, adapter: int, images: ImageSet | None, how: RowRead) -> int:
         """A row's segment after `ref`, read at its last token; its position among the reads."""
-        index = self.add(ids[ref.covers :], ref, model, images, read=True)
+        index = self.add(ids[ref.covers :], ref, adapter, images, read=True)
         self.reads.append(replace(how, segment=index))
         return len(self.reads) - 1
 
@@ -165,10 +165,10 @@ class PackedRunner:
         state), else each as SemIf's plain forward (its whole prompt, one segment)."""
         by_state: dict[tuple[tuple[int, ...], int], list[Part[PreparedRows]]] = {}
         for part in group.parts:
-            by_state.setdefault((part.job.payload.state_ids, part.job.payload.model), []).append(part)
+            by_state.setdefault((part.job.payload.state_ids, part.job.payload.adapter), []).append(part)
         groups: list[Group[PreparedRows]] = []
-        for (ids, model), parts in by_state.items():
-            if ids and self.lone.reuses(ids, [p.job.payload.demand_key for p in parts], model):
+        for (ids, adapter), parts in by_state.items():
+            if ids and self.lone.reuses(ids, [p.job.payload.demand_key for p in parts], adapter):
                 groups.append(_over_state(ids, parts))
             else:
                 groups.extend(Group(None, 0, (part,)) for part in parts)
@@ -188,52 +188,52 @@ class PackedRunner:
         """Add one group's segments to `plan`; None where the group computes more than one prefill
         chunk in one sequence (a row wider than a chunk, or a state the cache cannot take in
         steps): `run_planned` runs it in chunks, so its activations stay one chunk's."""
-        parts = sorted(group.parts, key=lambda p: p.job.payload.model)
+        parts = sorted(group.parts, key=lambda p: p.job.payload.adapter)
         images = ImageSet.union([p.job.payload.images for p in parts])
         first = parts[0].job.payload
         entry = _Planned(group, [])
         if len(parts) == 1 and first.direct:
             ids = first.prompts[0].ids
             how = RowRead(0, first.n_options[0], None, False)
-            entry.reads.append(plan.read(ids, Ref(), first.model, images, how))
+            entry.reads.append(plan.read(ids, Ref(), first.adapter, images, how))
             entry.direct, entry.row_tokens, entry.width = True, len(ids), len(ids)
             return entry
         prefix = first.prefix if group.prefix_key is not None else []
-        models = sorted({p.job.payload.model for p in parts})
-        for model in models:
-            step = self.stepped.plan(prefix, first.state_tokens, model, (group.job_ids, model))
+        adapters = sorted({p.job.payload.adapter for p in parts})
+        for adapter in adapters:
+            step = self.stepped.plan(prefix, first.state_tokens, adapter, (group.job_ids, adapter))
             if step is not False:
                 if isinstance(step, Step):
-                    self._step(step, images, model, plan, entry)
+                    self._step(step, images, adapter, plan, entry)
                 entry.unfinished = True
                 return entry
-        if self._past_one_chunk(group, prefix, models):
+        if self._past_one_chunk(group, prefix, adapters):
             return None
-        refs = {m: self._state(prefix, first.state_tokens, images, m, plan, entry) for m in models}
+        refs = {a: self._state(prefix, first.state_tokens, images, a, plan, entry) for a in adapters}
         entry.prefix_tokens = len(prefix)
         for part in parts:
             prepared = part.job.payload
-            ref = refs[prepared.model]
+            ref = refs[prepared.adapter]
             for i in range(part.start, part.stop):
                 ids = prepared.prompts[i].ids
                 own = prepared.columns[i] if prepared.columns is not None else None
                 how = RowRead(0, prepared.n_options[i], own, prepared.hidden)
-                entry.reads.append(plan.read(ids, ref, prepared.model, images, how))
+                entry.reads.append(plan.read(ids, ref, prepared.adapter, images, how))
                 entry.row_tokens += len(ids) - ref.covers
                 entry.width = max(entry.width, len(ids) - len(prefix))
         return entry
 
-    def _past_one_chunk(self, group: Group[PreparedRows], prefix: list[int], models: list[int]) -> bool:
+    def _past_one_chunk(self, group: Group[PreparedRows], prefix: list[int], adapters: list[int]) -> bool:
         chunk = self.runner.prefill_chunk_tokens
         if chunk is None:
             return False
         if group.width > chunk:
             return True
-        cached = (self.cache.longest_prefix(prefix, m) for m in models)
+        cached = (self.cache.longest_prefix(prefix, a) for a in adapters)
         return any(len(prefix) - (len(c) if c is not None else 0) > chunk for c in cached)
 
     def _step(
-        self, step: Step, images: ImageSet | None, model: int, plan: ForwardPlan, entry: _Planned
+        self, step: Step, images: ImageSet | None, adapter: int, plan: ForwardPlan, entry: _Planned
     ) -> None:
         """A long state's next step as a segment of this forward; its slice kept and recorded after."""
         ref = Ref(start=step.start, covers=len(step.start) if step.start is not None else 0)
@@ -241,12 +241,12 @@ class PackedRunner:
 
         def store(cache: Any) -> StoredState:
             if step.superseded and step.start is not None:
-                self.cache.discard(step.start.ids, step.start.model)  # costs no eviction
-            stored = self.cache.put(step.ids, cache, step.kind, model)
+                self.cache.discard(step.start.ids, step.start.adapter)  # costs no eviction
+            stored = self.cache.put(step.ids, cache, step.kind, adapter)
             kept.append(stored)
             return stored
 
-        plan.keep(step.ids, ref, model, images, store)
+        plan.keep(step.ids, ref, adapter, images, store)
         entry.state_tokens += len(step.ids) - ref.covers
         t0 = time.perf_counter()
         entry.after.append(
@@ -258,7 +258,7 @@ class PackedRunner:
         prefix: list[int],
         state_tokens: int,
         images: ImageSet | None,
-        model: int,
+        adapter: int,
         plan: ForwardPlan,
         entry: _Planned,
     ) -> Ref:
@@ -267,25 +267,25 @@ class PackedRunner:
         if not prefix:
             return Ref()
         kind = QUESTION if len(prefix) > state_tokens else STATE
-        stored = self.cache.get(prefix, kind, model)
+        stored = self.cache.get(prefix, kind, adapter)
         if stored is not None:
             entry.how = _costlier(entry.how, "cached")
             return Ref(start=stored, covers=len(stored))
-        stepped = self.stepped.take(prefix, model)  # prefilled in steps: still fresh
+        stepped = self.stepped.take(prefix, adapter)  # prefilled in steps: still fresh
         entry.stepped_seconds += stepped or 0.0
-        start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, model, stepped)
+        start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, adapter, stepped)
         ref = _ref_of(start)
         if state_first:
             ref = self._kept(
-                prefix[:state_tokens], _ref_of(superseded), STATE, images, model, plan=plan, entry=entry
+                prefix[:state_tokens], _ref_of(superseded), STATE, images, adapter, plan=plan, entry=entry
             )
         if stepped is not None:  # continue from the last step's slice where it is the longer start
-            longer = self.cache.longest_prefix(prefix, model)
+            longer = self.cache.longest_prefix(prefix, adapter)
             if longer is not None and len(longer) > ref.covers:
                 superseded, start, ref = start, longer, _ref_of(longer)
         entry.how = _costlier(entry.how, how)
         if ref.covers < len(prefix):
-            ref = self._kept(prefix, ref, kind, images, model, plan=plan, entry=entry)
+            ref = self._kept(prefix, ref, kind, images, adapter, plan=plan, entry=entry)
         for slice_ in (superseded, start if stepped is not None else None):
             entry.after.append(functools.partial(self.stepped.drop_slice, slice_, state_tokens))
         return ref
@@ -296,13 +296,13 @@ class PackedRunner:
         ref: Ref,
         kind: str,
         images: ImageSet | None,
-        model: int,
+        adapter: int,
         *,
         plan: ForwardPlan,
         entry: _Planned,
     ) -> Ref:
         entry.state_tokens += len(ids) - ref.covers
-        return plan.keep(ids, ref, model, images, lambda cache: self.cache.put(ids, cache, kind, model))
+        return plan.keep(ids, ref, adapter, images, lambda cache: self.cache.put(ids, cache, kind, adapter))
 
     def _read(
         self, plan: ForwardPlan, packed: Packed
@@ -317,8 +317,8 @@ class PackedRunner:
         logit_rows = [k for k, r in enumerate(reads) if not r.hidden]
         if logit_rows:
             columns, placed = self.runner._columns_of([reads[k].own for k in logit_rows])
-            models = [plan.segments[reads[k].segment].model for k in logit_rows]
-            with self.torch.inference_mode(), self.runner.adapters.rows(models):
+            row_adapters = [plan.segments[reads[k].segment].adapter for k in logit_rows]
+            with self.torch.inference_mode(), self.runner.adapters.rows(row_adapters):
                 logits = head_logits(self.runner.model, hidden[logit_rows], columns)
             for at, k in enumerate(logit_rows):
                 own = reads[k].own
@@ -350,7 +350,7 @@ class PackedRunner:
         )
         results: Results = {}
         at = 0
-        for part in sorted(entry.group.parts, key=lambda p: p.job.payload.model):
+        for part in sorted(entry.group.parts, key=lambda p: p.job.payload.adapter):
             count = part.stop - part.start
             rows = [readouts[k] for k in entry.reads[at : at + count]]
             results.setdefault(part.job.id, []).extend(ScoredRow(lg, pr, run, h) for lg, pr, h in rows)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from semif_serve.domain.prompt import EncodedPrompt
+from semif_serve.domain.requests import BASE
 from semif_serve.domain.types import BatchTiming, EngineWait
-from semif_serve.engine.adapters import BASE
 from semif_serve.engine.batching import Job
 from semif_serve.engine.state_cache import prefix_digest
 from semif_serve.engine.vision import ImageSet
@@ -60,7 +60,7 @@ class PreparedRows:
     state_ids: tuple[int, ...] = ()  # the question-independent state prefix (a lone row's state)
     demand_key: str | None = None  # the raw state's digest (`state_digest`), set by the worker
     images: ImageSet | None = None  # the images its rows show (None: text only)
-    model: int = BASE  # the adapter its rows read (`AdapterBank` index; BASE: the base)
+    adapter: int = BASE  # the adapter its rows read (`AdapterBank` index; BASE: the base)
     # Per row, the token ids whose logits a method of its own reads (lev's label codes), raw;
     # None: SemIf's answer slots, read as `read_slots` does.
     columns: tuple[tuple[int, ...], ...] | None = None

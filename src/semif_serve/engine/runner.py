@@ -8,7 +8,7 @@ forward and each row is read at its last real position.
 
 Scoring is split so that the worker can merge requests: `prepare` (encode and check one
 request, off the engine thread), `run_group` (one planned group of requests' rows, on the
-engine thread) and `readout` (one request's `Readout` from its scored rows). `score` runs
+engine thread) and `readout` (one request's `Readout` from its scored rows). `read` runs
 the three for one request alone. The rooms around it: the forwards (`forwards`), the stepped
 prefill (`stepped`), the lone-row policy (`lone`), lev's prefix rule (`sharing`), the headroom
 checks (`memory.MemoryEstimate`), the state cache (`state_cache`).
@@ -23,8 +23,8 @@ from dataclasses import replace
 from typing import Any
 
 from semif_serve.domain.prompt import EncodedPrompt, PromptCodec
-from semif_serve.domain.requests import RowsRequest
-from semif_serve.engine.adapters import BASE, AdapterBank
+from semif_serve.domain.requests import BASE, RowsRequest
+from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
 from semif_serve.engine.group_runs import GroupRunner
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
@@ -132,10 +132,6 @@ class TorchEngine:
         """Whether the loaded model has a vision tower (requests may show it images)."""
         return self.vision is not None
 
-    def model_index(self, name: str | None) -> int:
-        """The adapter bank's index of the model `name` (None: the base)."""
-        return BASE if name is None else self.adapters.index(name)
-
     # -- reading ------------------------------------------------------------------------------
 
     def read(self, request: RowsRequest) -> Readout:
@@ -168,7 +164,7 @@ class TorchEngine:
         the door checks first; an image too large for the tower's memory is refused here."""
         started = time.perf_counter()
         state, rows, limits = request.state, request.rows, request.limits
-        model = request.adapter
+        adapter = request.adapter
         image_set = None
         codec = self.codec
         if request.images:
@@ -194,7 +190,8 @@ class TorchEngine:
                 self.headroom_bytes, len(prefix), width, self.prefill_chunk_tokens, widest
             )
         if image_set is not None:
-            image_set.preprocess(self._uncached_images(image_set, prefix or list(state_ids), prompts, model))
+            over = prefix or list(state_ids)
+            image_set.preprocess(self._uncached_images(image_set, over, prompts, adapter))
         return PreparedRows(
             prompts=prompts,
             n_options=[len(row.descriptions) for row in rows],
@@ -204,7 +201,7 @@ class TorchEngine:
             encode_seconds=time.perf_counter() - started,
             state_ids=state_ids,
             images=image_set,
-            model=model,
+            adapter=adapter,
         )
 
     def readout(self, prepared: PreparedRows, scored: Sequence[ScoredRow]) -> Readout:
@@ -239,7 +236,7 @@ class TorchEngine:
         tokens = 0
         for prepared in {id(p.job.payload): p.job.payload for p in group.parts}.values():
             state = prepared.prefix or prepared.state_ids
-            if state and not self.cache.has(state, model=prepared.model):
+            if state and not self.cache.has(state, adapter=prepared.adapter):
                 tokens += len(state)
             tokens += sum(len(p.ids) - len(state) for p in prepared.prompts)
         return tokens
@@ -268,7 +265,7 @@ class TorchEngine:
         cached prefix, and every row after the state."""
         for prepared in payloads:
             state = prepared.prefix or list(prepared.state_ids)
-            cached = self.cache.longest_prefix(state, prepared.model) if state else None
+            cached = self.cache.longest_prefix(state, prepared.adapter) if state else None
             yield state[len(cached) if cached is not None else 0 :]
             yield from (p.ids[len(state) :] for p in prepared.prompts)
 
@@ -277,16 +274,16 @@ class TorchEngine:
         prefix: list[int],
         suffixes: Sequence[Sequence[int]],
         columns: Sequence[Sequence[int]] | None,
-        model: int = BASE,
+        adapter: int = BASE,
         encode_seconds: float = 0.0,
     ) -> PreparedRows:
         """A method's own rows (lev's: its ids rendered and encoded by the method) as a job of
         the batcher: each row `prefix + suffixes[i]`, read at `columns[i]` (raw logits), or
         (`columns` None) its last hidden state in float32. Rows over one prefix when it is worth
         it (`shares_prefix`: long enough to keep, or a prefill that pays), else each row whole;
-        the state cache keys the prefix under `model`."""
+        the state cache keys the prefix under `adapter` (the adapter bank's index its rows read)."""
         width = max(len(s) for s in suffixes)
-        shared = bool(prefix) and self.shares_prefix(prefix, model, len(suffixes), width)
+        shared = bool(prefix) and self.shares_prefix(prefix, adapter, len(suffixes), width)
         whole = [[*prefix, *suffix] for suffix in suffixes]
         prompts = [EncodedPrompt("", ids, prefix_digest(ids), 0) for ids in whole]
         if shared:
@@ -301,27 +298,27 @@ class TorchEngine:
             state_tokens=len(prefix) if shared else 0,
             direct=False,
             encode_seconds=encode_seconds,
-            model=model,
+            adapter=adapter,
             columns=tuple(tuple(int(t) for t in c) for c in columns) if columns is not None else None,
             hidden=columns is None,
         )
 
-    def shares_prefix(self, prefix: Sequence[int], model: int, rows: int, width: int) -> bool:
+    def shares_prefix(self, prefix: Sequence[int], adapter: int, rows: int, width: int) -> bool:
         """Whether `rows` rows (suffixes up to `width` tokens) run over one state of `prefix`
-        under `model` rather than each whole: a prefix worth keeping (`keep_state_tokens`), or
+        under `adapter` rather than each whole: a prefix worth keeping (`keep_state_tokens`), or
         one whose prefill pays (`prefill_pays`, counting what the cache already holds)."""
         if len(prefix) >= self.options.keep_state_tokens:
             return True
-        to_prefill = len(prefix) - len(self.cache.longest_prefix(prefix, model) or ())
+        to_prefill = len(prefix) - len(self.cache.longest_prefix(prefix, adapter) or ())
         return prefill_pays(len(prefix), to_prefill, rows, width)
 
     def _uncached_images(
-        self, images: ImageSet, prefix: Sequence[int], prompts: Sequence[EncodedPrompt], model: int
+        self, images: ImageSet, prefix: Sequence[int], prompts: Sequence[EncodedPrompt], adapter: int
     ) -> set[tuple[int, ...]]:
         """The images a forward may need features for: every one, unless a state over `prefix`
-        is cached under `model` (then only those after it). The cache may still drop the state
+        is cached under `adapter` (then only those after it). The cache may still drop the state
         before the rows run; the images are then preprocessed on the engine thread."""
-        after = len(prefix) if prefix and self.cache.has(prefix, model=model) else 0
+        after = len(prefix) if prefix and self.cache.has(prefix, adapter=adapter) else 0
         return images.shown_in(p.ids[after:] for p in prompts)
 
     def _tower_fits(self, images: ImageSet) -> None:

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-BASE_MODEL = -1  # the base's model index; an adapter's is its index in `engine.adapters.AdapterBank`
+from semif_serve.domain.requests import BASE
+
 # Per-layer tensor dicts of a linear-attention cache layer, written in place by the forward.
 _LINEAR_STATE_DICTS = ("conv_states", "recurrent_states")
 
@@ -41,18 +42,19 @@ def prefix_digest(ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def state_key(ids: Sequence[int], model: int = BASE_MODEL) -> str:
-    """The cache's key of a state: the digest of its ids, and the model it was prefilled under
+def state_key(ids: Sequence[int], adapter: int = BASE) -> str:
+    """The cache's key of a state: the digest of its ids, and the adapter it was prefilled under
     (the base keeps the bare digest), so one adapter's state is never served for another's."""
     digest = prefix_digest(ids)
-    return digest if model == BASE_MODEL else f"{model}:{digest}"
+    return digest if adapter == BASE else f"{adapter}:{digest}"
 
 
 def state_digest(state: Any, images: Sequence[str] = (), model: str | None = None) -> str:
     """A digest of a request's raw state as the prompt renders it (JSON, keys in their order),
-    of its images' SHA-256s and of the adapter that reads it (`model`; None: the base): equal
-    digests render the same state prefix under one model, so requests in flight can be matched
-    before they are encoded. Only ever steers which path runs, never what a row computes."""
+    of its images' SHA-256s and of the served model that reads it (`model`, its name; None: the
+    base): equal digests render the same state prefix under one model, so requests in flight can
+    be matched before they are encoded. Only ever steers which path runs, never what a row
+    computes."""
     text = json.dumps(state, ensure_ascii=False)
     h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16)
     for sha in images:
@@ -122,13 +124,13 @@ def _expand_rows(tensor: Any, rows: int) -> Any:
 
 
 class StoredState:
-    """A prefilled state at the exact boundary of `ids` under `model` (the adapter bank's index,
-    BASE_MODEL for the base); hand out `fork(rows)`, never the cache."""
+    """A prefilled state at the exact boundary of `ids` under `adapter` (the adapter bank's
+    index, BASE for the base); hand out `fork(rows)`, never the cache."""
 
-    def __init__(self, ids: Sequence[int], cache: Any, model: int = BASE_MODEL) -> None:
+    def __init__(self, ids: Sequence[int], cache: Any, adapter: int = BASE) -> None:
         self.ids: tuple[int, ...] = tuple(int(t) for t in ids)
-        self.model = model
-        self.digest = state_key(self.ids, model)
+        self.adapter = adapter
+        self.digest = state_key(self.ids, adapter)
         self.nbytes = state_bytes(cache)
         self._cache = cache
 
@@ -215,7 +217,7 @@ class StateCache:
     request's question (what its orderings shared; almost nothing else reuses them). A
     question prefix is evicted before any state prefix and never evicts one: it is stored only
     in what the states leave of the budget. Keyed by the digest of the exact prefix ids and
-    the model (`state_key`); a hit also compares the full ids, so a digest collision is a
+    the adapter (`state_key`); a hit also compares the full ids, so a digest collision is a
     miss, never a wrong state. An entry may be pinned (`pin`: the slice of a prefill in progress),
     which no `put` evicts; only `shrink_to` (memory pressure) drops pinned entries. One
     engine thread mutates; any thread may read `stats()`. A budget of 0 disables storing.
@@ -233,10 +235,10 @@ class StateCache:
         self._lock = threading.Lock()
         self.demand = Demand()
 
-    def get(self, ids: Sequence[int], kind: str = STATE, model: int = BASE_MODEL) -> StoredState | None:
-        """The state stored for exactly `ids` under `model` in tier `kind` (now most recently
+    def get(self, ids: Sequence[int], kind: str = STATE, adapter: int = BASE) -> StoredState | None:
+        """The state stored for exactly `ids` under `adapter` in tier `kind` (now most recently
         used), or None; counts a hit or miss of that kind."""
-        key = state_key(ids, model)
+        key = state_key(ids, adapter)
         with self._lock:
             tier = self._tiers[kind]
             entry = tier.get(key)
@@ -247,10 +249,10 @@ class StateCache:
             self._lookups[kind][0] += 1
             return entry
 
-    def has(self, ids: Sequence[int], kind: str | None = None, model: int = BASE_MODEL) -> bool:
-        """Whether exactly `ids` is stored under `model` in tier `kind` (None: in either tier);
+    def has(self, ids: Sequence[int], kind: str | None = None, adapter: int = BASE) -> bool:
+        """Whether exactly `ids` is stored under `adapter` in tier `kind` (None: in either tier);
         counts nothing, changes no order."""
-        key = state_key(ids, model)
+        key = state_key(ids, adapter)
         wanted = tuple(ids)
         with self._lock:
             for tier_kind in KINDS if kind is None else (kind,):
@@ -259,8 +261,8 @@ class StateCache:
                     return True
             return False
 
-    def longest_prefix(self, ids: Sequence[int], model: int = BASE_MODEL) -> StoredState | None:
-        """The longest stored state under `model` (either tier) whose ids start `ids` (a shorter
+    def longest_prefix(self, ids: Sequence[int], adapter: int = BASE) -> StoredState | None:
+        """The longest stored state under `adapter` (either tier) whose ids start `ids` (a shorter
         state to extend), or None. Counts nothing: callers count the exact `get` they make first."""
         wanted = tuple(ids)
         with self._lock:
@@ -269,7 +271,7 @@ class StateCache:
                 for entry in tier.values():
                     n = len(entry.ids)
                     if (
-                        entry.model == model
+                        entry.adapter == adapter
                         and n <= len(wanted)
                         and (best is None or n > len(best))
                         and wanted[:n] == entry.ids
@@ -279,13 +281,13 @@ class StateCache:
                 self._tiers[best_kind].move_to_end(best.digest)
             return best
 
-    def put(self, ids: Sequence[int], cache: Any, kind: str = STATE, model: int = BASE_MODEL) -> StoredState:
-        """Take ownership of `cache` (prefilled over exactly `ids` under `model`, one row) and
+    def put(self, ids: Sequence[int], cache: Any, kind: str = STATE, adapter: int = BASE) -> StoredState:
+        """Take ownership of `cache` (prefilled over exactly `ids` under `adapter`, one row) and
         store it in tier `kind`, evicting least-recently-used entries to fit (question prefixes
         first; a question prefix never evicts a state prefix); what cannot fit is returned
         unstored, as is what would need a pinned entry evicted. The caller must use the returned
         state's `fork`, never `cache` again."""
-        state = StoredState(ids, cache, model)
+        state = StoredState(ids, cache, adapter)
         with self._lock:
             for tier_kind, tier in self._tiers.items():
                 old = tier.pop(state.digest, None)
@@ -304,10 +306,10 @@ class StateCache:
             self._tier_bytes[kind] += state.nbytes
         return state
 
-    def discard(self, ids: Sequence[int], model: int = BASE_MODEL) -> None:
-        """Drop the state stored for exactly `ids` under `model`, in whichever tier (a slice
+    def discard(self, ids: Sequence[int], adapter: int = BASE) -> None:
+        """Drop the state stored for exactly `ids` under `adapter`, in whichever tier (a slice
         superseded by a longer one)."""
-        key = state_key(ids, model)
+        key = state_key(ids, adapter)
         with self._lock:
             for kind, tier in self._tiers.items():
                 entry = tier.get(key)

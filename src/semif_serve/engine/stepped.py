@@ -17,13 +17,14 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from semif_serve.domain.requests import BASE
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
-from semif_serve.engine.state_cache import BASE_MODEL, QUESTION, STATE, StateCache, StoredState, state_key
+from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, StoredState, state_key
 
 PREFILL_STEP_CHUNKS = 1  # prefill chunks per engine step, between which other requests run
 MAX_STEPPED = 1024  # prefixes whose step timings are kept (abandoned ones are forgotten past it)
 
-# Prefill `ids` from `start` into the cache tier `kind` under a model, `start` dropped first where
+# Prefill `ids` from `start` into the cache tier `kind` under an adapter, `start` dropped first where
 # it is a superseded slice (the engine's chunked prefill and put).
 Fill = Callable[[list[int], StoredState | None, str, Any, int, bool], StoredState]
 
@@ -84,20 +85,20 @@ class SteppedPrefill:
         prefix: list[int],
         state_tokens: int,
         images: Any = None,
-        model: int = BASE_MODEL,
+        adapter: int = BASE,
         caller: Hashable = None,
     ) -> bool:
-        """Prefill one step of a long `prefix` under `model` into the state cache, or wait while
+        """Prefill one step of a long `prefix` under `adapter` into the state cache, or wait while
         the prefills ahead of it need the room (True either way: the caller runs again next turn);
         False when what is left fits in one step (or the cache cannot keep the state), so the
         caller finishes it now. `caller` names who asks (the group's requests), so a prefix whose
         callers are gone gives its place up."""
         self.next_turn()
-        planned = self.plan(prefix, state_tokens, model, caller)
+        planned = self.plan(prefix, state_tokens, adapter, caller)
         if not isinstance(planned, Step):
             return planned
         t0 = time.perf_counter()
-        stored = self.fill(planned.ids, planned.start, planned.kind, images, model, planned.superseded)
+        stored = self.fill(planned.ids, planned.start, planned.kind, images, adapter, planned.superseded)
         self.memory.synchronize()
         return self.finish(planned, stored, time.perf_counter() - t0)
 
@@ -106,21 +107,21 @@ class SteppedPrefill:
         self._turn += 1
 
     def plan(
-        self, prefix: list[int], state_tokens: int, model: int = BASE_MODEL, caller: Hashable = None
+        self, prefix: list[int], state_tokens: int, adapter: int = BASE, caller: Hashable = None
     ) -> Step | bool:
         """`step` without running it: the `Step` to prefill now (then `finish` it with what was
         stored), True while it waits its turn, False when the caller finishes the prefix now."""
-        if not prefix or not self.chunk_tokens or self.cache.has(prefix, model=model):
+        if not prefix or not self.chunk_tokens or self.cache.has(prefix, adapter=adapter):
             return False
         step = self.chunk_tokens * PREFILL_STEP_CHUNKS
         whole_state = self.estimate.cache_per_token * len(prefix) + self.estimate.state_per_row
         if whole_state > self.cache.budget_bytes:
             return False  # the cache could not keep the steps: prefilled in one go
-        start = self.cache.longest_prefix(prefix, model)
+        start = self.cache.longest_prefix(prefix, adapter)
         done = len(start) if start is not None else 0
         if len(prefix) - done <= step:
             return False
-        key = state_key(prefix, model)
+        key = state_key(prefix, adapter)
         if key in self._unkept:
             return False
         if not self._holds_place(key, whole_state, caller):
@@ -134,7 +135,7 @@ class SteppedPrefill:
     def finish(self, planned: Step, stored: StoredState, seconds: float) -> bool:
         """Record a step that ran (`stored`: what the cache was given), pinning its slice; False
         when the cache could not keep it (the caller then finishes the prefix in one go)."""
-        if not self.cache.has(stored.ids, model=stored.model):
+        if not self.cache.has(stored.ids, adapter=stored.adapter):
             self._give_up(planned.key)
             if len(self._unkept) > MAX_STEPPED:
                 self._unkept.clear()  # abandoned prefixes: they only step again
@@ -151,10 +152,10 @@ class SteppedPrefill:
             progress.slice_key = stored.digest
         return True
 
-    def take(self, prefix: list[int], model: int = BASE_MODEL) -> float | None:
-        """The seconds the steps over `prefix` under `model` took (None: it was not stepped);
+    def take(self, prefix: list[int], adapter: int = BASE) -> float | None:
+        """The seconds the steps over `prefix` under `adapter` took (None: it was not stepped);
         forgotten now, and its place in the cache given up (its last slice may go)."""
-        key = state_key(prefix, model)
+        key = state_key(prefix, adapter)
         self._give_up(key)
         self._unkept.discard(key)
         return self._seconds.pop(key, None)
@@ -165,7 +166,7 @@ class SteppedPrefill:
             self._slices.discard(start.digest)
             self.cache.unpin(start.digest)
             if len(start) != state_tokens:
-                self.cache.discard(start.ids, start.model)
+                self.cache.discard(start.ids, start.adapter)
 
     def _holds_place(self, key: str, whole_bytes: int, caller: Hashable) -> bool:
         """Whether the prefix `key` may take its step now: it is in progress, or its whole state

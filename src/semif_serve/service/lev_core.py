@@ -191,7 +191,7 @@ def lev_jobs(
     encoder thread): the label rows over lev's prefix, read at their codes; the head's rows over
     it, read as hidden states; every Mode B question's candidates as whole rows, read as hidden
     states."""
-    prepare = functools.partial(engine.prepare_ids, model=adapter, encode_seconds=encode_seconds)
+    prepare = functools.partial(engine.prepare_ids, adapter=adapter, encode_seconds=encode_seconds)
     plan = rows.plan
     jobs: list[Callable[[], PreparedRows]] = []
     if rows.label_rows:

@@ -29,7 +29,7 @@ from semif_serve.domain.boxes import DEFAULT_TARGET, EDGES, POSITIONS, edge_ques
 from semif_serve.domain.orderings import CORE_ORDERINGS, NO_ORDERINGS, order_count
 from semif_serve.domain.peft_files import ADAPTER_FILES
 from semif_serve.domain.prompt import PROMPT_VERSION
-from semif_serve.domain.requests import OPTIONS, AskedQuestion, Defaults, RowsRequest, as_text
+from semif_serve.domain.requests import BASE, OPTIONS, AskedQuestion, Defaults, RowsRequest, as_text
 from semif_serve.domain.types import (
     ConfigurationError,
     DecisionError,
@@ -39,7 +39,7 @@ from semif_serve.domain.types import (
     Question,
     QuestionOutcome,
 )
-from semif_serve.engine.adapters import BASE, AdapterBank, AdapterError
+from semif_serve.engine.adapters import AdapterBank, AdapterError
 from semif_serve.engine.rows import RowsJob
 from semif_serve.engine.state_cache import state_digest
 from semif_serve.service.core import PlannedQuestion, located, plan_rows, question_outcome
@@ -51,6 +51,7 @@ from semif_serve.service.methods import (
     Served,
     TypedAnswer,
 )
+from semif_serve.service.methods.semif_probing import SemIfProbing
 from semif_serve.service.models import COMMON_KEYS, EntryPlace, ModelEntry
 from semif_serve.service.reply_size import (
     FLOAT_BYTES,
@@ -332,6 +333,7 @@ class SemIfMethod:
     workloads: ClassVar[bool] = True
     noun: ClassVar[str] = "a SemIf model"
     claims: ClassVar[tuple[str, ...]] = ("adapter",)
+    probing: ClassVar[SemIfProbing] = SemIfProbing()
 
     def __init__(self, context: MethodStart) -> None:
         self.engine = context.engine
