@@ -166,8 +166,9 @@ def check_images(images, cuda: SimulatedCuda, tmp_path) -> None:
     peaks from the simulated card's own accounting, the readouts from a full forward."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from semif_serve.engine.vision import MAX_PIXELS, MIN_PIXELS, vision_tower_elements
+    from semif_serve.engine.vision import MAX_PIXELS, MIN_PIXELS
     from semif_serve.tools.demo import write_checkpoint
+    from tests.support.vision_reference import vision_tower_elements
 
     elements = vision_tower_elements(write_checkpoint(tmp_path / "vl", multimodal=True))
     assert images["vision_parameters"] == elements

@@ -19,6 +19,7 @@ from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
+from tests.engine import scoring
 from tests.support.vision_reference import expected_row, noise_png
 
 TOL = 1e-5
@@ -45,12 +46,14 @@ def assert_row(row, expected):
 
 
 def score(engine, rows, images, state=STATE, shared=False):
-    return engine.score(
-        state,
-        [PromptRow(q, o) for q, o in rows],
-        shared=shared,
-        max_input_tokens=MAX_TOKENS,
-        images=[asset(data, name) for name, data in images.items()],
+    return engine.read(
+        RowsRequest.of(
+            state,
+            [PromptRow(q, o) for q, o in rows],
+            shared=shared,
+            max_input_tokens=MAX_TOKENS,
+            images=[asset(data, name) for name, data in images.items()],
+        )
     )
 
 
@@ -142,14 +145,15 @@ def test_requests_merged_in_one_forward_each_read_their_own_image(vision_engine,
     async def go():
         return await asyncio.gather(
             *(
-                worker.score(
+                scoring.score(
+                    worker,
                     RowsRequest.of(
                         STATE,
                         [PromptRow(*row)],
                         shared=False,
                         max_input_tokens=MAX_TOKENS,
                         images=[asset(data)],
-                    )
+                    ),
                 )
                 for data, row in calls
             )
@@ -166,21 +170,25 @@ def test_requests_merged_in_one_forward_each_read_their_own_image(vision_engine,
 def test_image_tokens_count_toward_the_request_token_budget(vision_engine):
     from semif_serve.domain.types import TooManyTokens
 
-    text_only = vision_engine.score(
-        {"photo": "x", "caption": "a product photo"},
-        [PromptRow(*RED)],
-        shared=True,
-        max_input_tokens=MAX_TOKENS,
-    )
-    budget = text_only.timing.prefix_tokens + text_only.timing.true_suffix_tokens + 10
-    with pytest.raises(TooManyTokens):
-        vision_engine.score(
-            STATE,
+    text_only = vision_engine.read(
+        RowsRequest.of(
+            {"photo": "x", "caption": "a product photo"},
             [PromptRow(*RED)],
             shared=True,
             max_input_tokens=MAX_TOKENS,
-            max_request_tokens=budget,
-            images=[asset(noise_png(16))],
+        )
+    )
+    budget = text_only.timing.prefix_tokens + text_only.timing.true_suffix_tokens + 10
+    with pytest.raises(TooManyTokens):
+        vision_engine.read(
+            RowsRequest.of(
+                STATE,
+                [PromptRow(*RED)],
+                shared=True,
+                max_input_tokens=MAX_TOKENS,
+                max_request_tokens=budget,
+                images=[asset(noise_png(16))],
+            )
         )
 
 
@@ -189,12 +197,14 @@ def test_image_tokens_count_toward_the_per_row_token_limit(vision_engine):
 
     text_only = score(vision_engine, [RED], {}, state={"photo": "x", "caption": "a product photo"})
     with pytest.raises(TooManyTokens):
-        vision_engine.score(
-            STATE,
-            [PromptRow(*RED)],
-            shared=False,
-            max_input_tokens=text_only.rows[0].input_tokens + 10,
-            images=[asset(noise_png(12))],
+        vision_engine.read(
+            RowsRequest.of(
+                STATE,
+                [PromptRow(*RED)],
+                shared=False,
+                max_input_tokens=text_only.rows[0].input_tokens + 10,
+                images=[asset(noise_png(12))],
+            )
         )
 
 
@@ -334,7 +344,7 @@ def test_two_images_whose_digests_share_their_first_60_bits_never_share_a_state(
     assert image_token_ids(a.sha256, 8) != image_token_ids(b.sha256, 8)
     engine = vision_engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
     rows = [PromptRow(*RED)]
-    engine.score(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[a])
-    second = engine.score(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[b])
+    engine.read(RowsRequest.of(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[a]))
+    second = engine.read(RowsRequest.of(STATE, rows, shared=False, max_input_tokens=MAX_TOKENS, images=[b]))
     assert second.timing.prefill == "fresh"
     assert_row(second.rows[0], expected(vision_reference, vision_engine, STATE, *RED, {PHOTO: blue}))

@@ -13,6 +13,7 @@ from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import HostMemory, ReleasePolicy
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
+from tests.engine import scoring
 from tests.support.polling import wait_until_async
 
 CHUNK = 16
@@ -49,7 +50,7 @@ def ask_together(engine, states: list[str], seconds: float = 120) -> list:
         for state in states:
             seen = len(started)
             request = RowsRequest.of(state, [ROW, ROW], shared=True, max_input_tokens=8192)
-            asks.append(asyncio.ensure_future(worker.score(request)))
+            asks.append(asyncio.ensure_future(scoring.score(worker, request)))
             await wait_until_async(
                 lambda seen=seen: len(started) > seen, seconds, "the engine's next forward", every=0.005
             )
@@ -91,7 +92,7 @@ def take_turns(engine, groups, most: int = 400) -> list:
 def assert_equal_to_whole_prefills(engine, states, got_rows) -> None:
     whole = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None)
     for state, got in zip(states, got_rows, strict=True):
-        want = whole.score(state, [ROW, ROW], shared=True, max_input_tokens=8192).rows[0]
+        want = whole.read(RowsRequest.of(state, [ROW, ROW], shared=True, max_input_tokens=8192)).rows[0]
         assert max(abs(x - y) for x, y in zip(got.option_logits, want.option_logits, strict=True)) <= 1e-5
 
 
@@ -185,7 +186,7 @@ def test_two_lone_questions_in_one_group_over_long_states_that_fit_one_at_a_time
     assert sorted(got) == [0, 1], "a lone question over a long state never finished"
     plain = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=None)
     for n, state in enumerate(states):
-        want = plain.score(state, [ROW], shared=False, max_input_tokens=8192).rows[0]
+        want = plain.read(RowsRequest.of(state, [ROW], shared=False, max_input_tokens=8192)).rows[0]
         close = zip(got[n][0].option_logits, want.option_logits, strict=True)
         assert max(abs(x - y) for x, y in close) <= 1e-5
 

@@ -30,6 +30,7 @@ from semif_serve.engine.tower_steps import ATTENTION_ROWS, TowerPrices, TowerRun
 from semif_serve.engine.vision import ImageSet
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.startup import Service
+from tests.engine import scoring
 from tests.engine.test_images_engine import PHOTO, RED, SHAPE, STATE, assert_row, asset, expected
 from tests.support import TOKEN, make_settings
 from tests.support.vision_reference import noise_png
@@ -194,7 +195,9 @@ def test_a_small_image_still_runs_its_tower_in_the_forward_not_in_steps(vision_e
     )
     [image] = prepared.images.images.values()
     assert image.patches <= ATTENTION_ROWS
-    stepping.score(STATE, [PromptRow(*RED)], shared=True, max_input_tokens=4096, images=[asset(data)])
+    stepping.read(
+        RowsRequest.of(STATE, [PromptRow(*RED)], shared=True, max_input_tokens=4096, images=[asset(data)])
+    )
     assert "tower" not in events
 
 
@@ -205,7 +208,9 @@ def test_a_request_arriving_during_the_tower_is_served_before_the_towers_next_st
 
     async def ask(name: str, state, images) -> None:
         rows = [PromptRow(*RED)]
-        await worker.score(RowsRequest.of(state, rows, shared=True, max_input_tokens=4096, images=images))
+        await scoring.score(
+            worker, RowsRequest.of(state, rows, shared=True, max_input_tokens=4096, images=images)
+        )
         finished.append(name)
 
     async def main():

@@ -9,7 +9,6 @@ torchvision, which the project does not install; the pads are expanded by hand f
 from __future__ import annotations
 
 import io
-import random
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from semif_serve.domain.prompt import PromptCodec
 from semif_serve.engine import vision
 from semif_serve.engine.state_cache import fork_cache
 from semif_serve.tools.demo import write_checkpoint
+from tests.support.vision_reference import noise_png, vision_tower_elements
 
 TOL = 1e-5
 STATE = {"photo": "<image:photo>", "caption": "a product photo"}
@@ -39,14 +39,6 @@ def vl(tmp_path_factory):
     model = Qwen3_5ForConditionalGeneration.from_pretrained(str(directory), dtype=torch.float32).eval()
     model.directory = directory
     return model, tokenizer
-
-
-def noise_png(seed: int, size=(40, 24)) -> bytes:
-    rng = random.Random(seed)
-    raw = bytes(rng.getrandbits(8) for _ in range(size[0] * size[1] * 3))
-    out = io.BytesIO()
-    Image.frombytes("RGB", size, raw).save(out, format="PNG")
-    return out.getvalue()
 
 
 def prompt_text(tokenizer, question: str, options: list[str]) -> str:
@@ -192,5 +184,5 @@ def test_the_vision_towers_weights_are_counted_from_the_checkpoint_headers(vl, c
     model, _ = vl
     loaded = sum(p.numel() for p in model.model.visual.parameters())
     assert loaded > 0
-    assert vision.vision_tower_elements(model.directory) == loaded
-    assert vision.vision_tower_elements(checkpoint) == 0
+    assert vision_tower_elements(model.directory) == loaded
+    assert vision_tower_elements(checkpoint) == 0

@@ -7,11 +7,28 @@ from __future__ import annotations
 import io
 import math
 import random
+from pathlib import Path
 
 import torch
 from PIL import Image
 
 from semif_serve.engine import vision
+
+VISION_PREFIX = "model.visual."  # where a Qwen3.5 checkpoint stores its vision tower's tensors
+
+
+def vision_tower_elements(directory: Path) -> int:
+    """How many weights the checkpoint's vision tower holds, read from the safetensors headers
+    (no tensor is loaded): what the loaded tower's parameters must add up to."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            for name in fh.keys():
+                if name.startswith(VISION_PREFIX):
+                    total += math.prod(fh.get_slice(name).get_shape())
+    return total
 
 
 def noise_png(seed: int, size=(40, 24)) -> bytes:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from semif_serve.domain.images import ImageAsset, upright_rgb
@@ -42,25 +41,6 @@ MAX_PIXELS = 16_384 * 28 * 28
 def has_vision_tower(config: Any) -> bool:
     """Whether a checkpoint's config carries a vision tower (a vision-language checkpoint)."""
     return getattr(config, "vision_config", None) is not None
-
-
-VISION_PREFIX = "model.visual."  # where a Qwen3.5 checkpoint stores its vision tower's tensors
-
-
-def vision_tower_elements(directory: Path) -> int:
-    """How many weights the checkpoint's vision tower holds, read from the safetensors headers
-    (no tensor is loaded); times the serving dtype's size, the bytes its weights take."""
-    from math import prod
-
-    from safetensors import safe_open
-
-    total = 0
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as fh:
-            for name in fh.keys():
-                if name.startswith(VISION_PREFIX):
-                    total += prod(fh.get_slice(name).get_shape())
-    return total
 
 
 def image_processor(config: Any) -> Any:

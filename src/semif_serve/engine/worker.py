@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from semif_serve.domain.requests import BASE, RowsRequest
 from semif_serve.domain.types import DecisionError, EngineFailure, EngineWait, OutOfMemory, Refusal
 from semif_serve.engine.batching import Batcher, Bounds, Group, Unfinished, Wait
-from semif_serve.engine.loader import ModelIdentity
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.rows import RowsJob
-from semif_serve.engine.state_cache import state_digest
 
 if TYPE_CHECKING:
     from semif_serve.engine.rows import PreparedRows, Readout, ScoredRow
@@ -85,26 +81,6 @@ class EngineWorker:
         self.pending = 0
         self.out_of_memory_events = 0
 
-    @property
-    def model_info(self) -> dict[str, str]:
-        """The `model` block results report."""
-        return self.engine.model_info
-
-    @property
-    def identity(self) -> ModelIdentity:
-        """The loaded model's identity (source, revision, dtype, device, demo)."""
-        return self.engine.identity
-
-    @property
-    def capacity(self) -> int:
-        """How many options one question can have: the tokenizer's answer codes."""
-        return self.engine.capacity
-
-    @property
-    def reads_images(self) -> bool:
-        """Whether the loaded model reads images (it has a vision tower)."""
-        return self.engine.reads_images
-
     async def score_job(self, job: RowsJob) -> Readout:
         """The engine's readout of one job's rows, merged with whatever else is queued when the
         engine is free; the numbers are those of the job alone. `job.prepare` makes its rows on
@@ -113,14 +89,6 @@ class EngineWorker:
         rows are dropped before their forward."""
         encoder = self._image_encoder if job.images else self._encoder
         return await self._scored(job.demand_key, encoder, job.prepare)
-
-    async def score(self, request: RowsRequest) -> Readout:
-        """`score_job` of one request's rows as SemIf's codec encodes them (warm-up and benches)."""
-        images = [image.sha256 for image in request.images]
-        key = state_digest(request.state, images, None if request.adapter == BASE else str(request.adapter))
-        return await self.score_job(
-            RowsJob(key, functools.partial(self.engine.prepare, request), bool(images))
-        )
 
     async def _scored(
         self, demand_key: str, encoder: ThreadPoolExecutor, prepare: Callable[[], PreparedRows]
