@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditiona
 
 from semif_serve.domain.alphabet import answer_codes
 from semif_serve.domain.prompt import PromptCodec, TokenizerContractError
+from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import (
     AnswerBoundary,
     ConfigurationError,
@@ -30,7 +31,8 @@ from semif_serve.domain.types import (
     PromptRow,
     TooManyTokens,
 )
-from semif_serve.doors.native.api import native_error
+from semif_serve.doors.base import refusal_of
+from semif_serve.doors.native.api import NATIVE_ERRORS
 from semif_serve.engine.loader import CheckpointError, load_model
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.service.startup import Service, checkpoint_spec, load_engine
@@ -152,7 +154,9 @@ def test_direct_option_logits_equal_a_plain_full_forward_of_the_prompt_rendered_
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = plain_option_logits(model, tokenizer, ids, n)
 
-    batch = engine.score(state, [PromptRow(question, descs)], shared=False, max_input_tokens=MAX_TOKENS)
+    batch = engine.read(
+        RowsRequest.of(state, [PromptRow(question, descs)], shared=False, max_input_tokens=MAX_TOKENS)
+    )
     score = batch.rows[0]
 
     assert batch.shared is False and batch.timing.prefill == "none" and batch.timing.prefix_tokens == 0
@@ -183,8 +187,11 @@ def test_the_prompt_text_is_the_chat_template_of_the_system_and_user_turns(engin
 @pytest.mark.parametrize("state", list(STATES.values()), ids=list(STATES))
 def test_shared_rows_equal_a_direct_read_of_each_row(engine, state) -> None:
     rows = question_rows()
-    shared = engine.score(state, rows, shared=True, max_input_tokens=MAX_TOKENS)
-    direct = [engine.score(state, [row], shared=False, max_input_tokens=MAX_TOKENS).rows[0] for row in rows]
+    shared = engine.read(RowsRequest.of(state, rows, shared=True, max_input_tokens=MAX_TOKENS))
+    direct = [
+        engine.read(RowsRequest.of(state, [row], shared=False, max_input_tokens=MAX_TOKENS)).rows[0]
+        for row in rows
+    ]
 
     assert shared.shared is True
     for got, want, row in zip(shared.rows, direct, rows, strict=True):
@@ -230,15 +237,15 @@ def test_sub_batches_give_the_numbers_of_one_batch_and_are_counted(
     engine, state, per_forward, batches
 ) -> None:
     rows = question_rows()
-    whole = engine.score(state, rows, shared=True, max_input_tokens=MAX_TOKENS)
+    whole = engine.read(RowsRequest.of(state, rows, shared=True, max_input_tokens=MAX_TOKENS))
     # A memory headroom that holds the prefill and exactly `per_forward` rows splits the batch.
     n_prefix = whole.timing.prefix_tokens
     width = max(r.input_tokens for r in whole.rows) - n_prefix
     headroom = engine.estimate.prefill_bytes(n_prefix) + per_forward * engine.estimate.row_bytes(
         n_prefix, width
     )
-    split = engine.with_options(headroom_bytes=headroom).score(
-        state, rows, shared=True, max_input_tokens=MAX_TOKENS
+    split = engine.with_options(headroom_bytes=headroom).read(
+        RowsRequest.of(state, rows, shared=True, max_input_tokens=MAX_TOKENS)
     )
 
     assert split.timing.forward_batches == batches
@@ -258,18 +265,22 @@ def test_sub_batches_give_the_numbers_of_one_batch_and_are_counted(
 
 def test_a_single_row_on_the_shared_path_equals_its_direct_read(engine) -> None:
     state, row = STATES["nested_object"], question_rows()[2]
-    shared = engine.score(state, [row], shared=True, max_input_tokens=MAX_TOKENS)
-    direct = engine.score(state, [row], shared=False, max_input_tokens=MAX_TOKENS)
+    shared = engine.read(RowsRequest.of(state, [row], shared=True, max_input_tokens=MAX_TOKENS))
+    direct = engine.read(RowsRequest.of(state, [row], shared=False, max_input_tokens=MAX_TOKENS))
     assert shared.shared is True and shared.timing.batch_size == 1
     assert_close(shared.rows[0].option_logits, direct.rows[0].option_logits, 1e-5)
 
 
 def test_identical_rows_in_one_batch_read_the_same(engine) -> None:
     row = question_rows()[1]
-    batch = engine.score(STATES["list"], [row, row, row], shared=True, max_input_tokens=MAX_TOKENS)
+    batch = engine.read(
+        RowsRequest.of(STATES["list"], [row, row, row], shared=True, max_input_tokens=MAX_TOKENS)
+    )
     # Identical rows share all but their last token: the suffix is a one-token decode step.
     assert batch.timing.prefix_tokens == batch.rows[0].input_tokens - 1
-    direct = engine.score(STATES["list"], [row], shared=False, max_input_tokens=MAX_TOKENS).rows[0]
+    direct = engine.read(
+        RowsRequest.of(STATES["list"], [row], shared=False, max_input_tokens=MAX_TOKENS)
+    ).rows[0]
     for other in batch.rows:
         assert_close(other.option_logits, direct.option_logits, 1e-5)
 
@@ -310,10 +321,10 @@ def test_a_state_prefix_the_prompts_do_not_start_with_is_cut_back_to_what_they_s
     wrong_tail = [t for t in range(50) if t != prompts[0].ids[len(real)]][:2]
     monkeypatch.setattr(engine.codec, "state_prefix", lambda s, p: real + wrong_tail)
 
-    shared = engine.score(state, rows, shared=True, max_input_tokens=MAX_TOKENS)
+    shared = engine.read(RowsRequest.of(state, rows, shared=True, max_input_tokens=MAX_TOKENS))
     assert shared.timing.prefix_tokens == len(real)
     for got, row in zip(shared.rows, rows, strict=True):
-        want = engine.score(state, [row], shared=False, max_input_tokens=MAX_TOKENS).rows[0]
+        want = engine.read(RowsRequest.of(state, [row], shared=False, max_input_tokens=MAX_TOKENS)).rows[0]
         assert_close(got.option_logits, want.option_logits, 1e-5)
 
 
@@ -342,7 +353,7 @@ def test_the_shared_token_prefix_is_the_longest_cut_every_prompt_starts_with() -
 def test_a_prompt_over_the_token_limit_is_refused_and_never_truncated(engine) -> None:
     with pytest.raises(TooManyTokens) as caught:
         engine.codec.encode_prompt(LONG_TEXT, "Did it recover?", ("Yes.", "No."), 200)
-    error = native_error(caught.value, shared=False)
+    error = refusal_of(NATIVE_ERRORS, caught.value, False, ())
     assert (error.status, error.code, error.field) == (422, "too_many_tokens", "state")
     assert "200" in error.message and "truncated" in error.message
 
@@ -354,17 +365,17 @@ def test_a_prompt_of_exactly_the_limit_is_served_whole(engine) -> None:
     assert len(engine.codec.encode_prompt(state, question, descs, n).ids) == n
     with pytest.raises(TooManyTokens) as caught:
         engine.codec.encode_prompt(state, question, descs, n - 1)
-    assert native_error(caught.value, shared=False).code == "too_many_tokens"
+    assert refusal_of(NATIVE_ERRORS, caught.value, False, ()).code == "too_many_tokens"
 
 
 def test_the_engine_refuses_an_over_limit_row_on_both_paths_naming_its_position(engine) -> None:
     short = PromptRow("Did it recover?", ("Yes.", "No."))
     long = PromptRow("Which? " + "the of and to in " * 60, ("Yes.", "No."))
-    engine.score("ok", [short], shared=False, max_input_tokens=200)  # under the limit: served
+    engine.read(RowsRequest.of("ok", [short], shared=False, max_input_tokens=200))  # under the limit: served
     for rows, shared in (([long], False), ([short, long], True)):
         with pytest.raises(TooManyTokens) as caught:
-            engine.score("ok", rows, shared=shared, max_input_tokens=200)
-        error = native_error(caught.value, shared=True)
+            engine.read(RowsRequest.of("ok", rows, shared=shared, max_input_tokens=200))
+        error = refusal_of(NATIVE_ERRORS, caught.value, True, ())
         assert (error.status, error.code, caught.value.row) == (422, "too_many_tokens", len(rows) - 1)
         assert caught.value.limit == 200
 
@@ -462,7 +473,7 @@ def test_a_letter_that_merges_across_the_answer_boundary_refuses_the_prompt(boun
     with pytest.raises(AnswerBoundary) as caught:
         codec.encode_prompt("ok", "Did it?", ("Yes.", "No."), MAX_TOKENS)
     caught.value.question = 3  # the core places it; the door names the field
-    error = native_error(caught.value, shared=True)
+    error = refusal_of(NATIVE_ERRORS, caught.value, True, ())
     assert (error.status, error.code, error.field) == (422, "answer_boundary", "decisions[3]")
     assert (caught.value.option, caught.value.letter) == (0, "A")
     assert "'A'" in error.message
@@ -471,7 +482,7 @@ def test_a_letter_that_merges_across_the_answer_boundary_refuses_the_prompt(boun
 def test_a_service_whose_tokenizer_breaks_the_answer_boundary_fails_to_start(boundary_checkpoint) -> None:
     with pytest.raises(AnswerBoundary) as caught:
         Service.start(make_settings(boundary_checkpoint))
-    assert native_error(caught.value, shared=False).code == "answer_boundary"
+    assert refusal_of(NATIVE_ERRORS, caught.value, False, ()).code == "answer_boundary"
 
 
 def test_the_loader_refuses_a_checkpoint_whose_tokenizer_breaks_the_answer_slots(
@@ -597,16 +608,18 @@ def test_a_multimodal_checkpoints_option_logits_equal_its_own_text_only_forward(
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = plain_option_logits(full, tokenizer, ids, len(descs))
 
-    direct = engine.score(
-        state, [PromptRow(question, descs)], shared=False, max_input_tokens=MAX_TOKENS
+    direct = engine.read(
+        RowsRequest.of(state, [PromptRow(question, descs)], shared=False, max_input_tokens=MAX_TOKENS)
     ).rows[0]
     assert_close(direct.option_logits, expected, 1e-5)
     assert direct.prompt_sha256 == hashlib.sha256(text.encode("utf-8")).hexdigest()
-    shared = engine.score(
-        state,
-        [PromptRow(question, descs), PromptRow("Other?", ("x", "y"))],
-        shared=True,
-        max_input_tokens=MAX_TOKENS,
+    shared = engine.read(
+        RowsRequest.of(
+            state,
+            [PromptRow(question, descs), PromptRow("Other?", ("x", "y"))],
+            shared=True,
+            max_input_tokens=MAX_TOKENS,
+        )
     )
     assert shared.timing.prefix_tokens > 0
     assert_close(shared.rows[0].option_logits, expected, 1e-5)

@@ -9,10 +9,12 @@ import asyncio
 import pytest
 import torch
 
+from semif_serve.domain.requests import AskedQuestion, Limits
 from semif_serve.engine.lev_release import base_release
 from semif_serve.engine.state_cache import StateCache
-from semif_serve.service.lev_core import LevRequest
-from semif_serve.service.models import LEV, load_models
+from semif_serve.service.methods import Ask, MethodRegistry
+from semif_serve.service.methods.lev import LevMethod
+from semif_serve.service.models import load_models
 from semif_serve.service.startup import Service
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME
 from tests.engine.test_lev_release import (
@@ -75,14 +77,19 @@ def test_a_lev_entry_without_a_release_serves_the_base_by_lev_method(
 ):
     models = tmp_path / "models.toml"
     models.write_text('[models.lev-base]\nmethod = "lev"\n[aliases]\nlocal = "lev-base"\n', encoding="utf-8")
-    entry = load_models(models, "base@x").resolve("local")
-    assert entry is not None and entry.method == LEV and entry.lev_base
-    assert entry.lev_options == {"noul_readout": "binary"}  # as lev's server reads the frozen base
+    entry = load_models(models, "base@x", MethodRegistry.of()).resolve("local")
+    assert entry is not None and entry.method == LevMethod.name and entry.directory is None
+    assert entry.options == {"noul_readout": "binary"}  # as lev's server reads the frozen base
     service = Service.start(make_settings(checkpoint, models=models), engine=engine)
     assert "lev-base" not in [a.name for a in service.engine.adapters.adapters]  # no adapter loaded
-    outcome = asyncio.run(service.lev.decide(LevRequest("lev-base", STATE, {"urgent": URGENT})))
+    served = service.models.resolve("local")
+    assert served is not None and served.method.name == LevMethod.name
+    urgent = AskedQuestion("urgent", "noul", URGENT.instructions, URGENT.criteria)
+    ask = Ask(served, STATE, (urgent,), Limits(max_input_tokens=4096, max_options=16, max_rows=64))
+    answer = asyncio.run(service.decide(ask)).answers
+    assert answer is not None
     want = expected(fresh_base, engine.codec.tokenizer, BINARY["plain"], [[0, 1], [1, 0]], [" A", " B"])
-    close(outcome.reply.answers["urgent"].distribution, want)
+    close(list(answer[0].block.distribution.values()), want)
 
 
 @pytest.mark.parametrize(
@@ -99,4 +106,4 @@ def test_a_bad_lev_base_entry_is_refused_naming_its_key(tmp_path, table, named):
     models = tmp_path / "models.toml"
     models.write_text(f"[models.lev-base]\n{table}\n", encoding="utf-8")
     with pytest.raises(ConfigurationError, match=named.replace(".", r"\.")):
-        load_models(models, "base@x")
+        load_models(models, "base@x", MethodRegistry.of())

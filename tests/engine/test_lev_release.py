@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from semif_serve.domain.lev.release import serving_options
 from semif_serve.domain.lev.types import LevChoice, LevNoul, LevReleaseError, LevScore, ModeBUnavailable
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.lev_release import load_lev_release
@@ -219,9 +220,9 @@ def score_suffix(style, order):
 @pytest.mark.parametrize(
     "setting, orders",
     [
-        ("off", [[0, 1, 2]]),
-        ("reversed", [[0, 1, 2], [2, 1, 0]]),
-        ("cyclic", [[0, 1, 2], [1, 2, 0], [2, 0, 1]]),
+        ("none", [[0, 1, 2]]),
+        ("reversal", [[0, 1, 2], [2, 1, 0]]),
+        ("rotations", [[0, 1, 2], [1, 2, 0], [2, 0, 1]]),
     ],
 )
 def test_score_orders(score, style, setting, orders, base, releases, references):
@@ -236,6 +237,14 @@ def test_score_orders(score, style, setting, orders, base, releases, references)
     close(answer.probabilities, want)
     assert abs(answer.value - sum(i * p for i, p in enumerate(want))) < TOL
     assert answer.orders == len(orders)
+
+
+@pytest.mark.parametrize(
+    "lev_name, ours", [("off", "none"), ("reversed", "reversal"), ("cyclic", "rotations")]
+)
+def test_levs_own_score_order_names_are_stored_as_the_one_orderings_vocabulary(lev_name, ours, releases):
+    manifest = releases["plain"].manifest
+    assert serving_options(manifest, score_order_average=lev_name).score_order_average == ours
 
 
 RATING = {
@@ -314,7 +323,7 @@ def test_choice_bands_and_fallback(score, count, bucket, base, releases, referen
 
 def test_uncalibrated_bucket_reads_temperature_one(score, base, releases, references):
     tok = base.codec.tokenizer
-    release = with_options(releases["plain"], score_order_average="off")
+    release = with_options(releases["plain"], score_order_average="none")
     release = dataclasses.replace(
         release, calibration=dataclasses.replace(release.calibration, temperatures={})
     )
@@ -408,9 +417,9 @@ def test_candidate_head_under_a_label_cap(score, style, base, releases, referenc
 
 def test_mode_b_without_a_head_is_refused(score, base, releases):
     release = dataclasses.replace(with_options(releases["plain"], max_label_options=2), head=None)
-    with pytest.raises(ModeBUnavailable, match="mode_b_head.pt") as caught:
+    with pytest.raises(ModeBUnavailable, match="^question 'b' needs .*mode_b_head.pt$") as caught:
         score(release, STATE, {"a": LevScore(("x", "y")), "b": DEPT})
-    assert caught.value.question == 1
+    assert caught.value.question is None  # its message names the question: read whole, not placed
 
 
 def test_adapter_scale_is_applied(score, base, releases, references):

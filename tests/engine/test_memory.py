@@ -13,7 +13,8 @@ import torch
 from semif_serve.app import create_app
 from semif_serve.domain.numerics import GIB, MIB
 from semif_serve.domain.types import ConfigurationError, DecisionError, TooManyRows
-from semif_serve.doors.native.api import native_error
+from semif_serve.doors.base import refusal_of
+from semif_serve.doors.native.api import NATIVE_ERRORS
 from semif_serve.engine.memory import CudaMemory, ReleasePolicy
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.startup import Service
@@ -97,7 +98,7 @@ def test_every_engine_failure_releases_but_a_refused_request_does_not(engine):
 
     with pytest.raises(TooManyRows) as refusal:
         worker.run_now(refused)
-    assert native_error(refusal.value, shared=False).status == 422
+    assert refusal_of(NATIVE_ERRORS, refusal.value, False, ()).status == 422
     assert memory.releases == before
 
     def broken():
@@ -105,7 +106,7 @@ def test_every_engine_failure_releases_but_a_refused_request_does_not(engine):
 
     with pytest.raises(DecisionError) as failure:
         worker.run_now(broken)
-    answer = native_error(failure.value, shared=False)
+    answer = refusal_of(NATIVE_ERRORS, failure.value, False, ())
     assert (answer.status, answer.code) == (500, "internal_error")
     assert failure.value.__cause__ is None and failure.value.__context__ is None
     assert memory.releases == before + 1
@@ -132,7 +133,7 @@ def test_every_kind_of_out_of_memory_maps_to_503(exc, engine):
 
     with pytest.raises(DecisionError) as failure:
         worker.run_now(job)
-    answer = native_error(failure.value, shared=False)
+    answer = refusal_of(NATIVE_ERRORS, failure.value, False, ())
     assert (answer.status, answer.code) == (503, "out_of_memory")
     assert worker.out_of_memory_events == 1
 
@@ -145,7 +146,7 @@ def test_a_cublas_error_that_is_not_an_allocation_failure_stays_a_500(engine):
 
     with pytest.raises(DecisionError) as failure:
         worker.run_now(job)
-    answer = native_error(failure.value, shared=False)
+    answer = refusal_of(NATIVE_ERRORS, failure.value, False, ())
     assert (answer.status, answer.code) == (500, "internal_error")
     assert worker.out_of_memory_events == 0
 
@@ -189,7 +190,7 @@ def test_a_release_that_itself_fails_does_not_mask_the_original_error(engine):
 
     with pytest.raises(DecisionError) as failure:
         worker.run_now(job)
-    assert native_error(failure.value, shared=False).code == "out_of_memory"
+    assert refusal_of(NATIVE_ERRORS, failure.value, False, ()).code == "out_of_memory"
 
 
 # -- through the real service -------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from semif_serve.app import create_app
 from semif_serve.domain.numerics import MIB
-from semif_serve.domain.requests import DecisionRequest, Limits
+from semif_serve.domain.requests import Limits, RowsRequest
 from semif_serve.domain.types import Option, OutOfMemory, PromptRow, Question, TooLargeForMemory
 from semif_serve.engine.batching import Job
 from semif_serve.engine.forwards import prefill
@@ -22,7 +22,7 @@ from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.service.startup import Service
-from tests.support import TOKEN, make_settings
+from tests.support import TOKEN, asking, make_settings
 from tests.support.memory_sim import SimulatedMemory, cuda_oom
 from tests.support.polling import wait_until_async
 
@@ -43,7 +43,7 @@ def uncached(engine: TorchEngine) -> TorchEngine:
 
 def alone(engine: TorchEngine, state, q: Question, shared: bool):
     rows = [PromptRow(q.text, tuple(o.description for o in q.options))]
-    return uncached(engine).score(state, rows, shared=shared, max_input_tokens=4096).rows[0]
+    return uncached(engine).read(RowsRequest.of(state, rows, shared=shared, max_input_tokens=4096)).rows[0]
 
 
 def assert_close(got, want, tol=1e-5) -> None:
@@ -111,7 +111,7 @@ def test_distinct_direct_decisions_queued_together_run_in_one_forward_and_equal_
         held_burst(
             fresh,
             [
-                lambda s=s, i=i: fresh.core.decide(DecisionRequest(s, [question(i)], False, Limits(**LIMITS)))
+                lambda s=s, i=i: asking.outcome(fresh, s, [question(i)], Limits(**LIMITS))
                 for i, s in enumerate(states)
             ],
         )
@@ -133,7 +133,7 @@ def test_requests_about_one_state_share_one_prefill_and_each_equals_its_fresh_pr
         held_burst(
             fresh,
             [
-                lambda i=i: fresh.core.decide(DecisionRequest(STATE, [question(i)], True, Limits(**LIMITS)))
+                lambda i=i: asking.outcome(fresh, STATE, [question(i)], Limits(**LIMITS), shared=True)
                 for i in range(5)
             ],
         )
@@ -150,16 +150,15 @@ def test_requests_about_one_state_share_one_prefill_and_each_equals_its_fresh_pr
 
 def test_a_cached_state_serves_a_batch_of_rows_and_orderings_and_equals_a_fresh_prefill(fresh, engine):
     # Several rows share the state prefix and the question text up to its number: one key.
-    asyncio.run(fresh.core.decide(DecisionRequest(STATE, [question(7), question(8)], True, Limits(**LIMITS))))
+    asyncio.run(asking.outcome(fresh, STATE, [question(7), question(8)], Limits(**LIMITS), shared=True))
     questions = [question(1), question(2, "rotations"), question(3, "all")]
     hits = fresh.engine.cache.stats().hits
 
-    cached = asyncio.run(fresh.core.decide(DecisionRequest(STATE, questions, True, Limits(**LIMITS))))
-    reference = asyncio.run(
-        Service.start(make_settings(fresh.settings.model_path, state_cache_mib=0), engine=engine).core.decide(
-            DecisionRequest(STATE, questions, True, Limits(**LIMITS))
-        )
+    cached = asyncio.run(asking.outcome(fresh, STATE, questions, Limits(**LIMITS), shared=True))
+    uncached_service = Service.start(
+        make_settings(fresh.settings.model_path, state_cache_mib=0), engine=engine
     )
+    reference = asyncio.run(asking.outcome(uncached_service, STATE, questions, Limits(**LIMITS), shared=True))
 
     assert fresh.engine.cache.stats().hits == hits + 1
     assert cached.timing.prefill == "cached" and cached.timing.prefill_seconds == 0
@@ -174,19 +173,17 @@ def test_a_cached_state_serves_a_batch_of_rows_and_orderings_and_equals_a_fresh_
 
 
 def test_a_second_question_with_orderings_extends_the_stored_state_prefix(fresh, engine):
-    asyncio.run(
-        fresh.core.decide(DecisionRequest(STATE, [question(0, "rotations")], False, Limits(**LIMITS)))
-    )
+    asyncio.run(asking.outcome(fresh, STATE, [question(0, "rotations")], Limits(**LIMITS)))
 
-    second = asyncio.run(
-        fresh.core.decide(DecisionRequest(STATE, [question(1, "rotations")], False, Limits(**LIMITS)))
-    )
+    second = asyncio.run(asking.outcome(fresh, STATE, [question(1, "rotations")], Limits(**LIMITS)))
 
     assert second.timing.prefill == "extended"
     for order, row in zip(range(3), second.questions[0].readouts, strict=True):
         q = question(1)
         descs = tuple(q.options[(order + k) % 3].description for k in range(3))
-        plain = uncached(engine).score(STATE, [PromptRow(q.text, descs)], shared=False, max_input_tokens=4096)
+        plain = uncached(engine).read(
+            RowsRequest.of(STATE, [PromptRow(q.text, descs)], shared=False, max_input_tokens=4096)
+        )
         assert_close(row.option_logits, plain.rows[0].option_logits)
 
 
@@ -196,7 +193,7 @@ def test_a_cancelled_request_is_dropped_before_its_forward_and_the_others_are_an
         held = await gate.hold(fresh)
         calls = [
             asyncio.create_task(
-                fresh.core.decide(DecisionRequest(f"State {i}.", [question(i)], True, Limits(**LIMITS)))
+                asking.outcome(fresh, f"State {i}.", [question(i)], Limits(**LIMITS), shared=True)
             )
             for i in range(3)
         ]
@@ -239,9 +236,7 @@ def test_out_of_memory_in_a_merged_forward_fails_only_the_request_that_cannot_ru
         held_burst(
             service,
             [
-                lambda s=s, i=i: service.core.decide(
-                    DecisionRequest(s, [question(i)], False, Limits(**LIMITS))
-                )
+                lambda s=s, i=i: asking.outcome(service, s, [question(i)], Limits(**LIMITS))
                 for i, s in enumerate(states)
             ],
         )
@@ -276,7 +271,7 @@ def test_the_release_policy_drops_the_cached_states_before_it_empties_the_alloca
 def test_chunked_prefill_lets_a_long_state_fit_a_headroom_that_one_shot_prefill_would_not(engine):
     state = " ".join(f"event {i}: the cache warmed in zone {i % 5}." for i in range(120))
     row = PromptRow("Did the cache warm?", ("Yes.", "No."))
-    whole = uncached(engine).score(state, [row], shared=True, max_input_tokens=4096)
+    whole = uncached(engine).read(RowsRequest.of(state, [row], shared=True, max_input_tokens=4096))
     n_prefix = whole.timing.prefix_tokens
     width = whole.rows[0].input_tokens - n_prefix
     chunk = 64
@@ -284,10 +279,10 @@ def test_chunked_prefill_lets_a_long_state_fit_a_headroom_that_one_shot_prefill_
     headroom = engine.estimate.prefill_bytes(n_prefix, chunk) + engine.estimate.row_bytes(n_prefix, width)
 
     chunked = engine.with_options(cache=StateCache(0), prefill_chunk_tokens=chunk, headroom_bytes=headroom)
-    got = chunked.score(state, [row], shared=True, max_input_tokens=4096)
+    got = chunked.read(RowsRequest.of(state, [row], shared=True, max_input_tokens=4096))
     with pytest.raises(TooLargeForMemory) as refused:
-        uncached(engine).with_options(headroom_bytes=headroom).score(
-            state, [row], shared=True, max_input_tokens=4096
+        uncached(engine).with_options(headroom_bytes=headroom).read(
+            RowsRequest.of(state, [row], shared=True, max_input_tokens=4096)
         )
 
     assert_close(got.rows[0].option_logits, whole.rows[0].option_logits)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from semif_serve.app import create_app
-from semif_serve.domain.requests import DecisionRequest, Limits, RowsRequest
+from semif_serve.domain.requests import Limits, RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.batching import UNFINISHED, Group, Job
 from semif_serve.engine.forwards import prefill
@@ -24,7 +24,7 @@ from semif_serve.engine.runner import DIRECT_READOUT
 from semif_serve.engine.state_cache import QUESTION, STATE, StateCache, state_digest
 from semif_serve.service.startup import Service
 from tests.engine.test_merging import EngineGate
-from tests.support import TOKEN, make_settings
+from tests.support import TOKEN, asking, make_settings
 from tests.support.polling import wait_until_async
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -141,7 +141,7 @@ def test_a_lone_question_whose_short_state_another_request_in_flight_wants_prefi
     base = service.engine.cache.stats().by_kind[STATE]
     service.engine.cache.demand.enter(state_digest(state))  # another request about it, still encoding
     try:
-        asyncio.run(service.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS))))
+        asyncio.run(asking.outcome(service, state, [_question()], Limits(**LIMITS)))
     finally:
         service.engine.cache.demand.leave(state_digest(state))
     stats = service.engine.cache.stats().by_kind[STATE]
@@ -152,9 +152,7 @@ def test_a_lone_question_whose_short_state_another_request_in_flight_wants_prefi
 def test_a_lone_question_over_a_short_state_runs_the_plain_forward_and_keeps_nothing(short_kept, engine):
     state = long_state("short")
     base = short_kept.engine.cache.stats()
-    outcome = asyncio.run(
-        short_kept.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS)))
-    )
+    outcome = asyncio.run(asking.outcome(short_kept, state, [_question()], Limits(**LIMITS)))
     assert not outcome.shared and outcome.timing.prefill == "none"
     _assert_plain_outcome(outcome, engine, state, "Did it succeed?")
     stats = short_kept.engine.cache.stats()
@@ -169,8 +167,7 @@ def test_a_client_coming_back_to_a_short_state_keeps_it_the_second_time_and_read
     base = short_kept.engine.cache.stats().by_kind[STATE]
     texts = ("Did it succeed?", "Was it rolled back?", "Did it page anyone?")
     outcomes = [
-        asyncio.run(short_kept.core.decide(DecisionRequest(state, [_question(t)], False, Limits(**LIMITS))))
-        for t in texts
+        asyncio.run(asking.outcome(short_kept, state, [_question(t)], Limits(**LIMITS))) for t in texts
     ]
     assert [o.timing.prefill for o in outcomes] == ["none", "fresh", "cached"]
     after = short_kept.engine.cache.stats().by_kind[STATE]
@@ -211,7 +208,7 @@ def test_a_lone_row_over_a_long_state_stores_it_by_its_own_pass_equal_to_a_fresh
     state = long_state("own")
     row = PromptRow("Did it succeed?", ("It succeeded.", "It failed."))
 
-    readout = cached.score(state, [row], shared=False, max_input_tokens=4096)
+    readout = cached.read(RowsRequest.of(state, [row], shared=False, max_input_tokens=4096))
 
     assert readout.timing.prefill == "fresh"
     ids = cached.prepare(RowsRequest.of(state, [row], shared=False, max_input_tokens=4096)).state_ids
@@ -222,7 +219,7 @@ def test_a_lone_row_over_a_long_state_stores_it_by_its_own_pass_equal_to_a_fresh
     for got, want in zip(stored.tensors(), reference.tensors(), strict=True):
         assert (got - want).abs().max().item() <= TOL
     logits, sha, tokens = plain_forward(engine, state, row.question, row.descriptions)
-    for answer in (readout, cached.score(state, [row], shared=False, max_input_tokens=4096)):
+    for answer in (readout, cached.read(RowsRequest.of(state, [row], shared=False, max_input_tokens=4096))):
         got = answer.rows[0]
         assert max(abs(a - b) for a, b in zip(got.option_logits, logits, strict=True)) <= TOL
         assert (got.prompt_sha256, got.input_tokens) == (sha, tokens)
@@ -288,9 +285,7 @@ def test_the_plain_direct_path_setting_never_touches_the_cache(engine, checkpoin
     state = long_state("plain")
     base = service.engine.cache.stats()
     for _ in range(2):
-        outcome = asyncio.run(
-            service.core.decide(DecisionRequest(state, [_question()], False, Limits(**LIMITS)))
-        )
+        outcome = asyncio.run(asking.outcome(service, state, [_question()], Limits(**LIMITS)))
     stats = service.engine.cache.stats()
     assert (stats.hits, stats.misses, stats.entries) == (base.hits, base.misses, base.entries)
     logits, _, _ = plain_forward(engine, state, "Did it succeed?", [o["description"] for o in OPTIONS])
@@ -325,7 +320,9 @@ def test_states_asked_questions_in_turn_under_a_budget_of_those_states_all_stay_
     sizes = []
     for state in states:
         probe = engine.with_options(cache=StateCache(1 << 30), prefill_chunk_tokens=None)
-        probe.score(state, [row], shared=True, max_input_tokens=4096)  # one row: the state prefix alone
+        probe.read(
+            RowsRequest.of(state, [row], shared=True, max_input_tokens=4096)
+        )  # one row: the state prefix alone
         sizes.append(probe.cache.stats().bytes)
     turned = engine.with_options(
         cache=StateCache(3 * max(sizes) + max(sizes) // 2), prefill_chunk_tokens=None
@@ -338,7 +335,9 @@ def test_states_asked_questions_in_turn_under_a_budget_of_those_states_all_stay_
     readouts = []
     for n in range(3):
         for state in states:
-            readouts.append(turned.score(state, rotations(n), shared=False, max_input_tokens=4096))
+            readouts.append(
+                turned.read(RowsRequest.of(state, rotations(n), shared=False, max_input_tokens=4096))
+            )
     stats = turned.cache.stats().by_kind[STATE]
     assert stats.hits == 6 and stats.misses == 3  # every question after a state's first found it
     assert [r.timing.prefill for r in readouts] == ["fresh"] * 3 + ["extended"] * 6

@@ -64,7 +64,7 @@ def test_a_shared_request_over_a_long_state_prefills_it_once_and_keeps_it(engine
     engine = engine.with_options(cache=StateCache(1 << 30))
     state = long_state("shared")
     rows = [PromptRow(f"Did step {i} succeed?", DESCRIPTIONS) for i in range(4)]
-    readout = engine.score(state, rows, shared=True, max_input_tokens=4096)
+    readout = engine.read(RowsRequest.of(state, rows, shared=True, max_input_tokens=4096))
     assert readout.timing.prefix_tokens > 64 and readout.timing.prefill == "fresh"
     prefix = engine.prepare(RowsRequest.of(state, rows, shared=True, max_input_tokens=4096)).prefix
     assert len(prefix) == readout.timing.prefix_tokens and engine.cache.has(prefix)
