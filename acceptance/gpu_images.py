@@ -15,7 +15,7 @@ device in BF16 and joined to the run's text model (its weights shared, not copie
 Then the same through the service's own path (`EngineBench`): a `TorchEngine` built as the
 loader builds one for a vision-language checkpoint (its text side from `loader.text_side`, a
 `VisionTower`, a state cache, the run's memory view and headroom less the tower's weights),
-asked through `TorchEngine.score(..., images=[...])`: the first question (cache cleared), eight
+asked through `TorchEngine.read(RowsRequest.of(..., images=[...]))`: the first question (cache cleared), eight
 questions in one request, a second question over the cached image state, the tower's peak
 through `ImageSet.features` vs `VisionTower.activation_bytes`, and every answer against the
 full forward. The issue's two goals are gated on these, the service's numbers.
@@ -299,7 +299,7 @@ class ImageBench:
 
 
 class EngineBench:
-    """The same image through the service's path: `TorchEngine.score` over a vision-language
+    """The same image through the service's path: `TorchEngine.read` over a vision-language
     engine (`service_engine`), timed, its tower's peak against its own estimate, and each
     answer against the blocks' full forward of the same prompt."""
 
@@ -322,14 +322,18 @@ class EngineBench:
 
     def ask(self, state: Any, first: int, count: int, images: Sequence[Any], cold: bool = True) -> Any:
         """One request of `count` questions from question `first` (the cache cleared if `cold`)."""
+        from semif_serve.domain.requests import RowsRequest
+
         if cold:
             self.engine.cache.clear()
-        return self.engine.score(
-            state,
-            self.questions[first : first + count],
-            shared=True,
-            max_input_tokens=MAX_INPUT_TOKENS,
-            images=images,
+        return self.engine.read(
+            RowsRequest.of(
+                state,
+                self.questions[first : first + count],
+                shared=True,
+                max_input_tokens=MAX_INPUT_TOKENS,
+                images=images,
+            )
         )
 
     def runs_of(self, ask: Callable[[], Any]) -> tuple[int, Any]:
@@ -523,7 +527,7 @@ def image_gates(data: dict[str, Any]) -> list[Gate]:
         Gate(
             "engine answers every size",
             bool(rows) and not unserved,
-            "; ".join(unserved) or f"{len(served)} sizes through TorchEngine.score",
+            "; ".join(unserved) or f"{len(served)} sizes through TorchEngine.read",
         ),
         Gate(
             "engine vs full forward",

@@ -780,7 +780,7 @@ class GpuRun:
             head, body, title=f"images (vision tower {data['vision_weights_bytes'] / GIB:.2f} GiB BF16)"
         )
         head, body = engine_table(data)
-        print_table(head, body, title="images through the service's engine (TorchEngine.score)")
+        print_table(head, body, title="images through the service's engine (TorchEngine.read)")
         gates = image_gates(data)
         estimate = next(g for g in gates if g.name == "tower estimate covers its peak")
         if not estimate.passed:
@@ -841,6 +841,7 @@ class GpuRun:
         """Issue 39 on the card: where a lone question's state is worth keeping (`bench.reuse`'s
         question, through the service's engine with a cache of its own)."""
         self.needs("service")
+        from semif_serve.domain.requests import RowsRequest
         from semif_serve.domain.types import PromptRow
         from semif_serve.engine.state_cache import StateCache
 
@@ -863,7 +864,7 @@ class GpuRun:
             return f"[keep {serial}] " + "".join(sentence.format(n=i, z=i % 5) for i in range(tokens // per))
 
         def ms(eng: Any, text: str) -> tuple[float, str]:
-            readout = eng.score(text, [row], shared=False, max_input_tokens=8192)
+            readout = eng.read(RowsRequest.of(text, [row], shared=False, max_input_tokens=8192))
             return 1000 * readout.total_seconds, readout.timing.prefill
 
         for tokens in lengths:

@@ -78,7 +78,7 @@ def lone_question(engine, tokens: int, rounds: int) -> dict[str, Any]:
         state = state_of(engine, tokens, f"lone {r}")
         out = {}
         for name, eng in (("plain", plain), ("reuse", reuse), ("shared", shared)):
-            readout = eng.score(state, [row], shared=name == "shared", max_input_tokens=8192)
+            readout = eng.read(RowsRequest.of(state, [row], shared=name == "shared", max_input_tokens=8192))
             out[name] = readout
             if r:  # the first round warms up
                 seconds[name].append(readout.total_seconds)
@@ -128,7 +128,7 @@ def comes_back(engine, words: int, rounds: int) -> dict[str, Any]:
     for r in range(rounds + 1):
         state = words_state(words, f"back {r}")
         for i, row in enumerate(questions):
-            readout = kept.score(state, [row], shared=False, max_input_tokens=8192)
+            readout = kept.read(RowsRequest.of(state, [row], shared=False, max_input_tokens=8192))
             tokens = readout.rows[0].input_tokens
             if r:
                 visits[i].append(readout.total_seconds)
@@ -137,7 +137,7 @@ def comes_back(engine, words: int, rounds: int) -> dict[str, Any]:
         for name, eng in (
             (("plain", plain), ("default", kept)) if r % 2 else (("default", kept), ("plain", plain))
         ):
-            readout = eng.score(other, [questions[0]], shared=False, max_input_tokens=8192)
+            readout = eng.read(RowsRequest.of(other, [questions[0]], shared=False, max_input_tokens=8192))
             if r:
                 one_off[name].append(readout.total_seconds)
     first, second, third = (statistics.median(v) for v in visits)
@@ -282,7 +282,7 @@ def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int 
     sizes = []
     for state in states:
         probe.cache.clear()
-        probe.score(state, rows(0)[:1], shared=True, max_input_tokens=8192)
+        probe.read(RowsRequest.of(state, rows(0)[:1], shared=True, max_input_tokens=8192))
         sizes.append(probe.cache.stats().bytes)
     capacity = n_states // 2
     budget = capacity * max(sizes) + max(sizes) // 2
@@ -291,7 +291,7 @@ def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int 
     asked = [0] * n_states
     cached = engine.with_options(cache=StateCache(budget), prefill_chunk_tokens=2048)
     for s in sequence:
-        cached.score(states[s], rows(asked[s]), shared=False, max_input_tokens=8192)
+        cached.read(RowsRequest.of(states[s], rows(asked[s]), shared=False, max_input_tokens=8192))
         asked[s] += 1
     stats = cached.cache.stats()
     ideal = ideal_lru_hits(sequence, capacity)
@@ -310,29 +310,31 @@ def interleaved(engine, n_states: int, n_questions: int, tokens: int, seed: int 
 
 
 def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, float]:
-    """Median milliseconds per stage of one System One request on a new state, on this thread."""
+    """Median milliseconds per stage of one System One request on a new state, on this thread:
+    the door's parse, the method's plan, its job's encoding, the batch plan, the forwards, the
+    method's outcome and the reply."""
     from semif_serve.doors.systemone import api as s1
-    from semif_serve.doors.systemone.mapping import answer_body, to_question
-    from semif_serve.doors.systemone.schemas import BatchTimingBlock, SystemOneResponse, Usage, parse_request
-    from semif_serve.service.core import plan_rows, question_outcome
+    from semif_serve.doors.systemone.mapping import answers_of, asked_questions, timing_block, usage_of
+    from semif_serve.doors.systemone.schemas import SystemOneResponse, parse_request
+    from semif_serve.service.methods import Ask
 
     door = s1.SystemOneDoor(service)
-    engine, core = service.engine, service.core
-    limits = door.limits
+    engine = service.engine
     per: dict[str, list[float]] = {}
     for r in range(rounds + 1):
         raw = json.dumps({**body, "state": f"[{tag} {r}] " + body["state"]}).encode()
         marks = [("start", time.perf_counter())]
         parsed = parse_request(raw, door.max_options)
-        questions = [to_question(qid, q, door.policy) for qid, q in parsed.questions.items()]
+        served = door.served(parsed.model)
+        assert served is not None, parsed.model
+        method = served.method
+        asked = asked_questions(parsed.questions)
+        ask = Ask(served, parsed.state, asked, door.limits, defaults=door.defaults, named=served.name)
         marks.append(("parse", time.perf_counter()))
-        planned, rows = plan_rows(
-            questions, max_rows=limits.max_rows, max_options=limits.max_options, calibration=core.calibration
-        )
+        plan = method.plan(ask)
         marks.append(("plan", time.perf_counter()))
-        prepared = engine.prepare(
-            RowsRequest.of(parsed.state, rows, shared=False, max_input_tokens=limits.max_input_tokens)
-        )
+        (rows_job,) = method.jobs(plan, engine)  # SemIf's method: one job, every row over the state
+        prepared = rows_job.prepare()
         marks.append(("encode", time.perf_counter()))
         job = prepared.job(r)
         groups = plan_groups([job], Bounds())
@@ -344,23 +346,14 @@ def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, fl
             scored.extend(result)
             runs.append(result[0].run)
         marks.append(("forward", time.perf_counter()))
-        readout = engine.readout(prepared, scored)
-        outcomes = [question_outcome(p, readout, core.calibration) for p in planned]
+        decided = method.outcome(plan, [engine.readout(prepared, scored)])
         marks.append(("readout", time.perf_counter()))
-        answers = {
-            qid: answer_body(parsed.questions[qid].type, a)
-            for qid, a in zip(parsed.questions, outcomes, strict=True)
-        }
-        timing = BatchTimingBlock(
-            **readout.timing.as_dict(),
-            forward_seconds=readout.forward_seconds,
-            total_seconds=readout.total_seconds,
-        )
+        assert decided.answers is not None
         reply = SystemOneResponse(
-            model=door.model_name,
-            answers=answers,
-            usage=Usage(input_tokens=1, output_tokens=0),
-            x_timing=timing,
+            model=served.name,
+            answers=answers_of(list(parsed.questions), decided.answers, method),
+            usage=usage_of(decided),
+            x_timing=timing_block(decided),
         )
         json.dumps(reply.model_dump(mode="json", exclude_unset=True))
         marks.append(("reply", time.perf_counter()))
@@ -377,7 +370,7 @@ def stages(service, body: dict[str, Any], rounds: int, tag: str) -> dict[str, fl
         for name, value in split.items():
             per.setdefault(name, []).append(value)
     return {name: med_ms(values) for name, values in per.items()} | {
-        "rows": len(rows),
+        "rows": len(prepared.prompts),
         "prompt_tokens": max(len(p.ids) for p in prepared.prompts),
     }
 

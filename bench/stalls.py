@@ -629,27 +629,34 @@ def reply_amplification(service: ServiceProcess, concurrent: int) -> dict:
 
 def reply_build(options: int, name_length: int) -> dict:
     """One choice of `options` options (`name_length`-character names, described) in rotations,
-    answered from synthetic readouts in process and mapped and serialised as the door does it."""
+    answered by SemIf's method from synthetic readouts in process (its plan, the door's count of
+    the reply, its outcome mapped to the wire) and serialised as the door does it."""
     import random
 
     from semif_serve.domain.calibration import CalibrationTable
-    from semif_serve.domain.types import BatchTiming, DecisionOutcome
+    from semif_serve.domain.requests import BASE, Defaults, Limits
+    from semif_serve.domain.types import BatchTiming
     from semif_serve.doors.base import json_reply
-    from semif_serve.doors.systemone.mapping import Policy, answers_of, timing_block, to_question
-    from semif_serve.doors.systemone.schemas import ChoiceQuestion, SystemOneResponse, Usage
+    from semif_serve.doors.systemone.mapping import answers_of, asked_question, timing_block, usage_of
+    from semif_serve.doors.systemone.schemas import ChoiceQuestion, SystemOneResponse
     from semif_serve.doors.systemone.sizes import reply_bytes
     from semif_serve.engine.rows import Readout, RowReadout
-    from semif_serve.service.core import plan_rows, question_outcome
+    from semif_serve.service.methods import Ask, MethodStart, Served
+    from semif_serve.service.methods.semif import SemIfMethod
+    from semif_serve.service.models import ModelEntry
 
     criteria = {f"{i:03d}".ljust(name_length, "n"): f"Option {i}." for i in range(options)}
     body = ChoiceQuestion(type="choice", criteria=criteria, x_orderings="rotations")
-    question = to_question("pick", body, Policy({}, {}))
     model = "Qwen/Qwen3.5-4B@" + "0" * 40
+    # Its plan and answers read no engine and no settings: the calibration and the base's name.
+    method = SemIfMethod(MethodStart(None, None, CalibrationTable(), model, None))  # type: ignore[arg-type]
+    served = Served(model, method, BASE, ModelEntry(model, method.name), is_base=True)
+    limits = Limits(max_input_tokens=8192, max_options=options, max_rows=options)
+    ask = Ask(served, "s", (asked_question("pick", body),), limits, shared=True, defaults=Defaults())
+    plan = method.plan(ask)
     started = time.perf_counter()
-    counted = reply_bytes({"pick": body}, [(question,)], model)
+    counted = reply_bytes(method, plan, [("pick", body.type)], model)
     count_s = time.perf_counter() - started
-    calibration = CalibrationTable()
-    planned, rows = plan_rows([question], max_rows=options, max_options=options, calibration=calibration)
     readout = Readout(
         rows=[
             RowReadout(
@@ -658,22 +665,20 @@ def reply_build(options: int, name_length: int) -> dict:
                 9,
                 "0" * 64,
             )
-            for _ in rows
+            for _ in plan.rows
         ],
         shared=True,
         forward_seconds=1.0,
         total_seconds=1.0,
-        timing=BatchTiming(100, 0.1, 0.1, 0.1, len(rows), 1000, 1000, 4),
+        timing=BatchTiming(100, 0.1, 0.1, 0.1, len(plan.rows), 1000, 1000, 4),
     )
-    outcome = question_outcome(planned[0], readout, calibration)
     started = time.perf_counter()
-    answers = answers_of({"pick": body}, [(question,)], [outcome])
+    decided = method.outcome(plan, [readout])
+    assert decided.answers is not None
+    answers = answers_of(["pick"], decided.answers, method)
     mapped_s = time.perf_counter() - started
     reply = SystemOneResponse(
-        model=model,
-        answers=answers,
-        usage=Usage(input_tokens=1, output_tokens=0),
-        x_timing=timing_block(DecisionOutcome((outcome,), True, 1.0, 1.0, readout.timing)),
+        model=model, answers=answers, usage=usage_of(decided), x_timing=timing_block(decided)
     )
     started = time.perf_counter()
     sent = len(json_reply(reply).body)

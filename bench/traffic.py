@@ -55,6 +55,7 @@ def med_ms(values: list[float]) -> float:
 
 def keep_threshold(path: Path, sizes: list[int], rounds: int) -> dict[str, Any]:
     """Engine ms of one lone row on a new state of each size: plain vs the keeping pass."""
+    from semif_serve.domain.requests import RowsRequest
     from semif_serve.domain.types import PromptRow
     from semif_serve.engine.state_cache import StateCache
     from semif_serve.service.settings import Settings
@@ -75,7 +76,7 @@ def keep_threshold(path: Path, sizes: list[int], rounds: int) -> dict[str, Any]:
                 (("plain", plain), ("keep", keep)) if r % 2 else (("keep", keep), ("plain", plain))
             ):
                 t0 = time.perf_counter()
-                engine.score(state, [row], shared=False, max_input_tokens=8192)
+                engine.read(RowsRequest.of(state, [row], shared=False, max_input_tokens=8192))
                 if r:
                     seconds[name].append(time.perf_counter() - t0)
             keep.cache.clear()
@@ -358,9 +359,9 @@ def in_process_stages(path: Path, tokens: int, rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {"parse": [], "plan": []}
     for _ in range(rounds):
         t0 = time.perf_counter()
-        _, question, _ = read_decision(body, identity)
+        call = read_decision(body, identity)
         t1 = time.perf_counter()
-        plan_rows([question], max_rows=64, max_options=16, calibration=CalibrationTable({}))
+        plan_rows(call.questions, max_rows=64, max_options=16, calibration=CalibrationTable({}))
         t2 = time.perf_counter()
         times["parse"].append(t1 - t0)
         times["plan"].append(t2 - t1)

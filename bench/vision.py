@@ -1,4 +1,4 @@
-"""Images through the service's engine (the production loader and `TorchEngine.score`: the
+"""Images through the service's engine (the production loader and `TorchEngine.read`: the
 image processor, the vision tower, the prefill over embeddings with 3-D positions, the state
 cache), ratios in one run, on the demo's tiny random-weight Qwen3.5 with a vision tower
 (fp32, CPU).
@@ -60,6 +60,7 @@ def main() -> int:
     import torch
 
     from semif_serve.domain.images import read_image
+    from semif_serve.domain.requests import RowsRequest
     from semif_serve.domain.types import PromptRow
     from semif_serve.engine.state_cache import StateCache
     from semif_serve.service.settings import Settings
@@ -77,7 +78,9 @@ def main() -> int:
     def ask(state, count: int, images, cold: bool = True):
         if cold:
             engine.cache.clear()
-        return engine.score(state, rows[:count], shared=True, max_input_tokens=32768, images=images)
+        return engine.read(
+            RowsRequest.of(state, rows[:count], shared=True, max_input_tokens=32768, images=images)
+        )
 
     image_tokens = engine.vision.prepare([asset]).images.popitem()[1].tokens
     prefix_tokens = ask(STATE, 1, [asset]).timing.prefix_tokens

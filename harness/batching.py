@@ -1,4 +1,4 @@
-"""Issue 12's three measurements through a started service's decision core (no HTTP), for
+"""Issue 12's three measurements through a started service's `Service.decide` (no HTTP), for
 `bench/batching.py` on the CPU and `gpu_run`'s batching phase on a lent GPU:
 
 1. 16 concurrent clients of short distinct decisions vs 1 client: requests/s ratio, p50/p99;
@@ -13,10 +13,14 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from harness.workloads import filler
-from semif_serve.domain.requests import DecisionRequest, Limits
-from semif_serve.domain.types import Option, Question
+from semif_serve.domain.requests import Limits
+from semif_serve.domain.types import DecisionOutcome, Option, Question
+from semif_serve.doors.native.api import asked_question, readouts_of
+from semif_serve.service.methods import Ask
 from semif_serve.service.startup import Service
 
 LIMITS = dict(max_input_tokens=8192, max_options=16, max_rows=64)
@@ -25,6 +29,16 @@ LIMITS = dict(max_input_tokens=8192, max_options=16, max_rows=64)
 def question(n: int) -> Question:
     options = (Option("yes", "It succeeded."), Option("no", "It failed."))
     return Question(f"q{n}", f"Did deployment number {n} succeed?", options)
+
+
+async def decide(
+    service: Service, state: Any, questions: Sequence[Question], shared: bool = False
+) -> DecisionOutcome:
+    """The readouts of `questions` over `state`, read by the base through `Service.decide`, asked
+    as the native door asks them (below its HTTP)."""
+    asked = tuple(asked_question(k, q) for k, q in enumerate(questions))
+    ask = Ask(service.models.base, state, asked, Limits(**LIMITS), shared=shared)
+    return readouts_of(await service.decide(ask))
 
 
 def long_state(words: int) -> str:
@@ -39,7 +53,7 @@ async def clients(service: Service, n_clients: int, each: int) -> tuple[float, l
         for k in range(each):
             t0 = time.perf_counter()
             state = f"Client {c} request {k}: health checks passed in zone {k % 3}."
-            await service.core.decide(DecisionRequest(state, [question(k)], False, Limits(**LIMITS)))
+            await decide(service, state, [question(k)])
             latencies.append(time.perf_counter() - t0)
 
     started = time.perf_counter()
@@ -57,7 +71,7 @@ async def clients_on_new_states(service: Service, n_clients: int, each: int) -> 
         for k in range(each):
             state = f"Client {c} request {k}: " + filler(150, seed=1000 * c + k)
             q = Question(f"q{k}", "Which team handles this ticket?", options, orderings="rotations")
-            await service.core.decide(DecisionRequest(state, [q], True, Limits(**LIMITS)))
+            await decide(service, state, [q], shared=True)
 
     started = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(n_clients)))
@@ -96,19 +110,14 @@ async def measure(service: Service, quick: bool) -> dict[str, float]:
     ratios = []
     for run in range(1 if quick else 3):
         state = long_state(2000) + f" run {run}"
-        first = await service.core.decide(DecisionRequest(state, [question(0)], True, Limits(**LIMITS)))
-        second = await service.core.decide(DecisionRequest(state, [question(1)], True, Limits(**LIMITS)))
+        first = await decide(service, state, [question(0)], shared=True)
+        second = await decide(service, state, [question(1)], shared=True)
         assert second.timing is not None and second.timing.prefill == "cached"
         ratios.append(first.total_seconds / second.total_seconds)
         out["state_prefix_tokens"] = first.timing.prefix_tokens if first.timing else 0
     out["second_question_ratio"] = statistics.median(ratios)
     misses = service.engine.cache.stats().misses
     state = long_state(600) + " shared"
-    await asyncio.gather(
-        *(
-            service.core.decide(DecisionRequest(state, [question(i)], True, Limits(**LIMITS)))
-            for i in range(8)
-        )
-    )
+    await asyncio.gather(*(decide(service, state, [question(i)], shared=True) for i in range(8)))
     out["prefills_for_8_clients"] = service.engine.cache.stats().misses - misses
     return out
