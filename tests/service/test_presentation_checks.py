@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -415,3 +416,38 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(case, command_e
     assert code == checks.EXIT_INPUT, err
     assert len(err.splitlines()) == 1 and err.startswith("presentation-checks: ") and message in err, err
     assert "Traceback" not in err
+
+
+def test_a_model_whose_method_has_no_probing_is_refused_naming_it_before_any_model_loads(
+    command_env, tmp_path, capsys
+):
+    from semif_serve.tools import cli
+    from tests.support.served_models import THIRD_METHOD, THIRD_METHOD_PLUG_IN
+
+    def never(settings):
+        raise AssertionError("the model was started")
+
+    command_env.setattr(cli, "start_service", never)
+    models = tmp_path / "models.toml"
+    models.write_text(f'[models.{THIRD_METHOD.model}]\nmethod = "{THIRD_METHOD.method}"\n')
+    command_env.setenv("SEMIF_METHODS", THIRD_METHOD_PLUG_IN)
+    command_env.setenv("SEMIF_MODELS", str(models))
+    code = main(["presentation-checks", "--model", THIRD_METHOD.model])
+    err = capsys.readouterr().err.strip()
+    assert code == checks.EXIT_INPUT, err
+    assert len(err.splitlines()) == 1 and f"its method {THIRD_METHOD.method!r} has no probing" in err, err
+
+
+def test_a_method_this_process_does_not_know_is_refused_naming_it():
+    """By URL the tool knows a model's method only by `/v1/models`' `x_method`."""
+    from semif_serve.service.methods import MethodRegistry
+
+    with pytest.raises(checks.Refused, match="its method 'yes-no' is not one known here"):
+        checks.probing_of(MethodRegistry.of(), "yes-no", "yes-no")
+
+
+def test_the_tool_names_no_method():
+    """What is a method's own (its orderings, question fields, reading, setting) is its probing's
+    (service/methods/probing.py): the tool branches on no method's name."""
+    for path in sorted((ROOT / "src" / "semif_serve" / "tools").glob("presentation_*.py")):
+        assert not re.search(r'"lev"|"semif"|\bLEV\b|\bSEMIF\b', path.read_text()), path

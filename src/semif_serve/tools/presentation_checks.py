@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from semif_serve.domain.orderings import ANSWER_TYPES, parse_type_map
+from semif_serve.domain.orderings import parse_type_map
 from semif_serve.domain.presentation import (
     FIRST_SLOT_GATE,
     FIRST_SLOT_GATE_MAX,
@@ -46,6 +46,8 @@ from semif_serve.domain.presentation import (
 if TYPE_CHECKING:
     import httpx
 
+    from semif_serve.service.methods import DecisionMethod, MethodRegistry
+    from semif_serve.service.methods.probing import Probing
     from semif_serve.service.settings import Settings
     from semif_serve.service.startup import Service
     from semif_serve.tools.presentation_probe import Call, Measured
@@ -172,12 +174,15 @@ def read_report(path: str) -> dict[str, Any]:
 
 @dataclass
 class Target:
-    """The model probed and how: its served name and method, the kinds and orderings measured,
-    the served name per (ordering, scores), the workloads asked, the service's bounds, and the
-    ordering it serves each kind in (None where the probe finds out)."""
+    """The model probed and how: its served name, its method and how that is probed, its entry's
+    options (None by URL), the kinds measured, the served name per (ordering, scores), the
+    workloads asked, the service's bounds, and the ordering it serves each kind in (the probe
+    finds out)."""
 
     model: str
     method: str
+    probing: Probing
+    options: Mapping[str, Any] | None
     kinds: list[str]
     models: dict[tuple[str, str], str]
     workloads: dict[str, str]
@@ -192,7 +197,7 @@ class Target:
         """Per kind, the orderings measured, cheapest first."""
         from semif_serve.tools.presentation_probe import measured_orderings
 
-        return {kind: list(measured_orderings(self.method, kind, self.models)) for kind in self.kinds}
+        return {kind: list(measured_orderings(self.probing, kind, self.models)) for kind in self.kinds}
 
     def settings(self, states: Sequence[Any]) -> dict[str, Any]:
         """The report's settings: everything a comparison needs to be meaningful."""
@@ -212,25 +217,30 @@ class Target:
         }
 
 
-def default_kinds(method: str, noul_readout: str | None, asked: list[str] | None, model: str) -> list[str]:
-    """The kinds measured: those asked, else every kind the model reads over option slots (a lev
-    model's noul only when it reads it binary: a rating noul has nine levels, not two slots)."""
-    rating = method == "lev" and noul_readout != "binary"
-    if asked is None:
-        return [k for k in KINDS if not (rating and k == "noul")]
-    if rating and "noul" in asked:
+def probing_of(registry: MethodRegistry, name: str, model: str) -> tuple[type[DecisionMethod], Probing]:
+    """The method `name` that reads `model`, and how it is probed: a method this process does not
+    know, or one without a `probing`, is refused naming it."""
+    method = registry.named(name)
+    if method is None:
         raise Refused(
-            f"--kinds noul: the lev model {model!r} reads nouls as a rating (nine levels, no option "
-            'slots); the check needs its noul_readout = "binary"'
+            f"--model {model!r}: its method {name!r} is not one known here "
+            f"({', '.join(registry.methods)}; SEMIF_METHODS adds one)"
         )
-    return asked
+    probing: Probing | None = getattr(method, "probing", None)
+    if probing is None:
+        raise Refused(
+            f"--model {model!r}: its method {name!r} has no probing (service/methods/probing.py): "
+            "its orderings cannot be measured"
+        )
+    return method, probing
 
 
-def semif_models(model: str, kinds: Sequence[str]) -> dict[tuple[str, str], str]:
-    """SemIf's method: one served name for every ordering and both scores (x_orderings asks)."""
-    from semif_serve.tools.presentation_probe import SCORES, kind_orderings
-
-    return {(o, s): model for kind in kinds for o in kind_orderings("semif", kind) for s in SCORES}
+def refuse_workloads(
+    method: type[DecisionMethod], probing: Probing, model: str, workloads: Mapping[str, str]
+) -> None:
+    """Refuse `--workloads` for a method that reads no calibration file's workloads."""
+    if workloads and not method.workloads:
+        raise Refused(f"--workloads: the {method.name} model {model!r} reads {probing.temperatures}")
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The report: settings, then per kind and ordering the checks calibrated and raw, then the
     recommendation (from `recommend`)."""
-    from semif_serve.tools.presentation_probe import ROWS_FORMULA
+    from semif_serve.service.methods.probing import ROWS_FORMULA
 
     checks: dict[str, dict[str, Any]] = {}
     for kind, orderings in target.orderings().items():
@@ -277,23 +287,11 @@ def build_report(
 def recommend(report: Mapping[str, Any], target: Target) -> dict[str, Any]:
     """Per kind, the cheapest ordering whose raw checks pass (the most even one when none does),
     its row cost, and whether the ordering served now passes; then the setting that serves them."""
-    from semif_serve.tools.presentation_probe import (
-        LEV_BY_COST,
-        ROWS_FORMULA,
-        SEMIF_BY_COST,
-        SERVED,
-        rows_for,
-    )
+    from semif_serve.service.methods.probing import ROWS_FORMULA, SERVED, rows_for
 
     kinds: dict[str, Any] = {}
-    lev = target.method == "lev"
     for kind, measured in report["checks"].items():
-        if lev and SERVED in measured:
-            by_cost: Sequence[str] = (SERVED,)
-        elif lev:
-            by_cost = LEV_BY_COST if kind == "score" else ("reversal",)  # lev serves choice and noul reversed
-        else:
-            by_cost = SEMIF_BY_COST
+        by_cost = (SERVED,) if SERVED in measured else target.probing.choices(kind)
         scored = {o: _gated(entry) for o, entry in measured.items()}
         passing, evenest = cheapest_passing(scored, by_cost)
         chosen = passing or evenest
@@ -303,36 +301,17 @@ def recommend(report: Mapping[str, Any], target: Target) -> dict[str, Any]:
             "ordering": chosen,
             "passed": passing is not None,
             "rows_per_question": ROWS_FORMULA.get(chosen, "as served") if chosen else None,
-            "rows_for_3_options": rows_for(target.method, chosen, 3)
-            if chosen not in (None, SERVED)
-            else None,
+            "rows_for_3_options": rows_for(chosen, 3) if chosen not in (None, SERVED) else None,
             "served": served,
             "served_passed": passes(served_entry["raw"]) if served_entry and served_entry["raw"] else None,
         }
-    return {"kinds": kinds, "setting": setting_line(kinds, target)}
+    chosen_now = {kind: pick["ordering"] for kind, pick in kinds.items()}
+    return {"kinds": kinds, "setting": target.probing.setting(target.model, chosen_now, target.served)}
 
 
 def _gated(entry: Mapping[str, Any]) -> dict[str, Any]:
     """An ordering's checks with the gates read on raw scores (calibrated where no raw was read)."""
     return {"raw": entry.get("raw") or entry.get("calibrated")}
-
-
-def setting_line(kinds: Mapping[str, Any], target: Target) -> str:
-    """The recommendation as the operator sets it: SemIf's SEMIF_SYSTEMONE_ORDERINGS map (kinds
-    not measured keep the ordering served now), or a lev model's `score_order_average`."""
-    if target.method == "lev":
-        score = kinds.get("score", {}).get("ordering")
-        if score in ("none", "reversal", "rotations"):
-            return f'[models.{target.model}] score_order_average = "{score}"'
-        return (
-            f"[models.{target.model}]: measured as served; run in process (SEMIF_MODELS) to compare "
-            "lev's orders and read its raw scores"
-        )
-    chosen = {kind: target.served.get(kind, "none") for kind in ANSWER_TYPES}
-    chosen.update({kind: v["ordering"] for kind, v in kinds.items() if v["ordering"]})
-    if all(mode == "none" for mode in chosen.values()):
-        return "SEMIF_SYSTEMONE_ORDERINGS=none"
-    return "SEMIF_SYSTEMONE_ORDERINGS=" + ",".join(f"{kind}={chosen[kind]}" for kind in ANSWER_TYPES)
 
 
 def rounded(value: Any) -> Any:
@@ -447,39 +426,26 @@ async def probe(
     states: Sequence[Any],
     bar: bool | None = False,
 ) -> tuple[dict[tuple[str, str], Measured], float]:
-    """Ask the service which ordering it serves each kind in (SemIf: one question per kind, its
-    reply's `x_semif.orderings`), then every probe call; the readings and the seconds taken."""
-    from semif_serve.tools.presentation_probe import NoSlots, Prober, ProbeRefused, collect, plan_calls
+    """Find out which ordering each kind is served in now (the method's probing says, or asks the
+    service), then send every probe call; the readings and the seconds taken."""
+    from semif_serve.tools.presentation_probe import Prober, ProbeRefused, collect, plan_calls
 
     prober = Prober(client, token, target.in_flight)
     calls: list[Call] = plan_calls(
-        target.method, target.kinds, len(states), target.models, target.workloads, target.max_rows
+        target.probing, target.kinds, len(states), target.models, target.workloads, target.max_rows
     )
     progress = Progress(len(calls), sys.stderr, bar)
     try:
-        if target.method != "lev":
-            target.served = await served_orderings(prober, target, states)
+        target.served = await target.probing.served_orderings(
+            prober.ask, target.model, states[0], target.options
+        )
         replies = await prober.run(calls, states, progress)
-        measured = collect(calls, replies, len(states))
-    except NoSlots as exc:
-        raise Refused(str(exc)) from None
+        measured = collect(target.probing, calls, replies, len(states))
     except ProbeRefused as exc:
         raise Unavailable(str(exc)) from None
     finally:
         seconds = progress.close()
     return measured, seconds
-
-
-async def served_orderings(prober: Any, target: Target, states: Sequence[Any]) -> dict[str, str]:
-    """The ordering the service serves each answer type in (no `x_orderings`), from its replies."""
-    from semif_serve.domain.presentation import probes
-
-    questions = {}
-    for kind in ANSWER_TYPES:
-        question = dict(probes(kind)[0].question)
-        questions[kind] = question
-    answers = await prober.ask({"model": target.model, "state": states[0], "questions": questions})
-    return {kind: answers[kind]["x_semif"]["orderings"] for kind in ANSWER_TYPES}
 
 
 def in_process_target(
@@ -493,10 +459,12 @@ def in_process_target(
     one of SEMIF_MODELS (or the base), the workloads are in the calibration file."""
     from semif_serve.domain.calibration import CalibrationFileError, load_calibration
     from semif_serve.domain.types import ConfigurationError
+    from semif_serve.service.methods import MethodRegistry
     from semif_serve.service.startup import served_models
 
     try:
-        served = served_models(settings)
+        registry = MethodRegistry.of(settings.methods)
+        served = served_models(settings, registry)
         calibration = load_calibration(settings.calibration)
     except (ConfigurationError, CalibrationFileError) as exc:
         raise Refused(str(exc)) from None
@@ -505,11 +473,10 @@ def in_process_target(
     if entry is None:
         known = ", ".join(repr(n) for n in [*served.models, *served.aliases])
         raise Refused(f"--model: unknown model {name!r} (served: {known})")
-    noul_readout = entry.options.get("noul_readout", "rating")
-    chosen = default_kinds(entry.method, noul_readout, kinds, entry.name)
-    if entry.method == "lev" and workloads:
-        raise Refused(f"--workloads: the lev model {entry.name!r} reads its release's own temperatures")
-    if entry.method != "lev":  # the operator's defaults apply where no flag names one
+    method, probing = probing_of(registry, entry.method, entry.name)
+    chosen = probing.kinds(kinds, entry.name, entry.options)
+    refuse_workloads(method, probing, entry.name, workloads)
+    if method.workloads:  # the operator's defaults apply where no flag names one
         workloads = {
             k: settings.systemone_workloads[k] for k in chosen if k in settings.systemone_workloads
         } | workloads
@@ -518,30 +485,20 @@ def in_process_target(
         raise Refused(
             f"--workloads: {', '.join(unknown)} not in the calibration file ({settings.calibration})"
         )
-    from semif_serve.tools.presentation_probe import LEV_BY_COST, SCORES, VARIANT_MARK
-
-    models = (
-        {(o, s): f"{entry.name}{VARIANT_MARK}{o}:{s}" for o in LEV_BY_COST for s in SCORES}
-        if entry.method == "lev"
-        else semif_models(entry.name, chosen)
-    )
     assert settings.dtype is not None  # Settings fills the device's default
-    served_now: dict[str, str] = {}
-    if entry.method == "lev":
-        score = entry.options.get("score_order_average", "none")
-        served_now = {"choice": "reversal", "noul": "reversal", "score": score}
     return Target(
         model=entry.name,
         method=entry.method,
+        probing=probing,
+        options=entry.options,
         kinds=chosen,
-        models=models,
+        models=probing.names(entry.name, entry.options),
         workloads=workloads,
         max_rows=settings.systemone_max_rows,
         in_flight=min(concurrency or settings.max_queue, settings.max_queue),
         source=settings.model_source,
         revision=settings.model_revision,
         dtype=settings.dtype,
-        served=served_now,
     )
 
 
@@ -549,14 +506,14 @@ def run_in_process(
     service: Service, target: Target, states: Sequence[Any], bar: bool | None = False
 ) -> tuple[dict[tuple[str, str], Measured], float]:
     """The probe through the service's own app in this process (run-batch's in-process app:
-    admission, the door, the core, the engine), lev's orderings as served copies of the release."""
+    admission, the door, the method, the engine), each served name the probing names served
+    (a copy of the model where its method reads an ordering only as its own)."""
     import httpx
 
     from semif_serve.batch.runner import BatchScorer
-    from semif_serve.tools.presentation_probe import lev_variants
+    from semif_serve.tools.presentation_probe import with_variants
 
-    if target.method == "lev":
-        service, target.models = lev_variants(service, target.model)
+    service = with_variants(service, target.probing, target.model, target.models.values())
     scorer = BatchScorer(service)
     transport = httpx.ASGITransport(app=scorer.app, raise_app_exceptions=False)
 
@@ -599,30 +556,38 @@ def url_target(
         entry = by_name.get(entry["x_alias_of"])
     if entry is None:
         raise Refused(f"--model: unknown model {name!r} (served: {', '.join(repr(n) for n in by_name)})")
-    method = entry.get("x_method", "semif")
-    if method == "lev" and workloads:
-        raise Refused(f"--workloads: the lev model {entry['name']!r} reads its release's own temperatures")
-    # A lev release reads nouls as a rating unless told binary: noul only when asked (its reply says).
-    chosen = kinds or (["choice", "score"] if method == "lev" else list(KINDS))
-    from semif_serve.tools.presentation_probe import SERVED
-
-    models = (
-        {(SERVED, "calibrated"): entry["name"]} if method == "lev" else semif_models(entry["name"], chosen)
-    )
+    registry = url_registry()
+    # A listing that names no method is read by the default one, as SEMIF_MODELS reads an entry.
+    method, probing = probing_of(registry, entry.get("x_method") or registry.default.name, entry["name"])
+    refuse_workloads(method, probing, entry["name"], workloads)
+    chosen = probing.kinds(kinds, entry["name"], None)
     limits = body.get("limits", {})
     return Target(
         model=entry["name"],
-        method=method,
+        method=method.name,
+        probing=probing,
+        options=None,
         kinds=chosen,
-        models=models,
+        models=probing.names(entry["name"], None),
         workloads=workloads,
         max_rows=int(limits.get("systemone_max_rows", 256)),
         in_flight=min(concurrency or int(limits.get("max_queue", 8)), int(limits.get("max_queue", 8))),
         source=body["model"]["source"],
         revision=body["model"]["revision"],
         dtype=body["dtype"],
-        served={kind: "served" for kind in chosen} if method == "lev" else {},
     )
+
+
+def url_registry() -> MethodRegistry:
+    """The methods this process knows by `x_method`: the built-in ones and SEMIF_METHODS'."""
+    from semif_serve.domain.types import ConfigurationError
+    from semif_serve.service.methods import MethodRegistry
+    from semif_serve.service.settings import load_settings
+
+    try:
+        return MethodRegistry.of(load_settings().methods)
+    except ConfigurationError as exc:
+        raise Refused(str(exc)) from None
 
 
 def run_by_url(
@@ -705,9 +670,11 @@ def presentation_checks(
 ) -> int:
     """The command: input checked, settings compared with --compare's report (before any
     forward), the probe run, the report written and compared, the table and recommendation."""
+    from semif_serve.service.methods.probing import NoSlots
+
     try:
         return _checks(args, demo_overrides, checked_settings, start_service)
-    except Refused as exc:
+    except (Refused, NoSlots) as exc:
         print(f"presentation-checks: {exc}", file=sys.stderr)
         return EXIT_INPUT
     except Unavailable as exc:

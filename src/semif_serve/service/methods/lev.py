@@ -37,6 +37,7 @@ from semif_serve.engine.rows import RowsJob
 from semif_serve.engine.state_cache import state_digest
 from semif_serve.service.lev_core import LevEncoder, LevRows, lev_answers, lev_jobs, lev_rows
 from semif_serve.service.methods import Ask, Decided, EngineStages, MethodStart, Served, TypedAnswer
+from semif_serve.service.methods.lev_probing import LevProbing
 from semif_serve.service.models import COMMON_KEYS, EntryPlace, ModelEntry
 from semif_serve.service.reply_size import FLOAT_BYTES, INT_BYTES, map_bytes, object_bytes, text_bytes
 
@@ -181,6 +182,7 @@ class LevMethod:
     workloads: ClassVar[bool] = False
     noun: ClassVar[str] = "a lev release"
     claims: ClassVar[tuple[str, ...]] = ("release",)
+    probing: ClassVar[LevProbing] = LevProbing()
 
     def __init__(self, releases: Mapping[str, LevRelease], base_name: str) -> None:
         self.releases = dict(releases)
