@@ -28,7 +28,8 @@ from semif_serve.domain.lev.types import (
     LevReleaseError,
 )
 from semif_serve.domain.peft_files import ADAPTER_CONFIG_FILE
-from semif_serve.engine.adapters import BASE, AdapterBank, AdapterError, LoraWeights
+from semif_serve.domain.requests import BASE
+from semif_serve.engine.adapters import AdapterBank, AdapterError, LoraWeights
 from semif_serve.engine.lev_head import load_head
 
 
