@@ -30,6 +30,7 @@ from tests.http.test_hardening import HardenedServer, post_head, read_response
 from tests.http.test_no_stalls import rendered
 from tests.support import TOKEN, in_process_client, make_settings
 from tests.support.polling import wait_until, wait_until_async
+from tests.support.scoring import score
 
 # What tokenizers treat specially: runs of spaces and newlines, long punctuation tokens, digits,
 # contractions, combining marks NFC composes, added tokens, wide characters.
@@ -155,7 +156,7 @@ def test_a_tiny_requests_encoding_is_not_queued_behind_a_big_ones(engine):
         done: list[str] = []
 
         async def ask(state: str) -> None:
-            await worker.score(RowsRequest.of(state, row, shared=False, max_input_tokens=4096))
+            await score(worker, RowsRequest.of(state, row, shared=False, max_input_tokens=4096))
             done.append(state)
 
         big = asyncio.create_task(ask("big"))

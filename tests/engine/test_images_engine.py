@@ -19,7 +19,7 @@ from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
-from tests.engine import scoring
+from tests.support import scoring
 from tests.support.vision_reference import expected_row, noise_png
 
 TOL = 1e-5

@@ -13,7 +13,7 @@ from semif_serve.domain.types import PromptRow
 from semif_serve.engine.memory import HostMemory, ReleasePolicy
 from semif_serve.engine.state_cache import StateCache
 from semif_serve.engine.worker import EngineWorker
-from tests.engine import scoring
+from tests.support import scoring
 from tests.support.polling import wait_until_async
 
 CHUNK = 16

@@ -30,9 +30,8 @@ from semif_serve.engine.tower_steps import ATTENTION_ROWS, TowerPrices, TowerRun
 from semif_serve.engine.vision import ImageSet
 from semif_serve.engine.worker import EngineWorker
 from semif_serve.service.startup import Service
-from tests.engine import scoring
 from tests.engine.test_images_engine import PHOTO, RED, SHAPE, STATE, assert_row, asset, expected
-from tests.support import TOKEN, make_settings
+from tests.support import TOKEN, make_settings, scoring
 from tests.support.vision_reference import noise_png
 
 CHUNK = 16  # a prefill chunk of 16 tokens: a step's budget far below a 128 x 128 image's tower
