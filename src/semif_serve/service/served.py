@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from semif_serve.engine.adapters import BASE
+from semif_serve.domain.requests import BASE
 from semif_serve.service.methods import DecisionMethod, Served
 from semif_serve.service.models import ModelSet
 

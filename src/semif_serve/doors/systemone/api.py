@@ -20,7 +20,7 @@ from semif_serve import __version__
 from semif_serve.domain import types as domain
 from semif_serve.domain.echo import quoted
 from semif_serve.domain.images import VerifiedImages
-from semif_serve.domain.requests import Defaults, Limits
+from semif_serve.domain.requests import BASE, Defaults, Limits
 from semif_serve.doors.base import (
     BEARER,
     DecisionDoor,
@@ -60,7 +60,6 @@ from semif_serve.doors.systemone.schemas import (
     parse_request,
 )
 from semif_serve.doors.systemone.sizes import reply_bytes
-from semif_serve.engine.adapters import BASE
 from semif_serve.http.errors import ServiceError
 from semif_serve.http.headers import headers_of
 from semif_serve.service.decisions import refuse_unread
