@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from semif_serve.engine.forwards import head_logits, logits_over, plain_logits
+from semif_serve.engine.forwards import head_logits, logits_over
 
 TOL = 1e-5
 SLOTS = [32, 33, 34, 35, 1000, 5]
@@ -19,13 +19,6 @@ def whole_prompt_logits(model, ids: list[int]) -> torch.Tensor:
 def prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, 200, (n,), generator=g).tolist()
-
-
-def test_the_plain_forward_at_the_slots_equals_the_whole_vocabulary_forward_at_those_ids(engine):
-    ids = prompt(23, 1)
-    got = plain_logits(engine.model, ids, engine.pad_id, engine.device, columns=SLOTS)
-    assert got.shape == (len(SLOTS),)
-    assert (got - whole_prompt_logits(engine.model, ids)[SLOTS]).abs().max().item() <= TOL
 
 
 def test_right_padded_rows_at_the_slots_equal_each_rows_whole_forward(engine):

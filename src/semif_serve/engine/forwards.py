@@ -234,37 +234,6 @@ def image_rows(
     return embeds, positions
 
 
-def plain_logits(
-    model: Any,
-    ids: Sequence[int],
-    pad_id: int,
-    device: Any,
-    chunk_tokens: int | None = None,
-    images: RowImages | None = None,
-    columns: Any | None = None,
-) -> Any:
-    """SemIf's plain forward of one whole prompt, no cache: the logits at its last position, of
-    the token ids `columns` (None: `[vocab]`; see `head_logits`). A prompt with image tokens
-    runs over its embeddings and 3-D positions, in column chunks of `chunk_tokens`."""
-    import torch
-
-    with torch.inference_mode():
-        if images is not None and any(t < 0 for t in ids):
-            return logits_over(
-                model,
-                None,
-                0,
-                [ids],
-                pad_id=pad_id,
-                chunk_tokens=chunk_tokens,
-                images=images,
-                columns=columns,
-            )[0]
-        tensor = torch.tensor([list(ids)], device=device)
-        last = model.get_decoder()(input_ids=tensor, use_cache=False).last_hidden_state[:, -1]
-        return head_logits(model, last, columns)[0]
-
-
 def read_slots(slot_logits: Any, n_options: int) -> tuple[list[float], list[float]]:
     """One position's answer-slot logits (`head_logits` at the slots) -> (the first `n_options`
     slots' logits in float32, their softmax)."""
