@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from semif_serve.domain.calibration import CalibrationTable
 from semif_serve.domain.images import ImageAsset
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 class Served:
     """A served model as a request resolved it, once: its name (the base's is
     `<source>@<revision>`), the method that reads it, the adapter bank's index its rows read
-    (`engine.adapters.BASE`: the base weights alone), its SEMIF_MODELS entry, and whether it is
+    (`domain.requests.BASE`: the base weights alone), its SEMIF_MODELS entry, and whether it is
     the base itself."""
 
     name: str
@@ -147,7 +147,6 @@ class MethodStart:
     models_file: Path | None
 
 
-@runtime_checkable
 class DecisionMethod(Protocol):
     """A decision method, started over the engine with the models it serves.
 
