@@ -709,6 +709,7 @@ def test_a_tiny_request_is_answered_while_a_long_prefill_is_still_running(engine
     from semif_serve.engine.memory import HostMemory, ReleasePolicy
     from semif_serve.engine.state_cache import StateCache
     from semif_serve.engine.worker import EngineWorker
+    from tests.support.scoring import score
 
     stepping = engine.with_options(cache=StateCache(64 << 20), prefill_chunk_tokens=16)
     finished: list[str] = []
@@ -723,10 +724,11 @@ def test_a_tiny_request_is_answered_while_a_long_prefill_is_still_running(engine
     worker = EngineWorker(stepping, ReleasePolicy(HostMemory(), 1 << 30))
 
     async def ask(name: str, state: str) -> None:
-        await worker.score(
+        await score(
+            worker,
             RowsRequest.of(
                 state, [PromptRow("Did it recover?", ("Yes.", "No."))], shared=True, max_input_tokens=4096
-            )
+            ),
         )
         finished.append(name)
 

@@ -201,8 +201,7 @@ def no_engine(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the engine was asked")
 
-    monkeypatch.setattr(EngineWorker, "score", refuse)
-    monkeypatch.setattr(EngineWorker, "score_job", refuse)  # every method's rows, as jobs
+    monkeypatch.setattr(EngineWorker, "score_job", refuse)  # every method's rows reach the engine as jobs
 
 
 def wide_options(count: int, name_length: int) -> dict[str, str]:
