@@ -24,7 +24,9 @@ def demo_run(monkeypatch, checkpoint, capsys):
     monkeypatch.setattr(logging.root, "level", logging.root.level)
     monkeypatch.setattr(cli, "ensure_demo_checkpoint", lambda directory: checkpoint)
     stand_in = SimpleNamespace(
-        demo=True, worker=SimpleNamespace(shutdown=lambda: None), lev=SimpleNamespace(releases={})
+        demo=True,
+        worker=SimpleNamespace(shutdown=lambda: None),
+        models=SimpleNamespace(resolve=lambda name: None),  # the base alone: no lev release to name
     )
     monkeypatch.setattr(semif_serve.service.startup.Service, "start", lambda settings: stand_in)
     monkeypatch.setattr(semif_serve.app, "create_app", lambda service: None)
