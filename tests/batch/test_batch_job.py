@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from semif_serve.batch.job import BatchFiles, score_file
+from semif_serve.batch.job import BatchFiles
 from semif_serve.batch.lines import DuplicateCustomId, parse_line
 from semif_serve.batch.progress import Progress, Summary
 from semif_serve.batch.runner import MAX_RETRY_WAIT_SECONDS, Pacing, grouped, retry_after
@@ -36,6 +36,7 @@ from tests.support.batch import (
     refused_lines,
     results,
     run_batch,
+    score_file,
 )
 
 

@@ -15,12 +15,12 @@ from contextlib import nullcontext
 import pytest
 
 from semif_serve.batch import ledger as ledger_module
-from semif_serve.batch.job import BatchFiles, score_file
+from semif_serve.batch.job import BatchFiles
 from semif_serve.batch.ledger import Ledger, OutputMismatch, id_key
 from semif_serve.batch.lines import ENVELOPE_BYTES, HEAD_BYTES, LongLine, pieces, result_digest
 from semif_serve.batch.runner import Pacing
 from semif_serve.service.startup import Service
-from tests.support.batch import BASE, LIMITS, STATES, batch_file, decide, line, results
+from tests.support.batch import BASE, LIMITS, STATES, batch_file, decide, line, results, score_file
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from semif_serve.batch.job import BatchFiles, score_file
+from semif_serve.batch.job import BatchFiles
 from semif_serve.batch.runner import Pacing
 from semif_serve.service.startup import Service
 from tests.support.batch import (
@@ -27,6 +27,7 @@ from tests.support.batch import (
     batch_file,
     refused_lines,
     results,
+    score_file,
 )
 from tests.support.polling import wait_until
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from semif_serve.batch.job import BatchFiles, score_file
+from semif_serve.batch.job import BatchFiles
 from semif_serve.batch.runner import Pacing
 from semif_serve.service.startup import Service
 from tests.docs.test_readme import free_port, stop, wait_ready
@@ -34,6 +34,7 @@ from tests.support.batch import (
     refused_lines,
     results,
     run_batch,
+    score_file,
 )
 from tests.support.polling import wait_until
 

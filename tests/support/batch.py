@@ -10,11 +10,18 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from PIL import Image
 
+from semif_serve.batch.job import BatchFiles, prepared, score_plan
+from semif_serve.batch.progress import Summary
+from semif_serve.batch.runner import Pacing
+from semif_serve.service.settings import Settings
+from semif_serve.service.startup import Service
 from semif_serve.tools.demo import DEMO_LEV_MODEL
 
 VENV_BIN = str(Path(sys.executable).parent)
@@ -26,6 +33,19 @@ TOLERANCE = 1e-6
 OPTIONS = [{"id": "yes", "description": "It succeeded."}, {"id": "no", "description": "It failed."}]
 BASE = "jev-latest"  # one of the base model's System One aliases
 IMAGE = "<image:0123456789abcdef0123456789abcdef>"
+
+
+def score_file(
+    start: Callable[[], AbstractContextManager[Service]],
+    files: BatchFiles,
+    pacing: Pacing,
+    stream: TextIO = sys.stderr,
+    bar: bool | None = None,
+    max_body_bytes: int = Settings.model_fields["max_body_bytes"].default,
+) -> Summary:
+    """The local job as run-batch runs it (`prepared`, then `score_plan`), over the files as given."""
+    with prepared(files, max_body_bytes) as plan:
+        return score_plan(start, plan, pacing, stream, bar)
 
 
 def child_env(**settings: str) -> dict[str, str]:

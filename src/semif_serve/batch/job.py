@@ -25,9 +25,6 @@ from semif_serve.batch.progress import Progress, Summary
 from semif_serve.batch.runner import BatchScorer, Pacing, ResultWriter, windows_of
 from semif_serve.service.startup import Service
 
-#: SEMIF_MAX_BODY_BYTES' default, for a caller that names no limit.
-DEFAULT_MAX_BODY_BYTES = 1_048_576
-
 
 @dataclass(frozen=True)
 class BatchFiles:
@@ -163,20 +160,3 @@ def score_plan(
         finally:
             progress.close()
     return progress.summary
-
-
-def score_file(
-    start: Callable[[], AbstractContextManager[Service]],
-    files: BatchFiles,
-    pacing: Pacing,
-    stream: TextIO = sys.stderr,
-    bar: bool | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-) -> Summary:
-    """The whole local job: check the files, start the service, score what is left, count.
-
-    Raises BatchRefused or DuplicateCustomId (before the service starts, nothing written) or
-    KeyboardInterrupt (what was written stays written: the same command continues from there).
-    """
-    with prepared(files, max_body_bytes) as plan:
-        return score_plan(start, plan, pacing, stream, bar)
