@@ -110,6 +110,33 @@ def test_a_refused_post_whose_body_is_still_owed_closes_its_connection(server):
     assert closed_within(sock, 5)
 
 
+def refusal_of_a_body_sent_late(server) -> tuple[int, bytes, bool]:
+    """An unauthenticated POST whose body the client sends once the refusal has arrived, before
+    reading it (as a client that writes its whole request first does): the refusal's status and
+    body as the client reads them, and whether the connection then ended."""
+    import select
+
+    sock = server.connect(head("POST", "/decide", "Content-Length: 400000\r\n"))
+    try:
+        assert select.select([sock], [], [], 10)[0], "no refusal within 10 s"
+        for _ in range(20):  # as a client writes its body, piece by piece (a reset fails a write)
+            sock.sendall(b"{" * 10_000)
+            select.select([], [], [], 0.01)  # pacing the writes, not waiting for anything
+        status, headers, body = read_response(sock)
+        return status, body, closed_within(sock, 5)
+    finally:
+        sock.close()
+
+
+def test_a_refusal_sent_before_the_body_is_read_reaches_the_client_whole_every_time(server):
+    # Closing a socket with unread bytes sends a reset, which can destroy the reply in flight.
+    for _ in range(20):
+        status, body, ended = refusal_of_a_body_sent_late(server)
+        assert status == 401, body
+        assert b'"code":"unauthorized"' in body
+        assert ended
+
+
 def test_a_kept_alive_connection_still_serves_its_next_request(server):
     with httpx.Client(base_url=server.url) as client:
         first = client.get("/livez")

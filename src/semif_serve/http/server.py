@@ -9,8 +9,11 @@ over h11's 16 KiB) is answered with the error envelope (`400 invalid_http_reques
 uvicorn's plain text, and the connection is closed; headers that do not complete within
 SEMIF_HEADER_TIMEOUT_SECONDS of the connection opening (or of the previous response) get
 `408 header_timeout` and the connection is closed; and a response sent before the request's
-body was read whole (a refusal, a GET with a body) closes the connection at once, so no byte
-a client sends after it keeps the connection open.
+body was read whole (a refusal, a GET with a body) ends the connection: the server's side is
+closed after the response (the client reads it, then the end of the stream), and what the
+client still sends is read and dropped for at most LINGER_SECONDS and LINGER_BYTES before the
+socket closes (nginx's lingering close: closing with unread bytes sends a reset, which may
+destroy the response before the client has read it), so no byte keeps the connection open.
 
 The first SIGTERM/SIGINT stops admitting (new POSTs get 503 draining, /health says
 draining so a load balancer takes the replica out) while the socket stays open; in-flight
@@ -37,6 +40,9 @@ from semif_serve.http.errors import ServiceError, error_response
 log = logging.getLogger("semif_serve.server")
 
 MAX_HEAD_BYTES = 16 * 1024  # request line + headers, however they arrive (h11 alone checks only pieces)
+# How long, and how many bytes, an unread body is drained after the response ended its connection.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 1024 * 1024
 
 
 def raw_error(error: ServiceError) -> bytes:
@@ -95,6 +101,8 @@ class EnvelopeProtocol(H11Protocol):
             h11.SERVER, max_incomplete_event_size=self.conn._max_incomplete_event_size
         )
         self.header_deadline: asyncio.TimerHandle | None = None
+        self.linger_left: int | None = None  # bytes still dropped while lingering (None: not lingering)
+        self.linger_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -102,9 +110,16 @@ class EnvelopeProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._headers_arrived()
+        if self.linger_deadline is not None:
+            self.linger_deadline.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.linger_left is not None:  # the response was the last: drop what is still sent
+            self.linger_left -= len(data)
+            if self.linger_left < 0:
+                self.transport.close()
+            return
         if self.conn.their_state is h11.IDLE and self._head_size(data) > MAX_HEAD_BYTES:
             self.send_400_response("header block too large")
             return
@@ -118,9 +133,20 @@ class EnvelopeProtocol(H11Protocol):
             return
         if self.conn.their_state is h11.SEND_BODY:
             # A body nobody reads (a refusal, a GET's): bytes of it would stop uvicorn's keep-alive timer.
-            self.transport.close()
+            self._linger()
         elif self.conn.their_state is h11.IDLE:
             self._await_headers()
+
+    def _linger(self) -> None:
+        """End the connection after its response: our side closed at once, the client's drained
+        for at most LINGER_SECONDS and LINGER_BYTES, then the socket closed."""
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.linger_left = LINGER_BYTES
+        self.linger_deadline = self.loop.call_later(LINGER_SECONDS, self.transport.close)
+        self.flow.resume_reading()
 
     def send_400_response(self, msg: str) -> None:
         self._headers_arrived()
