@@ -16,6 +16,7 @@ import pytest
 
 from semif_serve.app import create_app
 from semif_serve.domain.orderings import combine, option_orders
+from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.service.startup import Service
 from semif_serve.tools.demo import write_checkpoint
@@ -165,7 +166,7 @@ def test_rotations_run_in_one_forward_batch_and_each_ordering_equals_a_direct_re
         order = [(k + i) % 4 for i in range(4)]
         assert native["option_ids"] == [f"o{i}" for i in order]
         row = PromptRow(body["question"], tuple(descs[i] for i in order))
-        direct = engine.score(STATE, [row], shared=False, max_input_tokens=4096).rows[0]
+        direct = engine.read(RowsRequest.of(STATE, [row], shared=False, max_input_tokens=4096)).rows[0]
         assert_close(native["option_logits"], direct.option_logits, 1e-5)
         assert native["prompt_sha256"] == direct.prompt_sha256
     # the reply's own fields are the caller's order, i.e. the first ordering
