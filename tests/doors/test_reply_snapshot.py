@@ -27,18 +27,16 @@ MASKED = "<varies>"
 STATE = "Ticket 4411: the payment page times out since Tuesday's release, for every card type."
 CALIBRATION = {"tickets": {"single": 1.5, "rotations": 0.8}, "lev-ish": 2.0}
 
+
+def urgent(decision_id: str, **extra: str) -> dict:
+    """A native yes/no decision about STATE."""
+    options = [{"id": "yes", "description": "Yes."}, {"id": "no", "description": "No."}]
+    return {"state": STATE, "id": decision_id, "question": "Is it urgent?", "options": options, **extra}
+
+
 TEXT_SCRIPT: list[tuple[str, str, dict | None]] = [
     ("GET", "/v1/models", None),
-    (
-        "POST",
-        "/decide",
-        {
-            "state": STATE,
-            "id": "d1",
-            "question": "Is it urgent?",
-            "options": [{"id": "yes", "description": "Yes."}, {"id": "no", "description": "No."}],
-        },
-    ),
+    ("POST", "/decide", urgent("d1")),
     (
         "POST",
         "/decide",
@@ -75,39 +73,9 @@ TEXT_SCRIPT: list[tuple[str, str, dict | None]] = [
             ],
         },
     ),
-    (
-        "POST",
-        "/decide",
-        {
-            "state": STATE,
-            "id": "d3",
-            "model": "triage",
-            "question": "Is it urgent?",
-            "options": [{"id": "yes", "description": "Yes."}, {"id": "no", "description": "No."}],
-        },
-    ),
-    (
-        "POST",
-        "/decide",
-        {
-            "state": STATE,
-            "id": "d4",
-            "model": "lev-tiny",
-            "question": "Is it urgent?",
-            "options": [{"id": "yes", "description": "Yes."}, {"id": "no", "description": "No."}],
-        },
-    ),
-    (
-        "POST",
-        "/decide",
-        {
-            "state": STATE,
-            "id": "d5",
-            "model": "nope",
-            "question": "Is it urgent?",
-            "options": [{"id": "yes", "description": "Yes."}, {"id": "no", "description": "No."}],
-        },
-    ),
+    ("POST", "/decide", urgent("d3", model="triage")),
+    ("POST", "/decide", urgent("d4", model="lev-tiny")),
+    ("POST", "/decide", urgent("d5", model="nope")),
 ]
 
 

@@ -41,7 +41,7 @@ from semif_serve.domain.types import (
 )
 from semif_serve.engine.rows import RowsJob
 from semif_serve.engine.state_cache import state_digest
-from semif_serve.service.methods import Ask, Decided, EngineStages, MethodStart, Served, TypedAnswer
+from semif_serve.service.methods import Ask, Decided, MethodStart, Served, TypedAnswer, one_read
 from semif_serve.service.models import EntryPlace, ModelEntry
 from semif_serve.service.reply_size import FLOAT_BYTES, INT_BYTES, object_bytes
 from tests.support import TOKEN, in_process_client, make_settings
@@ -195,20 +195,10 @@ class YesMinusNo:
             answers=answers if typed else None,
             outcome=None if typed else decision,
             input_tokens=tokens,
-            timing=readout.timing,
-            forward_seconds=readout.forward_seconds,
-            total_seconds=readout.total_seconds,
             rows=len(suffixes),
             counted_tokens=tokens,
-            engine_seconds=readout.total_seconds,
-            wait=readout.wait,
-            stages=EngineStages.of(
-                readout.total_seconds - readout.forward_seconds,
-                readout.wait,
-                readout.timing,
-                readout.forward_seconds,
-            ),
             batch=readout.timing,
+            **one_read(readout),
         )
 
     def answer_sizes(self, plan: Any, index: int) -> dict[str, int]:

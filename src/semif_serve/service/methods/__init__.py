@@ -135,6 +135,21 @@ class Decided:
     workloads: tuple[str, ...] = ()
 
 
+def one_read(run: Any) -> dict[str, Any]:
+    """The fields of a `Decided` that say how a call read in one job ran (its `Readout`, or an
+    outcome carrying its numbers): the timing, forward, total and engine seconds, wait, stages."""
+    return {
+        "timing": run.timing,
+        "forward_seconds": run.forward_seconds,
+        "total_seconds": run.total_seconds,
+        "engine_seconds": run.total_seconds,
+        "wait": run.wait,
+        "stages": EngineStages.of(
+            run.total_seconds - run.forward_seconds, run.wait, run.timing, run.forward_seconds
+        ),
+    }
+
+
 @dataclass(frozen=True)
 class MethodStart:
     """What a method is started with: the engine (its adapter bank open to the method's entries),

@@ -46,10 +46,10 @@ from semif_serve.service.core import PlannedQuestion, located, plan_rows, questi
 from semif_serve.service.methods import (
     Ask,
     Decided,
-    EngineStages,
     MethodStart,
     Served,
     TypedAnswer,
+    one_read,
 )
 from semif_serve.service.methods.semif_probing import SemIfProbing
 from semif_serve.service.models import COMMON_KEYS, EntryPlace, ModelEntry
@@ -435,19 +435,9 @@ class SemIfMethod:
             answers=answers,
             outcome=outcome,
             input_tokens=evaluated_tokens(outcome),
-            timing=outcome.timing,
-            forward_seconds=outcome.forward_seconds,
-            total_seconds=outcome.total_seconds,
             rows=len(read),
             counted_tokens=sum(r.input_tokens for r in read),
-            engine_seconds=outcome.total_seconds,
-            wait=outcome.wait,
-            stages=EngineStages.of(
-                outcome.total_seconds - outcome.forward_seconds,
-                outcome.wait,
-                outcome.timing,
-                outcome.forward_seconds,
-            ),
+            **one_read(outcome),
             batch=outcome.timing if outcome.shared else None,
             workloads=tuple(q.question.workload for q in outcome.questions if q.question.workload),
         )
