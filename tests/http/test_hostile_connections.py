@@ -130,7 +130,7 @@ def refusal_of_a_body_sent_late(server) -> tuple[int, bytes, bool]:
 
 def test_a_refusal_sent_before_the_body_is_read_reaches_the_client_whole_every_time(server):
     # Closing a socket with unread bytes sends a reset, which can destroy the reply in flight.
-    for _ in range(20):
+    for _ in range(5):  # a close with unread bytes failed the first of them, every time
         status, body, ended = refusal_of_a_body_sent_late(server)
         assert status == 401, body
         assert b'"code":"unauthorized"' in body
