@@ -471,7 +471,9 @@ def test_the_hpa_keda_would_create_scales_up_one_a_period_to_the_cap_and_waits_t
     cluster, namespace
 ):
     plane, _, metrics = cluster
-    up, window, down = 8, 20, 5
+    # Short periods (the controller syncs each second): a missing policy still jumps or drops at once.
+    up, window, down = 4, 8, 2
+    slack = 15  # seconds a busy machine may add to a step; a deadline only, never an assertion
     values = {
         **HOST_PATH,
         "gateway": {"enabled": False},
@@ -508,7 +510,7 @@ def test_the_hpa_keda_would_create_scales_up_one_a_period_to_the_cap_and_waits_t
     metrics.values[metric] = target * 10
     steps = [time.monotonic()]
     for count in range(2, cap + 1):
-        plane.wait_for(lambda count=count: replicas() >= count, up * 3, f"{count} replicas")
+        plane.wait_for(lambda count=count: replicas() >= count, up + slack, f"{count} replicas")
         steps.append(time.monotonic())
         assert replicas() == count
     gaps = [b - a for a, b in zip(steps[1:], steps[2:], strict=False)]
@@ -536,9 +538,11 @@ def test_the_hpa_keda_would_create_scales_up_one_a_period_to_the_cap_and_waits_t
     # Load gone: nothing leaves within the stabilization window, then one a period.
     metrics.values[metric] = 0.0
     dropped = time.monotonic()
-    plane.wait_for(lambda: replicas() < cap, window + down * 3, "the first scale-down")
+    plane.wait_for(lambda: replicas() < cap, window + down + slack, "the first scale-down")
     assert time.monotonic() - dropped >= window - 2
-    plane.wait_for(lambda: replicas() == scaled["spec"]["minReplicaCount"], down * cap * 3, "minReplicas")
+    plane.wait_for(
+        lambda: replicas() == scaled["spec"]["minReplicaCount"], (down + slack) * cap, "minReplicas"
+    )
 
 
 def test_an_empty_metric_holds_the_replicas_and_says_so(cluster, namespace):
