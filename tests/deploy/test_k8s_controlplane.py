@@ -419,10 +419,17 @@ def test_drains_go_one_replica_at_a_time_and_the_budget_refuses_the_last(plane, 
         assert first.returncode == 0, first.stdout + first.stderr
         plane.wait_for(lambda: rolled_out(plane, namespace, 2), 60, "both replicas back, on gpu-b")
         assert {p["spec"]["nodeName"] for p in plane.pods(namespace, SERVER)} == {"gpu-b"}
+        budget = f"/apis/policy/v1beta1/namespaces/{namespace}/poddisruptionbudgets/{FULLNAME}"
+        plane.wait_for(
+            lambda: plane.get(budget).get("status", {}).get("disruptionsAllowed") == 1,
+            30,
+            "the budget to allow one eviction again",
+        )
         # Draining gpu-b too: the first eviction is allowed, its replacement has no GPU anywhere,
         # so the budget (maxUnavailable 1) refuses the second and one replica keeps serving.
+        # kubectl retries a refused eviction every 5 s: 8 s sees the second refused twice.
         second = plane.kubectl(
-            "drain", "gpu-b", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=15s"
+            "drain", "gpu-b", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=8s"
         )
         assert second.returncode != 0
         assert "disruption budget" in second.stdout + second.stderr, second.stdout + second.stderr
