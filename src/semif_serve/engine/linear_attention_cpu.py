@@ -4,14 +4,17 @@ which have no CPU build, and the reference fallbacks spend most of a short forwa
 the arithmetic (measured in bench/RESULTS.md, "Linear attention on the CPU").
 
 What differs from the reference, and why each is exact to float32 rounding:
-- the gated delta rule runs its per-chunk scan on chunk-major contiguous blocks (a strided
-  64x64 slice made each of the scan's matmuls ~2x slower), reads the old state for the keys and
-  the queries in one matmul, and solves the chunk's triangular system once for both right-hand
-  sides;
-- the last chunk is as long as the tokens left, not padded to 64 (the padded rows were zeros
-  that only cost work: zero keys, values and gates);
-- decays below exp(-87) (1.6e-38, the edge of float32's normal range) are 0, not subnormals:
-  the reference's `exp` and every product after it take a slow path on subnormals, and a term
+- the gated delta rule runs its chunks chunk-major and contiguous, 32 tokens each (the
+  reference's 64: the chunk's triangular systems and its elementwise terms halve, and on this
+  CPU that outweighs twice the scan's steps; bench/RESULTS.md); the key products are computed
+  once per key head, not per value head after a repeat; the chunk's triangular system is
+  inverted once and applied to both right-hand sides in one batched product; the sequential
+  scan does only what the next chunk's state needs, and the queries read every chunk's start
+  state afterwards in one batched product;
+- the last chunk is as long as the tokens left, not padded (the padded rows were zeros that
+  only cost work: zero keys, values and gates);
+- decays under float32's normal range (exp(-87)) come out 0, not subnormals: the forward runs
+  with subnormals flushed (below), so the reference's slow path on them never runs, and a term
   under 1e-37 cannot move a float32 sum of terms over 1e-30;
 - the causal convolution runs on the `[batch, tokens, channels]` layout the projection wrote,
   as K shifted multiply-adds in float32 rounded once to the weights' dtype (the reference
@@ -40,54 +43,15 @@ _ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("semif_cpu_linear_
 # The module-level names the reference layer's forward calls, and their replacements here.
 _KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 _LAYER_CLASS = "Qwen3_5GatedDeltaNet"
-_SMALLEST_DECAY_LOG = -87.0  # exp(-87) ~ 1.6e-38: smaller decays are subnormal in float32
+SCAN_CHUNK = 32  # tokens per chunk of the scan: measured faster than 64 on this CPU (docs/packing.md)
 
 
-def decay_exp(log_decay: Any) -> Any:
-    """exp of a log-decay (<= 0), with decays under exp(-87) as 0 instead of subnormals."""
-    too_small = log_decay < _SMALLEST_DECAY_LOG
-    return log_decay.clamp(min=_SMALLEST_DECAY_LOG).exp_().masked_fill_(too_small, 0.0)
-
-
-def _chunk_terms(query: Any, key: Any, value: Any, log_decay: Any, beta: Any) -> dict[str, Any]:
-    """The intra-chunk quantities of equal-length chunks, given and returned chunk-major
-    (`[chunks, rows, length, dim]`, contiguous) for the scan."""
+def _unit_normed(x: Any) -> Any:
+    """`x` in float32 scaled to unit length along its last axis (the reference's l2 norm)."""
     import torch
 
-    length = query.shape[-2]
-    cumulative = log_decay.cumsum(dim=-1)  # [chunks, rows, length]
-    later = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
-    pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill_(later, 0.0)
-    pairwise = decay_exp(pairwise).masked_fill_(later, 0.0)
-    k_beta = key * beta.unsqueeze(-1)
-    from_start = decay_exp(cumulative).unsqueeze(-1)
-    ut_system = (k_beta @ key.transpose(-1, -2)).mul_(pairwise)
-    intra = (query @ key.transpose(-1, -2)).mul_(pairwise)
-    right = torch.cat([value * beta.unsqueeze(-1), k_beta * from_start], dim=-1)
-    solved = torch.linalg.solve_triangular(ut_system, right, upper=False, unitriangular=True)
-    new_values, k_cumdecay = solved.split([value.shape[-1], key.shape[-1]], dim=-1)
-    to_end = decay_exp(cumulative[..., -1:] - cumulative).unsqueeze(-1)
-    return {
-        "reads": torch.cat([k_cumdecay, query * from_start], dim=-2),  # both read the old state
-        "new_values": new_values,
-        "intra": intra,
-        "keys_t": (key * to_end).transpose(-1, -2),
-        "decay": decay_exp(cumulative[..., -1]),  # [chunks, rows]
-    }
-
-
-def _scan(terms: dict[str, Any], state: Any, out: Any) -> Any:
-    """Run chunks in order over the recurrent state `[rows, k_dim, v_dim]`, writing each chunk's
-    output into `out[chunk]`; returns the state after the last chunk."""
-    import torch
-
-    length = terms["new_values"].shape[-2]
-    for i in range(terms["new_values"].shape[0]):
-        read = torch.bmm(terms["reads"][i], state)
-        v_new = terms["new_values"][i] - read[:, :length]
-        torch.baddbmm(read[:, length:], terms["intra"][i], v_new, out=out[i])
-        state = torch.baddbmm(state * terms["decay"][i][:, None, None], terms["keys_t"][i], v_new)
-    return state
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
 def chunk_gated_delta_rule(
@@ -96,54 +60,100 @@ def chunk_gated_delta_rule(
     value: Any,
     g: Any,
     beta: Any,
-    chunk_size: int = 64,
+    chunk_size: int = SCAN_CHUNK,
     initial_state: Any | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, Any | None]:
     """transformers' `torch_chunk_gated_delta_rule`, same arguments and results
-    (`[batch, tokens, v_heads, v_dim]` in the query's dtype, the float32 state or None)."""
+    (`[batch, tokens, v_heads, v_dim]` in the query's dtype, the float32 state or None); the
+    query and key may hold fewer heads than the value (each shared by consecutive value heads, as
+    `repeat_interleave` would lay them out), so callers need not repeat them."""
     import torch
 
-    batch, tokens, heads, k_dim = key.shape
-    v_dim = value.shape[-1]
-    rows = batch * heads
+    batch, tokens, k_heads, k_dim = key.shape
+    v_heads, v_dim = value.shape[2], value.shape[3]
+    rows = batch * v_heads
     if use_qk_l2norm_in_kernel:
-        query = query.float()
-        key = key.float()
-        query = query * torch.rsqrt((query * query).sum(dim=-1, keepdim=True) + 1e-6)
-        key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
+        query, key = _unit_normed(query), _unit_normed(key)
     if initial_state is None:
         state = torch.zeros(rows, k_dim, v_dim, dtype=torch.float32, device=key.device)
     else:
         state = initial_state.to(torch.float32).reshape(rows, k_dim, v_dim)
-    scale = k_dim**-0.5
     pieces = []
     full = tokens // chunk_size * chunk_size
-    for start, stop, length in ((0, full, chunk_size), (full, tokens, tokens - full)):
-        if stop == start:
-            continue
-        n = (stop - start) // length
-
-        def chunk_major(
-            t: Any, n: int = n, length: int = length, start: int = start, stop: int = stop
-        ) -> Any:
-            """`[batch, tokens, heads, ...]` -> float32 `[chunks, batch * heads, length, ...]`, one copy."""
-            part = t[:, start:stop].reshape(batch, n, length, heads, *t.shape[3:])
-            moved = part.permute(1, 0, 3, 2, *range(4, part.dim()))
-            return _copied(moved, torch.float32).view(n, rows, length, *t.shape[3:])
-
-        q, k, v, log_decay, beta_ = (chunk_major(t) for t in (query, key, value, g, beta))
-        terms = _chunk_terms(q * scale, k, v, log_decay, beta_)
-        chunk_out = torch.empty(n, rows, length, v_dim, dtype=torch.float32, device=key.device)
-        state = _scan(terms, state, chunk_out)
-        # [chunks, batch, heads, length, v] -> [batch, chunks, length, heads, v], in the output dtype
-        moved = chunk_out.view(n, batch, heads, length, v_dim).permute(1, 0, 3, 2, 4)
-        pieces.append(_copied(moved, value.dtype).view(batch, n * length, heads, v_dim))
+    for start, stop in ((0, full), (full, tokens)):
+        if stop > start:
+            length = min(chunk_size, stop - start)
+            out, state = _chunks(query, key, value, g, beta, (start, stop, length), state)
+            pieces.append(out)
     result = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-    final = state.reshape(batch, heads, k_dim, v_dim) if output_final_state else None
+    final = state.reshape(batch, v_heads, k_dim, v_dim) if output_final_state else None
     return result, final
+
+
+def _chunks(
+    query: Any, key: Any, value: Any, g: Any, beta: Any, span: tuple[int, int, int], state: Any
+) -> Any:
+    """Tokens `start:stop` as chunks of `length` from `state` `[rows, k_dim, v_dim]`: the output
+    `[batch, stop - start, v_heads, v_dim]` in the value's dtype, and the state after them."""
+    import torch
+
+    start, stop, length = span
+    batch, _, k_heads, k_dim = key.shape
+    v_heads, v_dim = value.shape[2], value.shape[3]
+    n, share = (stop - start) // length, v_heads // k_heads
+    rows = batch * v_heads
+
+    def chunk_major(t: Any, heads: int) -> Any:
+        """`[batch, tokens, heads, ...]` -> float32 `[chunks, batch, heads, length, ...]`, one copy."""
+        part = t[:, start:stop].reshape(batch, n, length, heads, *t.shape[3:])
+        return _copied(part.permute(1, 0, 3, 2, *range(4, part.dim())), torch.float32)
+
+    q = chunk_major(query, k_heads).mul_(k_dim**-0.5)
+    k = chunk_major(key, k_heads)
+    v = chunk_major(value, v_heads).view(n, batch, k_heads, share, length, v_dim)
+    cumulative = chunk_major(g, v_heads).cumsum_(-1)  # [chunks, batch, v_heads, length]
+    b = chunk_major(beta, v_heads).view(n, batch, k_heads, share, length, 1)
+    # exp(c_i - c_j) at and below the diagonal, exactly 0 above; subnormals flush to 0 (`_entered`)
+    later = torch.ones(length, length, dtype=torch.bool, device=key.device).triu_(1)
+    pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill_(later, float("-inf")).exp_()
+    pairwise = pairwise.view(n, batch, k_heads, share, length, length)
+    keys_t = k.transpose(-1, -2)
+    # Key products once per key head, shared by its value heads.
+    system = (k @ keys_t).unsqueeze(3).mul(pairwise).mul_(b).view(-1, length, length)
+    intra = (q @ keys_t).unsqueeze(3).mul(pairwise).view(n, rows, length, length)
+    from_start = cumulative.exp().view(n, batch, k_heads, share, length, 1)
+    right = torch.empty(n, batch, k_heads, share, length, v_dim + k_dim, device=key.device)
+    torch.mul(v, b, out=right[..., :v_dim])
+    torch.mul(k.unsqueeze(3), b * from_start, out=right[..., v_dim:])
+    # (I + strictly lower system)^-1 once, then one batched product for both right-hand sides.
+    eye = torch.eye(length, device=key.device).expand(system.shape[0], length, length)
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    solved = torch.bmm(inverse, right.view(-1, length, v_dim + k_dim)).view(n, rows, length, v_dim + k_dim)
+    new_values, k_cumdecay = solved[..., :v_dim], solved[..., v_dim:]
+    last = cumulative[..., -1:]
+    to_end = (last - cumulative).exp_().view(n, batch, k_heads, share, length, 1)
+    keys_to_end = (k.unsqueeze(3) * to_end).view(n, rows, length, k_dim).transpose(-1, -2)
+    decay = last.exp().view(n, rows, 1, 1)
+    # The scan: only what the next chunk's state needs; the queries read every start state after.
+    starts = torch.empty(n + 1, rows, k_dim, v_dim, device=key.device)
+    starts[0] = state
+    corrected = torch.empty(n, rows, length, v_dim, device=key.device)
+    for i in range(n):
+        torch.baddbmm(new_values[i], k_cumdecay[i], starts[i], alpha=-1, out=corrected[i])
+        torch.mul(starts[i], decay[i], out=starts[i + 1])
+        starts[i + 1].baddbmm_(keys_to_end[i], corrected[i])
+    reads = (q.unsqueeze(3) * from_start).view(-1, length, k_dim)
+    out = torch.baddbmm(
+        torch.bmm(reads, starts[:n].view(-1, k_dim, v_dim)),
+        intra.view(-1, length, length),
+        corrected.view(-1, length, v_dim),
+    )
+    # [chunks, batch, heads, length, v] -> [batch, chunks * length, heads, v], in the output dtype
+    moved = out.view(n, batch, v_heads, length, v_dim).permute(1, 0, 3, 2, 4)
+    return _copied(moved, value.dtype).view(batch, n * length, v_heads, v_dim), starts[n]
 
 
 def _copied(tensor: Any, dtype: Any) -> Any:

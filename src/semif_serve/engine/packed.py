@@ -32,7 +32,7 @@ from typing import Any
 from semif_serve.domain.requests import BASE
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.forwards import RowImages
-from semif_serve.engine.linear_attention_cpu import accelerated_kernels
+from semif_serve.engine.linear_attention_cpu import SCAN_CHUNK, accelerated_kernels, chunk_gated_delta_rule
 from semif_serve.engine.state_cache import StoredState
 
 
@@ -178,9 +178,6 @@ def _positions(
     return torch.cat(parts, dim=1).to(device)
 
 
-SCAN_CHUNK = 64  # the gated delta rule's chunk: segments of as many chunks share one scan
-
-
 def _batches(segments: Sequence[Segment]) -> list[list[int]]:
     """The segments in the order the linear-attention layers run them: by depth (a parent's
     batch before its children's), then batched by their count of scan chunks, so that right
@@ -275,7 +272,7 @@ class _Mixers:
         key = key.reshape(rows, width, -1, mixer.head_k_dim)
         value = value.reshape(rows, width, -1, mixer.head_v_dim)
         repeat = mixer.num_v_heads // mixer.num_k_heads
-        if repeat > 1:
+        if repeat > 1 and chunk_rule is not chunk_gated_delta_rule:  # the CPU kernel shares key heads
             query = query.repeat_interleave(repeat, dim=2)
             key = key.repeat_interleave(repeat, dim=2)
         initial = None
