@@ -36,7 +36,6 @@ from semif_serve.doors.native.api import NATIVE_ERRORS
 from semif_serve.engine.loader import CheckpointError, load_model
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.service.startup import Service, checkpoint_spec, load_engine
-from semif_serve.tools.demo import write_checkpoint
 from tests.support import make_settings
 
 # Written out from the brief, not imported: the test renders the prompt on its own.
@@ -570,10 +569,10 @@ def test_a_missing_model_directory_is_refused(tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def multimodal(tmp_path_factory):
-    directory = write_checkpoint(tmp_path_factory.mktemp("multimodal"), multimodal=True)
-    loaded = load_model(checkpoint_spec(make_settings(directory)))
-    return directory, TorchEngine.over(loaded), loaded.skipped_tensors
+def multimodal(vision_checkpoint):
+    """The session's multimodal demo checkpoint (written once for the suite), loaded here."""
+    loaded = load_model(checkpoint_spec(make_settings(vision_checkpoint)))
+    return vision_checkpoint, TorchEngine.over(loaded), loaded.skipped_tensors
 
 
 def test_a_multimodal_checkpoint_loads_as_the_vision_language_model_and_uses_every_tensor(
