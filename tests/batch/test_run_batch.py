@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -173,34 +174,37 @@ def killed_midway(env: dict, source: Path, out: Path, sig: int, after: int) -> s
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def test_a_run_killed_by_sigkill_then_by_sigint_continues_to_the_uninterrupted_output(
-    batch_env, long_file, uninterrupted, tmp_path
-):
-    out = tmp_path / "out.jsonl"
+@dataclass
+class Continued:
+    """One output through three runs of the same command (see `continued`)."""
+
+    out: Path
+    killed: subprocess.CompletedProcess
+    kept_after_kill: int
+    interrupted: subprocess.CompletedProcess
+    kept_after_interrupt: int
+    whole_lines_after_interrupt: bool
+    finishing: subprocess.CompletedProcess
+    finishing_pid: int
+    second: subprocess.CompletedProcess
+    lock_left: bool
+
+
+@pytest.fixture(scope="module")
+def continued(batch_env, long_file, tmp_path_factory) -> Continued:
+    """A run killed by SIGKILL, one interrupted by SIGINT, then the run that finishes the output,
+    with a second run started on the same output while that one holds its lock.
+
+    One set of children serves both tests (each child imports torch and loads the model).
+    """
+    out = tmp_path_factory.mktemp("continued") / "out.jsonl"
+    lock = out.with_name(out.name + ".lock")
     killed = killed_midway(batch_env, long_file, out, signal.SIGKILL, after=8)
-    assert killed.returncode == -signal.SIGKILL
-    kept = out.read_bytes().count(b"\n")
-    assert 8 <= kept < KILL_LINES, "the kill came after the run had finished"
-
-    interrupted = killed_midway(batch_env, long_file, out, signal.SIGINT, after=kept + 8)
-    assert interrupted.returncode == 130, interrupted.stderr
-    assert f"{KILL_LINES} lines, {kept} already in the output" in interrupted.stderr
-    assert "the same command continues" in interrupted.stderr
-    assert out.read_bytes().endswith(b"\n"), "an interrupted run writes whole lines"
-    kept = out.read_bytes().count(b"\n")
-    assert kept < KILL_LINES, "the interrupt came after the run had finished"
-
-    again = run_batch(batch_env, "-i", str(long_file), "-o", str(out), *ARGS)
-    assert again.returncode == 0, again.stderr
-    assert f"{KILL_LINES} lines, {kept} already in the output" in again.stderr
-    assert_same_results(results(out), uninterrupted)
-
-
-def test_a_second_run_on_the_same_output_is_refused_naming_the_first(
-    batch_env, long_file, uninterrupted, tmp_path
-):
-    out, lock = tmp_path / "out.jsonl", tmp_path / "out.jsonl.lock"
-    first = subprocess.Popen(
+    kept_after_kill = out.read_bytes().count(b"\n")
+    interrupted = killed_midway(batch_env, long_file, out, signal.SIGINT, after=kept_after_kill + 8)
+    kept_after_interrupt = out.read_bytes().count(b"\n")
+    whole_lines_after_interrupt = out.read_bytes().endswith(b"\n")
+    finishing = subprocess.Popen(
         ["semif-serve", "run-batch", "-i", str(long_file), "-o", str(out), *ARGS],
         env=batch_env,
         stdout=subprocess.PIPE,
@@ -210,20 +214,57 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_first(
     try:
 
         def locked() -> bool:
-            assert first.poll() is None, first.communicate()
-            return lock.exists() and lock.read_text() == f"run-batch pid {first.pid}\n"
+            assert finishing.poll() is None, finishing.communicate()
+            return lock.exists() and lock.read_text() == f"run-batch pid {finishing.pid}\n"
 
-        wait_until(locked, timeout=60, what="the first run's lock")  # taken before its model loads
+        wait_until(locked, timeout=60, what="the finishing run's lock")  # taken before its model loads
         second = run_batch(batch_env, "-i", str(long_file), "-o", str(out), *ARGS)
-        assert second.returncode == 2, second.stderr
-        assert (
-            f"-o {out} is being written by another run-batch (pid {first.pid}, lock {lock})" in second.stderr
-        )
-        _, stderr = first.communicate(timeout=300)
+        stdout, stderr = finishing.communicate(timeout=300)
     finally:
-        if first.poll() is None:
-            first.kill()
-    assert first.returncode == 0, stderr
+        if finishing.poll() is None:
+            finishing.kill()
+    return Continued(
+        out=out,
+        killed=killed,
+        kept_after_kill=kept_after_kill,
+        interrupted=interrupted,
+        kept_after_interrupt=kept_after_interrupt,
+        whole_lines_after_interrupt=whole_lines_after_interrupt,
+        finishing=subprocess.CompletedProcess(finishing.args, finishing.returncode, stdout, stderr),
+        finishing_pid=finishing.pid,
+        second=second,
+        lock_left=lock.exists(),
+    )
+
+
+def test_a_run_killed_by_sigkill_then_by_sigint_continues_to_the_uninterrupted_output(
+    continued: Continued, uninterrupted
+):
+    assert continued.killed.returncode == -signal.SIGKILL
+    kept = continued.kept_after_kill
+    assert 8 <= kept < KILL_LINES, "the kill came after the run had finished"
+
+    interrupted = continued.interrupted
+    assert interrupted.returncode == 130, interrupted.stderr
+    assert f"{KILL_LINES} lines, {kept} already in the output" in interrupted.stderr
+    assert "the same command continues" in interrupted.stderr
+    assert continued.whole_lines_after_interrupt, "an interrupted run writes whole lines"
+    kept = continued.kept_after_interrupt
+    assert kept < KILL_LINES, "the interrupt came after the run had finished"
+
+    again = continued.finishing
+    assert again.returncode == 0, again.stderr
+    assert f"{KILL_LINES} lines, {kept} already in the output" in again.stderr
+    assert_same_results(results(continued.out), uninterrupted)
+
+
+def test_a_second_run_on_the_same_output_is_refused_naming_the_first(continued: Continued, uninterrupted):
+    out, lock = continued.out, continued.out.with_name(continued.out.name + ".lock")
+    second = continued.second
+    assert second.returncode == 2, second.stderr
+    first = continued.finishing_pid
+    assert f"-o {out} is being written by another run-batch (pid {first}, lock {lock})" in second.stderr
+    assert continued.finishing.returncode == 0, continued.finishing.stderr
     assert out.read_bytes().count(b"\n") == KILL_LINES  # each line once, not twice
     assert_same_results(results(out), uninterrupted)
-    assert not lock.exists()
+    assert not continued.lock_left
