@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -44,15 +44,17 @@ class Prometheus:
     """A running Prometheus and a client of its HTTP API."""
 
     url: str
+    # One client for every call: httpx.get builds a new client (and its TLS context) each time.
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10))
 
     def query(self, expr: str) -> list[dict]:
-        reply = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        reply = self.client.get(f"{self.url}/api/v1/query", params={"query": expr})
         body = reply.json()
         assert reply.status_code == 200 and body["status"] == "success", (expr, body)
         return body["data"]["result"]
 
     def get(self, path: str) -> dict:
-        reply = httpx.get(f"{self.url}{path}", timeout=10)
+        reply = self.client.get(f"{self.url}{path}")
         reply.raise_for_status()
         return reply.json()["data"]
 
@@ -74,7 +76,7 @@ def wait_for(check: Callable[[], object], what: str, seconds: float = 60) -> obj
         if found:
             return found
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +127,12 @@ def prometheus(target, tmp_path_factory) -> Iterator[Prometheus]:
     try:
         running = Prometheus(f"http://127.0.0.1:{port}")
         wait_for(
-            lambda: httpx.get(f"{running.url}/-/ready", timeout=2).status_code == 200, "Prometheus ready"
+            lambda: running.client.get(f"{running.url}/-/ready", timeout=2).status_code == 200,
+            "Prometheus ready",
         )
         yield running
     finally:
+        running.client.close()
         process.terminate()
         process.wait(timeout=30)
         log.close()
