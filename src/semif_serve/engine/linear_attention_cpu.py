@@ -13,9 +13,10 @@ What differs from the reference, and why each is exact to float32 rounding:
   state afterwards in one batched product;
 - the last chunk is as long as the tokens left, not padded (the padded rows were zeros that
   only cost work: zero keys, values and gates);
-- decays under float32's normal range (exp(-87)) come out 0, not subnormals: the forward runs
-  with subnormals flushed (below), so the reference's slow path on them never runs, and a term
-  under 1e-37 cannot move a float32 sum of terms over 1e-30;
+- decays under exp(-50) (~2e-22) are exactly 0: the CPU's exp takes a ~10x slower path where
+  its result underflows, and products of tiny decays are subnormals, on which every later op
+  takes a slow path on threads that do not flush them (`_decays`); a term that small cannot
+  move a float32 sum of the terms a row reads;
 - the causal convolution runs on the `[batch, tokens, channels]` layout the projection wrote,
   as K shifted multiply-adds in float32 rounded once to the weights' dtype (the reference
   transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB stride);
@@ -43,7 +44,19 @@ _ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("semif_cpu_linear_
 # The module-level names the reference layer's forward calls, and their replacements here.
 _KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 _LAYER_CLASS = "Qwen3_5GatedDeltaNet"
+_SMALLEST_DECAY_LOG = -50.0  # exp(-50) ~ 2e-22: a term that small cannot move a float32 sum of O(1e-6) terms
 SCAN_CHUNK = 32  # tokens per chunk of the scan: measured faster than 64 on this CPU (docs/packing.md)
+
+
+def _decays(log_decay: Any) -> Any:
+    """exp of log-decays (<= 0) in place, those under exp(-50) (~2e-22) taken as exactly 0: the
+    CPU's exp is ~10x slower where its result underflows, and every op on a subnormal product
+    (a tiny decay times a key product or a state entry) takes a slow path, on threads whose
+    subnormals `torch.set_flush_denormal` does not flush (measured: 5 ms -> 870 ms for one
+    triangular solve of a packed forward)."""
+    import torch.nn.functional as F
+
+    return F.threshold_(log_decay, _SMALLEST_DECAY_LOG, float("-inf")).exp_()
 
 
 def _unit_normed(x: Any) -> Any:
@@ -116,15 +129,16 @@ def _chunks(
     v = chunk_major(value, v_heads).view(n, batch, k_heads, share, length, v_dim)
     cumulative = chunk_major(g, v_heads).cumsum_(-1)  # [chunks, batch, v_heads, length]
     b = chunk_major(beta, v_heads).view(n, batch, k_heads, share, length, 1)
-    # exp(c_i - c_j) at and below the diagonal, exactly 0 above; subnormals flush to 0 (`_entered`)
+    # exp(c_i - c_j) at and below the diagonal, exactly 0 above
     later = torch.ones(length, length, dtype=torch.bool, device=key.device).triu_(1)
-    pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill_(later, float("-inf")).exp_()
+    pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill_(later, float("-inf"))
+    pairwise = _decays(pairwise)
     pairwise = pairwise.view(n, batch, k_heads, share, length, length)
     keys_t = k.transpose(-1, -2)
     # Key products once per key head, shared by its value heads.
     system = (k @ keys_t).unsqueeze(3).mul(pairwise).mul_(b).view(-1, length, length)
     intra = (q @ keys_t).unsqueeze(3).mul(pairwise).view(n, rows, length, length)
-    from_start = cumulative.exp().view(n, batch, k_heads, share, length, 1)
+    from_start = _decays(cumulative.clone()).view(n, batch, k_heads, share, length, 1)
     right = torch.empty(n, batch, k_heads, share, length, v_dim + k_dim, device=key.device)
     torch.mul(v, b, out=right[..., :v_dim])
     torch.mul(k.unsqueeze(3), b * from_start, out=right[..., v_dim:])
@@ -134,9 +148,9 @@ def _chunks(
     solved = torch.bmm(inverse, right.view(-1, length, v_dim + k_dim)).view(n, rows, length, v_dim + k_dim)
     new_values, k_cumdecay = solved[..., :v_dim], solved[..., v_dim:]
     last = cumulative[..., -1:]
-    to_end = (last - cumulative).exp_().view(n, batch, k_heads, share, length, 1)
+    to_end = _decays(last - cumulative).view(n, batch, k_heads, share, length, 1)
     keys_to_end = (k.unsqueeze(3) * to_end).view(n, rows, length, k_dim).transpose(-1, -2)
-    decay = last.exp().view(n, rows, 1, 1)
+    decay = _decays(last.clone()).view(n, rows, 1, 1)
     # The scan: only what the next chunk's state needs; the queries read every start state after.
     starts = torch.empty(n + 1, rows, k_dim, v_dim, device=key.device)
     starts[0] = state
