@@ -56,7 +56,7 @@ def _decays(log_decay: Any) -> Any:
     triangular solve of a packed forward)."""
     import torch.nn.functional as F
 
-    return F.threshold_(log_decay, _SMALLEST_DECAY_LOG, float("-inf")).exp_()
+    return F.threshold(log_decay, _SMALLEST_DECAY_LOG, float("-inf"), inplace=True).exp_()
 
 
 def _unit_normed(x: Any) -> Any:
