@@ -70,6 +70,15 @@ def test_the_causal_convolution_equals_transformers_reference(tokens, dtype) -> 
     )
 
 
+def test_decays_under_exp_minus_50_are_exactly_zero_so_no_product_of_them_is_subnormal() -> None:
+    logs = torch.tensor([0.0, -1.0, -49.9, -50.5, -87.0, -100.0, -1000.0, float("-inf")])
+    got = linear_attention_cpu._decays(logs.clone())
+    assert torch.equal(got[:3], logs[:3].exp())
+    assert torch.equal(got[3:], torch.zeros(5))
+    smallest_key_product = 1e-15  # a near-orthogonal key pair times a small beta
+    assert got[2] * smallest_key_product > torch.finfo(torch.float32).tiny
+
+
 @pytest.mark.parametrize("chunk_size", [64, 32])
 def test_key_heads_shared_by_value_heads_equal_the_reference_given_them_repeated(chunk_size) -> None:
     generator = torch.Generator().manual_seed(chunk_size)
