@@ -18,6 +18,10 @@ from semif_serve.service.startup import Service, load_engine  # noqa: E402
 from semif_serve.tools.demo import write_checkpoint  # noqa: E402
 from tests.support import in_process_client, make_settings  # noqa: E402
 from tests.support.memory_report import MemoryReport  # noqa: E402
+from tests.support.tls_context import install as share_default_tls_context  # noqa: E402
+
+# httpx builds a TLS context per client (30-70 ms); the suite's thousand loopback calls share one.
+share_default_tls_context()
 
 LAYERS = ("domain", "engine", "http", "doors", "service", "batch", "deploy", "docs")
 # What a module needs beyond Python, so `-m "not browser"` (or `-m proxy`) picks by it.
