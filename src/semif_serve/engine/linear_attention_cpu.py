@@ -18,8 +18,9 @@ What differs from the reference, and why each is exact to float32 rounding:
   takes a slow path on threads that do not flush them (`_decays`); a term that small cannot
   move a float32 sum of the terms a row reads;
 - the causal convolution runs on the `[batch, tokens, channels]` layout the projection wrote,
-  as K shifted multiply-adds in float32 rounded once to the weights' dtype (the reference
-  transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB stride);
+  as K shifted multiply-adds in float32 rounded once to the weights' dtype, reading a bf16 input
+  as it is (the reference transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB
+  stride);
 - subnormal floats are flushed to zero while the decoder runs (`torch.set_flush_denormal`): with
   strong decays the state's terms fall under 1e-38, where every CPU op takes a slow path.
 
@@ -187,10 +188,10 @@ def causal_conv1d(
     import torch
     from transformers.activations import ACT2FN
 
-    x = hidden_states.transpose(1, 2).to(torch.float32)  # a view when the projection wrote [b, t, c]
-    taps = weight.to(torch.float32).t()  # [kernel, channels]
+    x = hidden_states.transpose(1, 2)  # a view when the projection wrote [b, t, c]
+    taps = weight.to(torch.float32).t().contiguous()  # [kernel, channels]
     kernel, tokens = taps.shape[0], x.shape[1]
-    out = x * taps[kernel - 1]
+    out = x * taps[kernel - 1]  # float32: each product of the input's dtype rounds once, no copy first
     for shift in range(1, min(kernel, tokens)):
         out[:, shift:].addcmul_(x[:, : tokens - shift], taps[kernel - 1 - shift])
     if bias is not None:
