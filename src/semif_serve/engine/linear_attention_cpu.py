@@ -81,7 +81,7 @@ def chunk_gated_delta_rule(
     **kwargs: Any,
 ) -> tuple[Any, Any | None]:
     """transformers' `torch_chunk_gated_delta_rule`, same arguments and results
-    (`[batch, tokens, v_heads, v_dim]` in the query's dtype, the float32 state or None); the
+    (`[batch, tokens, v_heads, v_dim]` in the value's dtype, the float32 state or None); the
     query and key may hold fewer heads than the value (each shared by consecutive value heads, as
     `repeat_interleave` would lay them out), so callers need not repeat them."""
     import torch
