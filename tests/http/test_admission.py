@@ -202,9 +202,19 @@ def test_clients_that_disconnect_mid_request_over_real_http_release_their_slots(
             with open_post(port, body, send=20):
                 wait_until(lambda: app.admission.in_progress == 1, what="the half-sent request's slot")
             wait_until(lambda: app.admission.in_progress == 0, what="the slot back after the hang-up")
-        for _ in range(3):
-            # A full body, then hang up before the answer.
-            open_post(port, body).close()
-        wait_until(lambda: app.admission.in_progress == 0, what="every slot back after the hang-ups")
+        # The engine is held, so a full body's request is still waiting on it when its client hangs up.
+        gate = threading.Event()
+        holder = threading.Thread(target=service.worker.run_now, args=(lambda: gate.wait(60),))
+        holder.start()
+        try:
+            for _ in range(3):
+                # A full body, then hang up before the answer: the slot must come back.
+                with open_post(port, body):
+                    wait_until(lambda: app.admission.in_progress == 1, what="the full request's slot")
+                wait_until(lambda: app.admission.in_progress == 0, what="the slot back after the hang-up")
+        finally:
+            gate.set()
+            holder.join()
         ok = httpx.post(f"{server.url}/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 200
+        wait_until(lambda: service.worker.pending == 0, what="no job left with the engine")
