@@ -46,7 +46,7 @@ def test_the_gated_delta_rule_equals_transformers_reference(batch, tokens, start
     state = draw(batch, heads, dim, dim) if started else None
     options = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
     expected, expected_state = _reference("torch_chunk_gated_delta_rule")(q, k, v, **options)
-    got, got_state = linear_attention_cpu.chunk_gated_delta_rule(q, k, v, **options)
+    got, got_state = linear_attention_cpu.gated_delta_rule(q, k, v, **options)
     assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous()
     # A bfloat16 output may round to the neighbouring value: one bfloat16 step, at most 2**-7 of it.
     rtol = 2**-7 if dtype == torch.bfloat16 else 0
@@ -71,29 +71,73 @@ def test_the_causal_convolution_equals_transformers_reference(tokens, dtype) -> 
 
 
 def test_decays_under_exp_minus_50_are_exactly_zero_so_no_product_of_them_is_subnormal() -> None:
-    logs = torch.tensor([0.0, -1.0, -49.9, -50.5, -87.0, -100.0, -1000.0, float("-inf")])
-    got = linear_attention_cpu._decays(logs.clone())
-    assert torch.equal(got[:3], logs[:3].exp())
-    assert torch.equal(got[3:], torch.zeros(5))
-    smallest_key_product = 1e-15  # a near-orthogonal key pair times a small beta
-    assert got[2] * smallest_key_product > torch.finfo(torch.float32).tiny
+    # One head, one key and value dimension: the state after each token is written out by hand.
+    logs = [0.0, -1.0, -49.9, -50.5, -87.0, -1000.0]
+    ones = torch.ones(1, len(logs), 1, 1)
+    g = torch.tensor(logs).view(1, -1, 1)
+    beta = torch.zeros(1, len(logs), 1)  # no writes: the state only decays
+    state = torch.ones(1, 1, 1, 1)
+    for n in range(1, len(logs) + 1):
+        _, final = linear_attention_cpu.gated_delta_rule(
+            ones[:, :n],
+            ones[:, :n],
+            ones[:, :n],
+            g=g[:, :n],
+            beta=beta[:, :n],
+            initial_state=state,
+            output_final_state=True,
+        )
+        kept = [torch.tensor(x).exp() for x in logs[:n] if x >= -50.0]
+        expected = torch.stack(kept).prod() if len(kept) == n else torch.tensor(0.0)
+        assert torch.allclose(final.view(()), expected, rtol=1e-6, atol=0)
+        assert final.view(()) == 0 or final.view(()) > torch.finfo(torch.float32).tiny
 
 
-@pytest.mark.parametrize("chunk_size", [64, 32])
-def test_key_heads_shared_by_value_heads_equal_the_reference_given_them_repeated(chunk_size) -> None:
-    generator = torch.Generator().manual_seed(chunk_size)
-    batch, tokens, key_heads, value_heads, dim = 2, 150, 2, 4, 32
+@pytest.mark.parametrize("share", [2, 4])
+def test_key_heads_shared_by_value_heads_equal_the_reference_given_them_repeated(share) -> None:
+    generator = torch.Generator().manual_seed(share)
+    batch, tokens, key_heads, dim = 2, 150, 2, 32
+    value_heads = key_heads * share
     q, k = (torch.randn(batch, tokens, key_heads, dim, generator=generator) for _ in range(2))
     v = torch.randn(batch, tokens, value_heads, dim, generator=generator)
     g = -torch.rand(batch, tokens, value_heads, generator=generator)
     beta = torch.rand(batch, tokens, value_heads, generator=generator)
     state = torch.randn(batch, value_heads, dim, dim, generator=generator)
     options = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    repeated = (t.repeat_interleave(value_heads // key_heads, dim=2) for t in (q, k))
+    repeated = (t.repeat_interleave(share, dim=2) for t in (q, k))
     expected, expected_state = _reference("torch_chunk_gated_delta_rule")(*repeated, v, **options)
-    got, got_state = linear_attention_cpu.chunk_gated_delta_rule(q, k, v, chunk_size=chunk_size, **options)
+    got, got_state = linear_attention_cpu.gated_delta_rule(q, k, v, **options)
     assert torch.allclose(got, expected, atol=1e-5, rtol=0)
     assert torch.allclose(got_state, expected_state, atol=1e-5, rtol=0)
+
+
+def test_each_row_stops_at_its_own_length_with_the_state_at_its_own_end() -> None:
+    generator = torch.Generator().manual_seed(7)
+    lengths, tokens, heads, dim = [40, 3, 0], 40, 4, 32
+    q, k, v = (torch.randn(3, tokens, heads, dim, generator=generator) for _ in range(3))
+    g = -torch.rand(3, tokens, heads, generator=generator)
+    beta = torch.rand(3, tokens, heads, generator=generator)
+    state = torch.randn(3, heads, dim, dim, generator=generator)
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got, got_state = linear_attention_cpu.gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=state, lengths=lengths, **options
+    )
+    reference = _reference("torch_chunk_gated_delta_rule")
+    for row, n in enumerate(lengths):
+        if n:
+            alone = [t[row : row + 1, :n] for t in (q, k, v)]
+            expected, expected_state = reference(
+                *alone,
+                g=g[row : row + 1, :n],
+                beta=beta[row : row + 1, :n],
+                initial_state=state[row : row + 1],
+                **options,
+            )
+            assert torch.allclose(got[row : row + 1, :n], expected, atol=1e-5, rtol=0)
+        else:
+            expected_state = state[row : row + 1]
+        assert torch.allclose(got_state[row : row + 1], expected_state, atol=1e-5, rtol=0)
+        assert torch.equal(got[row, n:], torch.zeros_like(got[row, n:]))
 
 
 @pytest.fixture(scope="module")

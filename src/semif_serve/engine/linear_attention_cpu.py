@@ -4,19 +4,11 @@ which have no CPU build, and the reference fallbacks spend most of a short forwa
 the arithmetic (measured in bench/RESULTS.md, "Linear attention on the CPU").
 
 What differs from the reference, and why each is exact to float32 rounding:
-- the gated delta rule runs its chunks chunk-major and contiguous, 32 tokens each (the
-  reference's 64: the chunk's triangular systems and its elementwise terms halve, and on this
-  CPU that outweighs twice the scan's steps; bench/RESULTS.md); the key products are computed
-  once per key head, not per value head after a repeat; the chunk's triangular system is
-  inverted once and applied to both right-hand sides in one batched product; the sequential
-  scan does only what the next chunk's state needs, and the queries read every chunk's start
-  state afterwards in one batched product;
-- the last chunk is as long as the tokens left, not padded (the padded rows were zeros that
-  only cost work: zero keys, values and gates);
-- decays under exp(-50) (~2e-22) are exactly 0: the CPU's exp takes a ~10x slower path where
-  its result underflows, and products of tiny decays are subnormals, on which every later op
-  takes a slow path on threads that do not flush them (`_decays`); a term that small cannot
-  move a float32 sum of the terms a row reads;
+- the gated delta rule runs as its recurrence, compiled (`engine.delta_rule_rows`: why, and
+  how it is laid out), not as the reference's chunks: the same sums in another order; the key
+  products are computed once per key head, not per value head after a repeat; decays under
+  exp(-50) (~2e-22) are exactly 0 (a term that small cannot move a float32 sum, and its
+  products would be subnormals, on which every op takes the CPU's slow path);
 - the causal convolution runs on the `[batch, tokens, channels]` layout the projection wrote,
   as K shifted multiply-adds in float32 rounded once to the weights' dtype, reading a bf16 input
   as it is (the reference transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB
@@ -35,7 +27,7 @@ import contextlib
 import contextvars
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 log = logging.getLogger("semif_serve.engine")
@@ -45,19 +37,6 @@ _ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("semif_cpu_linear_
 # The module-level names the reference layer's forward calls, and their replacements here.
 _KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 _LAYER_CLASS = "Qwen3_5GatedDeltaNet"
-_SMALLEST_DECAY_LOG = -50.0  # exp(-50) ~ 2e-22: a term that small cannot move a float32 sum of O(1e-6) terms
-SCAN_CHUNK = 32  # tokens per chunk of the scan: measured faster than 64 on this CPU (docs/packing.md)
-
-
-def _decays(log_decay: Any) -> Any:
-    """exp of log-decays (<= 0) in place, those under exp(-50) (~2e-22) taken as exactly 0: the
-    CPU's exp is ~10x slower where its result underflows, and every op on a subnormal product
-    (a tiny decay times a key product or a state entry) takes a slow path, on threads whose
-    subnormals `torch.set_flush_denormal` does not flush (measured: 5 ms -> 870 ms for one
-    triangular solve of a packed forward)."""
-    import torch.nn.functional as F
-
-    return F.threshold(log_decay, _SMALLEST_DECAY_LOG, float("-inf"), inplace=True).exp_()
 
 
 def _unit_normed(x: Any) -> Any:
@@ -68,107 +47,44 @@ def _unit_normed(x: Any) -> Any:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def chunk_gated_delta_rule(
+def gated_delta_rule(
     query: Any,
     key: Any,
     value: Any,
     g: Any,
     beta: Any,
-    chunk_size: int = SCAN_CHUNK,
     initial_state: Any | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    lengths: Sequence[int] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, Any | None]:
     """transformers' `torch_chunk_gated_delta_rule`, same arguments and results
-    (`[batch, tokens, v_heads, v_dim]` in the value's dtype, the float32 state or None); the
-    query and key may hold fewer heads than the value (each shared by consecutive value heads, as
-    `repeat_interleave` would lay them out), so callers need not repeat them."""
+    (`[batch, tokens, v_heads, v_dim]` in the value's dtype, the float32 state or None), run as
+    the compiled recurrence of `engine.delta_rule_rows`. The query and key may hold fewer heads
+    than the value (each shared by consecutive value heads, as `repeat_interleave` would lay them
+    out), so callers need not repeat them; `lengths` (per batch row) stops each row after its own
+    tokens: the state returned is the one at its end, and the output after it is zeros."""
+    import numpy as np
     import torch
 
-    batch, tokens, k_heads, k_dim = key.shape
+    from semif_serve.engine.delta_rule_rows import recurrence
+
+    batch, tokens, _, k_dim = key.shape
     v_heads, v_dim = value.shape[2], value.shape[3]
-    rows = batch * v_heads
     if use_qk_l2norm_in_kernel:
         query, key = _unit_normed(query), _unit_normed(key)
+    scaled = query.float() * k_dim**-0.5
     if initial_state is None:
-        state = torch.zeros(rows, k_dim, v_dim, dtype=torch.float32, device=key.device)
+        state_t = torch.zeros(batch, v_heads, v_dim, k_dim, dtype=torch.float32)
     else:
-        state = initial_state.to(torch.float32).reshape(rows, k_dim, v_dim)
-    pieces = []
-    full = tokens // chunk_size * chunk_size
-    for start, stop in ((0, full), (full, tokens)):
-        if stop > start:
-            length = min(chunk_size, stop - start)
-            out, state = _chunks(query, key, value, g, beta, (start, stop, length), state)
-            pieces.append(out)
-    result = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-    final = state.reshape(batch, v_heads, k_dim, v_dim) if output_final_state else None
+        state_t = _copied(initial_state.transpose(-1, -2), torch.float32)
+    counts = np.asarray(lengths if lengths is not None else [tokens] * batch, dtype=np.int64)
+    q, k, v, decays, rates = (_array(t) for t in (scaled, key, value, g, beta))
+    out = recurrence(q, k, v, decays, rates, counts, state_t.numpy(), torch.get_num_threads())
+    result = torch.from_numpy(out).to(value.dtype)
+    final = state_t.transpose(-1, -2) if output_final_state else None
     return result, final
-
-
-def _chunks(
-    query: Any, key: Any, value: Any, g: Any, beta: Any, span: tuple[int, int, int], state: Any
-) -> Any:
-    """Tokens `start:stop` as chunks of `length` from `state` `[rows, k_dim, v_dim]`: the output
-    `[batch, stop - start, v_heads, v_dim]` in the value's dtype, and the state after them."""
-    import torch
-
-    start, stop, length = span
-    batch, _, k_heads, k_dim = key.shape
-    v_heads, v_dim = value.shape[2], value.shape[3]
-    n, share = (stop - start) // length, v_heads // k_heads
-    rows = batch * v_heads
-
-    def chunk_major(t: Any, heads: int) -> Any:
-        """`[batch, tokens, heads, ...]` -> float32 `[chunks, batch, heads, length, ...]`, one copy."""
-        part = t[:, start:stop].reshape(batch, n, length, heads, *t.shape[3:])
-        return _copied(part.permute(1, 0, 3, 2, *range(4, part.dim())), torch.float32)
-
-    q = chunk_major(query, k_heads).mul_(k_dim**-0.5)
-    k = chunk_major(key, k_heads)
-    v = chunk_major(value, v_heads).view(n, batch, k_heads, share, length, v_dim)
-    cumulative = chunk_major(g, v_heads).cumsum_(-1)  # [chunks, batch, v_heads, length]
-    b = chunk_major(beta, v_heads).view(n, batch, k_heads, share, length, 1)
-    # exp(c_i - c_j) at and below the diagonal, exactly 0 above
-    later = torch.ones(length, length, dtype=torch.bool, device=key.device).triu_(1)
-    pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill_(later, float("-inf"))
-    pairwise = _decays(pairwise)
-    pairwise = pairwise.view(n, batch, k_heads, share, length, length)
-    keys_t = k.transpose(-1, -2)
-    # Key products once per key head, shared by its value heads.
-    system = (k @ keys_t).unsqueeze(3).mul(pairwise).mul_(b).view(-1, length, length)
-    intra = (q @ keys_t).unsqueeze(3).mul(pairwise).view(n, rows, length, length)
-    from_start = _decays(cumulative.clone()).view(n, batch, k_heads, share, length, 1)
-    right = torch.empty(n, batch, k_heads, share, length, v_dim + k_dim, device=key.device)
-    torch.mul(v, b, out=right[..., :v_dim])
-    torch.mul(k.unsqueeze(3), b * from_start, out=right[..., v_dim:])
-    # (I + strictly lower system)^-1 once, then one batched product for both right-hand sides.
-    eye = torch.eye(length, device=key.device).expand(system.shape[0], length, length)
-    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
-    solved = torch.bmm(inverse, right.view(-1, length, v_dim + k_dim)).view(n, rows, length, v_dim + k_dim)
-    new_values, k_cumdecay = solved[..., :v_dim], solved[..., v_dim:]
-    last = cumulative[..., -1:]
-    to_end = _decays(last - cumulative).view(n, batch, k_heads, share, length, 1)
-    keys_to_end = (k.unsqueeze(3) * to_end).view(n, rows, length, k_dim).transpose(-1, -2)
-    decay = _decays(last.clone()).view(n, rows, 1, 1)
-    # The scan: only what the next chunk's state needs; the queries read every start state after.
-    starts = torch.empty(n + 1, rows, k_dim, v_dim, device=key.device)
-    starts[0] = state
-    corrected = torch.empty(n, rows, length, v_dim, device=key.device)
-    for i in range(n):
-        torch.baddbmm(new_values[i], k_cumdecay[i], starts[i], alpha=-1, out=corrected[i])
-        torch.mul(starts[i], decay[i], out=starts[i + 1])
-        starts[i + 1].baddbmm_(keys_to_end[i], corrected[i])
-    reads = (q.unsqueeze(3) * from_start).view(-1, length, k_dim)
-    out = torch.baddbmm(
-        torch.bmm(reads, starts[:n].view(-1, k_dim, v_dim)),
-        intra.view(-1, length, length),
-        corrected.view(-1, length, v_dim),
-    )
-    # [chunks, batch, heads, length, v] -> [batch, chunks * length, heads, v], in the output dtype
-    moved = out.view(n, batch, v_heads, length, v_dim).permute(1, 0, 3, 2, 4)
-    return _copied(moved, value.dtype).view(batch, n * length, v_heads, v_dim), starts[n]
 
 
 def _copied(tensor: Any, dtype: Any) -> Any:
@@ -177,6 +93,13 @@ def _copied(tensor: Any, dtype: Any) -> Any:
 
     out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
     return out.copy_(tensor)
+
+
+def _array(tensor: Any) -> Any:
+    """`tensor` as a float32 C-contiguous numpy array (a view where it already is one)."""
+    import torch
+
+    return tensor.to(torch.float32).contiguous().numpy()
 
 
 def causal_conv1d(
@@ -218,7 +141,7 @@ def _dispatching(reference: Callable[..., Any], own: Callable[..., Any]) -> Call
 def _install(module: Any) -> bool:
     """Route the modeling module's kernel names through `_dispatching` (once per process)."""
     own: dict[str, Callable[..., Any]] = {
-        "torch_chunk_gated_delta_rule": chunk_gated_delta_rule,
+        "torch_chunk_gated_delta_rule": gated_delta_rule,
         "causal_conv1d_fn": causal_conv1d,
     }
     if not all(callable(getattr(module, name, None)) for name in _KERNEL_NAMES):
@@ -259,7 +182,7 @@ def accelerated_kernels(decoder: Any) -> Iterator[tuple[Callable[..., Any], Call
     if on_cpu and getattr(decoder, "__semif_accelerated__", False):
         _entered(decoder, ())
         try:
-            yield chunk_gated_delta_rule, causal_conv1d
+            yield gated_delta_rule, causal_conv1d
         finally:
             _left(decoder, (), None)
         return

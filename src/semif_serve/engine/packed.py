@@ -32,8 +32,10 @@ from typing import Any
 from semif_serve.domain.requests import BASE
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.forwards import RowImages
-from semif_serve.engine.linear_attention_cpu import SCAN_CHUNK, accelerated_kernels, chunk_gated_delta_rule
+from semif_serve.engine.linear_attention_cpu import accelerated_kernels, gated_delta_rule
 from semif_serve.engine.state_cache import StoredState
+
+LENGTH_STEP = 32  # tokens: the segments a linear-attention batch runs together differ by less
 
 
 @dataclass(frozen=True)
@@ -180,14 +182,15 @@ def _positions(
 
 def _batches(segments: Sequence[Segment]) -> list[list[int]]:
     """The segments in the order the linear-attention layers run them: by depth (a parent's
-    batch before its children's), then batched by their count of scan chunks, so that right
-    padding never adds a chunk to a segment."""
+    batch before its children's), then batched by length in steps of `LENGTH_STEP` tokens, so
+    a batch's convolution pads each segment by less than a step (the rule stops at each one's
+    own end)."""
     depth: list[int] = []
     for segment in segments:
         depth.append(depth[segment.parent] + 1 if segment.parent is not None else 0)
     keyed: dict[tuple[int, int], list[int]] = {}
     for i, segment in enumerate(segments):
-        keyed.setdefault((depth[i], -(-len(segment.ids) // SCAN_CHUNK)), []).append(i)
+        keyed.setdefault((depth[i], -(-len(segment.ids) // LENGTH_STEP)), []).append(i)
     return [keyed[key] for key in sorted(keyed)]
 
 
@@ -242,8 +245,6 @@ class _Mixers:
         kernel = mixer.conv_kernel_size
         lengths = [self.spans[i][1] - self.spans[i][0] for i in batch]
         width = max(lengths)
-        if width > SCAN_CHUNK:  # whole chunks: one pass of the scan, no shorter last chunk
-            width = -(-width // SCAN_CHUNK) * SCAN_CHUNK
         rows = len(batch)
         # Token-major `[rows, kernel + width, conv_dim]`: `kernel` inputs of what each continues first.
         inputs = qkv.new_zeros(rows, kernel + width, qkv.shape[-1])
@@ -272,7 +273,8 @@ class _Mixers:
         key = key.reshape(rows, width, -1, mixer.head_k_dim)
         value = value.reshape(rows, width, -1, mixer.head_v_dim)
         repeat = mixer.num_v_heads // mixer.num_k_heads
-        if repeat > 1 and chunk_rule is not chunk_gated_delta_rule:  # the CPU kernel shares key heads
+        own_rule = chunk_rule is gated_delta_rule  # the CPU kernel: shared key heads, each row's own length
+        if repeat > 1 and not own_rule:
             query = query.repeat_interleave(repeat, dim=2)
             key = key.repeat_interleave(repeat, dim=2)
         initial = None
@@ -288,6 +290,7 @@ class _Mixers:
             initial_state=initial,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
+            **({"lengths": lengths} if own_rule else {}),
         )
         for r, i in enumerate(batch):
             lo, hi = self.spans[i]
