@@ -113,6 +113,7 @@ ENV PATH=/app/.venv/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
+    NUMBA_CACHE_DIR=/home/semif/.cache/numba \
     SEMIF_HOST=0.0.0.0 \
     SEMIF_PORT=8032
 

@@ -20,6 +20,7 @@ contiguous. Worker threads flush subnormals to zero for their whole life (they r
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -28,6 +29,8 @@ from typing import Any
 
 import numba
 import numpy as np
+
+log = logging.getLogger("semif_serve.engine")
 
 SMALLEST_DECAY_LOG = -50.0  # exp(-50) ~ 2e-22: a term that small cannot move a float32 sum
 # Below this many token-rows a call runs on the calling thread alone: handing work to another
@@ -38,7 +41,17 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True, boundscheck=False)
+def _compiled(function: Any) -> Any:
+    """`function` compiled at first use, and cached on disk where numba finds a writable place
+    (beside this file, else NUMBA_CACHE_DIR or ~/.cache/numba); else compiled anew each start."""
+    try:
+        return numba.njit(cache=True, nogil=True, fastmath=True, boundscheck=False)(function)
+    except RuntimeError:  # numba found no writable cache directory
+        log.warning("the gated delta rule's compiled kernel is not cached: no writable cache directory")
+        return numba.njit(cache=False, nogil=True, fastmath=True, boundscheck=False)(function)
+
+
+@_compiled
 def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest):
     """Rows `lo:hi` (batch row times value heads + head) of the rule: see the module docstring."""
     _, tokens, key_heads, key_dim = k.shape
@@ -107,16 +120,17 @@ def recurrence(
     query already scaled), from and into `state_t` `[batch, v_heads, v_dim, k_dim]`, row b's
     tokens from `lengths[b]` on left as zeros; returns the float32 output `[batch, tokens,
     v_heads, v_dim]`."""
-    kernel = _rows
     batch, tokens = value.shape[0], value.shape[1]
     rows = batch * value.shape[2]
     out = np.empty(value.shape, dtype=np.float32)
     parts = max(1, min(threads, rows, rows * tokens // _SPLIT_AT))
     cuts = [rows * p // parts for p in range(parts + 1)]
-    args = (query, key, value, g, beta, lengths, state_t, out)
-    pool = _threads_pool()
-    others = [pool.submit(kernel, *args, cuts[p], cuts[p + 1], SMALLEST_DECAY_LOG) for p in range(1, parts)]
-    kernel(*args, cuts[0], cuts[1], SMALLEST_DECAY_LOG)
+
+    def part(p: int) -> None:
+        _rows(query, key, value, g, beta, lengths, state_t, out, cuts[p], cuts[p + 1], SMALLEST_DECAY_LOG)
+
+    others = [_threads_pool().submit(part, p) for p in range(1, parts)] if parts > 1 else []
+    part(0)
     for other in others:
         other.result()
     return out
