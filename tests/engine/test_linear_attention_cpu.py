@@ -229,3 +229,54 @@ def test_outside_an_accelerated_decoder_the_modeling_code_runs_transformers_kern
     chosen_again = linear_attention_cpu._dispatching(counting, linear_attention_cpu.causal_conv1d)
     chosen_again(probe, weight)
     assert calls == [1]
+
+
+def test_the_rule_gives_the_same_bits_whatever_the_inputs_strides_threads_and_neighbours() -> None:
+    # The same request answered twice must read the same: its rows may arrive as views or copies,
+    # beside other rows, on one thread or two.
+    generator = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 100, 2, 32, generator=generator) for _ in range(2))
+    v = torch.randn(2, 100, 4, 32, generator=generator)
+    g = -torch.rand(2, 100, 4, generator=generator) * 5
+    beta = torch.rand(2, 100, 4, generator=generator)
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    whole, _ = linear_attention_cpu.gated_delta_rule(q, k, v, g=g, beta=beta, **options)
+    half = [t[:, :50] for t in (q, k, v, g, beta)]  # views with the whole run's strides
+    viewed, _ = linear_attention_cpu.gated_delta_rule(*half[:3], g=half[3], beta=half[4], **options)
+    copied, _ = linear_attention_cpu.gated_delta_rule(
+        *(t.contiguous() for t in half[:3]), g=half[3].contiguous(), beta=half[4].contiguous(), **options
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, _ = linear_attention_cpu.gated_delta_rule(
+            *(t[1:] for t in (q, k, v)), g=g[1:], beta=beta[1:], **options
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(viewed, whole[:, :50]) and torch.equal(copied, whole[:, :50])
+    assert torch.equal(alone[0], whole[1])
+
+
+def test_a_run_continued_from_its_stored_state_gives_the_bits_of_one_unbroken_run() -> None:
+    # What the state cache relies on: a follow-up read from a kept state equals the whole prompt run.
+    generator = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 90, 2, 32, generator=generator) for _ in range(2))
+    v = torch.randn(1, 90, 4, 32, generator=generator)
+    g = -torch.rand(1, 90, 4, generator=generator)
+    beta = torch.rand(1, 90, 4, generator=generator)
+    rule = linear_attention_cpu.gated_delta_rule
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    whole, whole_state = rule(q, k, v, g=g, beta=beta, **options)
+    for cut in (1, 37, 64):
+        first, kept = rule(q[:, :cut], k[:, :cut], v[:, :cut], g=g[:, :cut], beta=beta[:, :cut], **options)
+        rest, state = rule(
+            q[:, cut:],
+            k[:, cut:],
+            v[:, cut:],
+            g=g[:, cut:],
+            beta=beta[:, cut:],
+            initial_state=kept,
+            **options,
+        )
+        assert torch.equal(torch.cat([first, rest], dim=1), whole) and torch.equal(state, whole_state)

@@ -52,12 +52,33 @@ def _compiled(function: Any) -> Any:
 
 
 @_compiled
-def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest):
-    """Rows `lo:hi` (batch row times value heads + head) of the rule: see the module docstring."""
+def _unit(source, into, normed, scale):
+    """`source` (any strides) into the contiguous `into`, scaled to unit length if `normed` (the
+    reference's l2 norm, eps 1e-6), then times `scale`. The sum reads `into`, so its order (and
+    rounding) is the same whatever the source's strides."""
+    for i in range(into.shape[0]):
+        into[i] = source[i]
+    total = np.float32(0.0)
+    for i in range(into.shape[0]):
+        total += into[i] * into[i]
+    factor = np.float32(scale)
+    if normed:
+        factor = factor / np.float32(math.sqrt(total + np.float32(1e-6)))
+    for i in range(into.shape[0]):
+        into[i] *= factor
+
+
+@_compiled
+def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest, normed):
+    """Rows `lo:hi` (batch row times value heads + head) of the rule: see the module docstring.
+    Every token runs the same loops whatever came before it in this call, so a run continued
+    from a stored state gives the bits of one unbroken run."""
     _, tokens, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     share = value_heads // key_heads
-    key_state = np.empty(value_dim, np.float32)  # S^T k of the token to come, before its decay
+    scale = np.float32(key_dim**-0.5)
+    key = np.empty(key_dim, np.float32)
+    query = np.empty(key_dim, np.float32)
     for r in range(lo, hi):
         b, h = r // value_heads, r % value_heads
         hk = h // share
@@ -65,33 +86,25 @@ def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest):
         length = lengths[b]
         for t in range(length, tokens):
             out[b, t, h, :] = 0.0
-        if length == 0:
-            continue
-        first = k[b, 0, hk]
-        for j in range(value_dim):
-            column = state[j]
-            total = np.float32(0.0)
-            for i in range(key_dim):
-                total += column[i] * first[i]
-            key_state[j] = total
         for t in range(length):
+            _unit(k[b, t, hk], key, normed, 1.0)
+            _unit(q[b, t, hk], query, normed, scale)
             log_decay = g[b, t, h]
             decay = np.float32(math.exp(log_decay)) if log_decay >= smallest else np.float32(0.0)
             rate = beta[b, t, h]
-            key, query, value, row_out = k[b, t, hk], q[b, t, hk], v[b, t, h], out[b, t, h]
-            ahead = k[b, t + 1, hk] if t + 1 < length else key
+            value, row_out = v[b, t, h], out[b, t, h]
             for j in range(value_dim):
                 column = state[j]
-                delta = (value[j] - decay * key_state[j]) * rate
+                total = np.float32(0.0)  # S^T k, before the decay
+                for i in range(key_dim):
+                    total += column[i] * key[i]
+                delta = (value[j] - decay * total) * rate
                 read = np.float32(0.0)
-                next_read = np.float32(0.0)
                 for i in range(key_dim):
                     s = decay * column[i] + delta * key[i]
                     column[i] = s
                     read += query[i] * s
-                    next_read += ahead[i] * s
                 row_out[j] = read
-                key_state[j] = next_read
 
 
 def _threads_pool() -> ThreadPoolExecutor:
@@ -113,21 +126,31 @@ def _flush_subnormals() -> None:
 
 
 def recurrence(
-    query: Any, key: Any, value: Any, g: Any, beta: Any, lengths: Any, state_t: Any, threads: int
+    query: Any,
+    key: Any,
+    value: Any,
+    g: Any,
+    beta: Any,
+    lengths: Any,
+    state_t: Any,
+    threads: int,
+    normed: bool,
 ) -> Any:
-    """Run the rule over `[batch, tokens, heads, dim]` float32 C-contiguous numpy arrays (query
-    and key may hold fewer heads than the value, each shared by consecutive value heads; the
-    query already scaled), from and into `state_t` `[batch, v_heads, v_dim, k_dim]`, row b's
-    tokens from `lengths[b]` on left as zeros; returns the float32 output `[batch, tokens,
-    v_heads, v_dim]`."""
+    """Run the rule over `[batch, tokens, heads, dim]` float32 numpy arrays of any strides (query
+    and key may hold fewer heads than the value, each shared by consecutive value heads; both
+    scaled to unit length first if `normed`, the query then by `k_dim ** -0.5`), from and into
+    `state_t` `[batch, v_heads, v_dim, k_dim]`, row b's tokens from `lengths[b]` on left as
+    zeros; returns the float32 output `[batch, tokens, v_heads, v_dim]`."""
     batch, tokens = value.shape[0], value.shape[1]
     rows = batch * value.shape[2]
     out = np.empty(value.shape, dtype=np.float32)
     parts = max(1, min(threads, rows, rows * tokens // _SPLIT_AT))
     cuts = [rows * p // parts for p in range(parts + 1)]
 
+    arrays = (query, key, value, g, beta, lengths, state_t, out)
+
     def part(p: int) -> None:
-        _rows(query, key, value, g, beta, lengths, state_t, out, cuts[p], cuts[p + 1], SMALLEST_DECAY_LOG)
+        _rows(*arrays, cuts[p], cuts[p + 1], SMALLEST_DECAY_LOG, normed)
 
     others = [_threads_pool().submit(part, p) for p in range(1, parts)] if parts > 1 else []
     part(0)

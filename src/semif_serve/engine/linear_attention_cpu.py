@@ -39,14 +39,6 @@ _KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 _LAYER_CLASS = "Qwen3_5GatedDeltaNet"
 
 
-def _unit_normed(x: Any) -> Any:
-    """`x` in float32 scaled to unit length along its last axis (the reference's l2 norm)."""
-    import torch
-
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
-
-
 def gated_delta_rule(
     query: Any,
     key: Any,
@@ -72,16 +64,14 @@ def gated_delta_rule(
 
     batch, tokens, _, k_dim = key.shape
     v_heads, v_dim = value.shape[2], value.shape[3]
-    if use_qk_l2norm_in_kernel:
-        query, key = _unit_normed(query), _unit_normed(key)
-    scaled = query.float() * k_dim**-0.5
     if initial_state is None:
         state_t = torch.zeros(batch, v_heads, v_dim, k_dim, dtype=torch.float32)
     else:
         state_t = _copied(initial_state.transpose(-1, -2), torch.float32)
     counts = np.asarray(lengths if lengths is not None else [tokens] * batch, dtype=np.int64)
-    q, k, v, decays, rates = (_array(t) for t in (scaled, key, value, g, beta))
-    out = recurrence(q, k, v, decays, rates, counts, state_t.numpy(), torch.get_num_threads())
+    q, k, v, decays, rates = (t.float().numpy() for t in (query, key, value, g, beta))  # views if float32
+    threads = torch.get_num_threads()
+    out = recurrence(q, k, v, decays, rates, counts, state_t.numpy(), threads, use_qk_l2norm_in_kernel)
     result = torch.from_numpy(out).to(value.dtype)
     final = state_t.transpose(-1, -2) if output_final_state else None
     return result, final

@@ -268,12 +268,14 @@ class _Mixers:
             activation=mixer.activation,
         )
         mixed = conv.transpose(1, 2)[:, kernel:]  # [rows, width, conv_dim]
+        repeat = mixer.num_v_heads // mixer.num_k_heads
+        own_rule = chunk_rule is gated_delta_rule  # the CPU kernel: shared key heads, each row's own length
+        if own_rule:  # it reads float32 views of any strides: one conversion for all three
+            mixed = mixed.float()
         query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         query = query.reshape(rows, width, -1, mixer.head_k_dim)
         key = key.reshape(rows, width, -1, mixer.head_k_dim)
         value = value.reshape(rows, width, -1, mixer.head_v_dim)
-        repeat = mixer.num_v_heads // mixer.num_k_heads
-        own_rule = chunk_rule is gated_delta_rule  # the CPU kernel: shared key heads, each row's own length
         if repeat > 1 and not own_rule:
             query = query.repeat_interleave(repeat, dim=2)
             key = key.repeat_interleave(repeat, dim=2)
