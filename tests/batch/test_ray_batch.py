@@ -57,15 +57,20 @@ def watch(process: subprocess.Popen, timeout: float) -> dict:
 
     def ended() -> bool:
         try:
-            for child in [root, *root.children(recursive=True)]:
+            children = [root, *root.children(recursive=True)]
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            children = []
+        for child in children:
+            try:  # each on its own: one that ended between two looks must not hide the others
+                if child.pid not in seen["pids"]:
+                    command = " ".join(child.cmdline())
+                    seen["pids"].add(child.pid)
+                    seen["commands"].append(command)
                 listening, connected = addresses_of(child)
                 seen["listening"] |= listening
                 seen["connected"] |= connected
-                if child.pid not in seen["pids"]:
-                    seen["pids"].add(child.pid)
-                    seen["commands"].append(" ".join(child.cmdline()))
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            pass  # a process that ended between two looks
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                continue
         return process.poll() is not None
 
     wait_until(ended, timeout=timeout, what="the Ray batch to finish", every=0.2)

@@ -112,7 +112,22 @@ def ready_servers(gateway: Gateway) -> set[str]:
     return seen
 
 
+def in_flight(gateway: Gateway) -> float:
+    """Requests the gateway's by_state replicas are serving now, from its own metrics."""
+    metrics = httpx.get(f"http://127.0.0.1:{gateway.env['SEMIF_GATEWAY_OPS_PORT']}/metrics", timeout=5).text
+    counts = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("haproxy_server_current_sessions{") and 'proxy="by_state"' in line
+    ]
+    assert counts, "the gateway's metrics name no by_state server"
+    return sum(counts)
+
+
 def decide(gateway: Gateway, state: str, header: bool = True, **kw) -> httpx.Response:
+    """POST a decision once no earlier request still counts against a replica: the bounded-load
+    hash diverts a key from a replica whose last stream HAProxy has not yet ended."""
+    wait_until(lambda: in_flight(gateway) == 0)
     headers = dict(AUTH)
     if header:
         headers[STATE_KEY_HEADER] = state_key(state)
