@@ -280,3 +280,35 @@ def test_a_run_continued_from_its_stored_state_gives_the_bits_of_one_unbroken_ru
             **options,
         )
         assert torch.equal(torch.cat([first, rest], dim=1), whole) and torch.equal(state, whole_state)
+
+
+def _rule_in_child(queue) -> None:
+    # numpy in and out, two parts: one on a worker thread (no torch op, whose OpenMP a fork may hang)
+    import numpy as np
+
+    from semif_serve.engine.delta_rule_rows import recurrence
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 600, 4, 32), dtype=np.float32) for _ in range(3))
+    g, beta = -rng.random((2, 600, 4), dtype=np.float32), rng.random((2, 600, 4), dtype=np.float32)
+    state = np.zeros((2, 4, 32, 32), dtype=np.float32)
+    out = recurrence(q, k, v, g, beta, np.array([600, 600]), state, threads=2, normed=True)
+    queue.put(float(out.sum()))
+
+
+def test_a_process_forked_after_the_rule_ran_runs_it_on_workers_of_its_own() -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    _rule_in_child(queue)  # the parent's worker threads exist now
+    expected = queue.get(timeout=60)
+    child = context.Process(target=_rule_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == expected  # a child that waited on the parent's threads hangs
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
