@@ -312,3 +312,20 @@ def test_a_process_forked_after_the_rule_ran_runs_it_on_workers_of_its_own() -> 
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
+
+
+def test_the_bf16_convolution_rounds_its_float32_sum_to_nearest_even_as_torch_does_and_keeps_nan() -> None:
+    # Taps (0, 0, 1, 1): each output is x[t] + x[t-1], exact in float32, then rounded once; the
+    # sums at t = 1, 2, 3, 5 lie halfway between two bf16 values.
+    ones = [1.0, 2**-8, 1 + 2**-7, 2**-8, -1.0, -(2**-8), 3.0, 2**-7]
+    nan = [0.5, float("nan"), 0.25, 0.0, 1.0, 1.0, 1.0, 1.0]
+    x = torch.tensor([ones, nan]).to(torch.bfloat16)[None]  # [batch, channels, tokens]
+    weight = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 2).to(torch.bfloat16)
+    got = linear_attention_cpu.causal_conv1d(x, weight, None, activation=None)
+    exact = x[0, 0].double()
+    sums = torch.cat([exact[:1], exact[1:] + exact[:-1]])  # exact in float64 and in float32
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got[0, 0], sums.float().to(torch.bfloat16))
+    assert torch.equal(got[0, 0, 1:4], torch.tensor([1.0, 1 + 2**-6, 1 + 2**-6]).to(torch.bfloat16))
+    # A NaN reaches every output whose window holds it (times a zero tap too), as IEEE has it.
+    assert torch.isnan(got[0, 1, 1:5]).all() and not torch.isnan(got[0, 1, [0, 5, 6, 7]]).any()

@@ -15,43 +15,25 @@ taken as exactly 0, as the chunked kernel did: a term that small cannot move a f
 and its products would be subnormals (every op on one takes the CPU's slow path).
 
 The state is held transposed, `[value dim, key dim]`, so each value column's key row is
-contiguous. Worker threads flush subnormals to zero for their whole life (they run only this).
+contiguous. Rows are split across the forward's threads (`engine.compiled_parts`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numba
 import numpy as np
 
-log = logging.getLogger("semif_serve.engine")
+from semif_serve.engine.compiled_parts import compiled, run_split
 
 SMALLEST_DECAY_LOG = -50.0  # exp(-50) ~ 2e-22: a term that small cannot move a float32 sum
 # Below this many token-rows a call runs on the calling thread alone: handing work to another
 # thread costs more than it saves.
 _SPLIT_AT = 2048
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
-
-def _compiled(function: Any) -> Any:
-    """`function` compiled at first use, and cached on disk where numba finds a writable place
-    (beside this file, else NUMBA_CACHE_DIR or ~/.cache/numba); else compiled anew each start."""
-    try:
-        return numba.njit(cache=True, nogil=True, fastmath=True, boundscheck=False)(function)
-    except RuntimeError:  # numba found no writable cache directory
-        log.warning("the gated delta rule's compiled kernel is not cached: no writable cache directory")
-        return numba.njit(cache=False, nogil=True, fastmath=True, boundscheck=False)(function)
-
-
-@_compiled
+@compiled
 def _unit(source, into, normed, scale):
     """`source` (any strides) into the contiguous `into`, scaled to unit length if `normed` (the
     reference's l2 norm, eps 1e-6), then times `scale`. The sum reads `into`, so its order (and
@@ -68,7 +50,7 @@ def _unit(source, into, normed, scale):
         into[i] *= factor
 
 
-@_compiled
+@compiled
 def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest, normed):
     """Rows `lo:hi` (batch row times value heads + head) of the rule: see the module docstring.
     Every token runs the same loops whatever came before it in this call, so a run continued
@@ -107,33 +89,6 @@ def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest, normed):
                 row_out[j] = read
 
 
-def _threads_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(
-                max_workers=max(1, (os.cpu_count() or 1) - 1),
-                thread_name_prefix="semif-delta-rule",
-                initializer=_flush_subnormals,
-            )
-        return _pool
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's worker threads do not exist here, so start new ones."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _flush_subnormals() -> None:
-    import torch
-
-    torch.set_flush_denormal(True)
-
-
 def recurrence(
     query: Any,
     key: Any,
@@ -153,16 +108,10 @@ def recurrence(
     batch, tokens = value.shape[0], value.shape[1]
     rows = batch * value.shape[2]
     out = np.empty(value.shape, dtype=np.float32)
-    parts = max(1, min(threads, rows, rows * tokens // _SPLIT_AT))
-    cuts = [rows * p // parts for p in range(parts + 1)]
-
     arrays = (query, key, value, g, beta, lengths, state_t, out)
 
-    def part(p: int) -> None:
-        _rows(*arrays, cuts[p], cuts[p + 1], SMALLEST_DECAY_LOG, normed)
+    def part(lo: int, hi: int) -> None:
+        _rows(*arrays, lo, hi, SMALLEST_DECAY_LOG, normed)
 
-    others = [_threads_pool().submit(part, p) for p in range(1, parts)] if parts > 1 else []
-    part(0)
-    for other in others:
-        other.result()
+    run_split(part, rows, threads, min_items=max(1, _SPLIT_AT // max(1, tokens)))
     return out

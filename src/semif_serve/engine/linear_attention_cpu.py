@@ -9,10 +9,10 @@ What differs from the reference, and why each is exact to float32 rounding:
   products are computed once per key head, not per value head after a repeat; decays under
   exp(-50) (~2e-22) are exactly 0 (a term that small cannot move a float32 sum, and its
   products would be subnormals, on which every op takes the CPU's slow path);
-- the causal convolution runs on the `[batch, tokens, channels]` layout the projection wrote,
-  as K shifted multiply-adds in float32 rounded once to the weights' dtype, reading a bf16 input
-  as it is (the reference transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB
-  stride);
+- the causal convolution runs on the `[batch, tokens, channels]` layout the projection wrote
+  (the reference transposed to `[batch, channels, tokens]` first: a copy at a 4 KiB stride),
+  its float32 sum rounded once to the weights' dtype: for a bf16 model compiled, one pass from
+  bf16 to bf16 (`engine.causal_conv_rows`), else as K shifted multiply-adds in float32;
 - subnormal floats are flushed to zero while the decoder runs (`torch.set_flush_denormal`): with
   strong decays the state's terms fall under 1e-38, where every CPU op takes a slow path.
 
@@ -98,12 +98,24 @@ def causal_conv1d(
     """transformers' `causal_conv1d_fn`: the depthwise causal convolution of `[batch, channels,
     tokens]` (zero left padding), optionally activated; returns the same layout (a view of a
     `[batch, tokens, channels]` tensor)."""
+    import numpy as np
     import torch
     from transformers.activations import ACT2FN
 
     x = hidden_states.transpose(1, 2)  # a view when the projection wrote [b, t, c]
     taps = weight.to(torch.float32).t().contiguous()  # [kernel, channels]
     kernel, tokens = taps.shape[0], x.shape[1]
+    if x.dtype == weight.dtype == torch.bfloat16:
+        from semif_serve.engine.causal_conv_rows import convolve_bf16
+
+        shift = bias.to(torch.float32) if bias is not None else torch.zeros(taps.shape[1])
+        bits = convolve_bf16(
+            x.view(torch.int16).numpy().view(np.uint16), taps.numpy(), shift.numpy(), torch.get_num_threads()
+        )
+        out = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        if activation is not None:
+            out = ACT2FN[activation](out)
+        return out.transpose(1, 2)
     out = x * taps[kernel - 1]  # float32: each product of the input's dtype rounds once, no copy first
     for shift in range(1, min(kernel, tokens)):
         out[:, shift:].addcmul_(x[:, : tokens - shift], taps[kernel - 1 - shift])

@@ -1,0 +1,74 @@
+"""What the engine's compiled CPU kernels (numba) share: how they are compiled, and how a call's
+work is split across the forward's threads (the calling thread and worker threads of their own).
+
+Worker threads flush subnormals to zero for their whole life (they run only these kernels); a
+forked child starts its own (a fork copies none of the parent's threads). Numba is imported
+only by the modules that define kernels, which only the CPU path imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger("semif_serve.engine")
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def compiled(function: Any) -> Any:
+    """`function` compiled by numba at first use (nogil, fastmath), and cached on disk where numba
+    finds a writable place (beside its file, else NUMBA_CACHE_DIR or ~/.cache/numba); else
+    compiled anew at each start."""
+    import numba
+
+    try:
+        return numba.njit(cache=True, nogil=True, fastmath=True, boundscheck=False)(function)
+    except RuntimeError:  # numba found no writable cache directory
+        log.warning("a compiled CPU kernel is not cached: no writable cache directory")
+        return numba.njit(cache=False, nogil=True, fastmath=True, boundscheck=False)(function)
+
+
+def run_split(work: Callable[[int, int], None], items: int, threads: int, min_items: int) -> None:
+    """`work(lo, hi)` over `0:items` in up to `threads` contiguous parts, each at least
+    `min_items` long (handing a smaller part to another thread costs more than it saves); the
+    first part runs on the calling thread."""
+    parts = max(1, min(threads, items // max(1, min_items)))
+    cuts = [items * p // parts for p in range(parts + 1)]
+    pool = _threads_pool() if parts > 1 else None
+    others = [pool.submit(work, cuts[p], cuts[p + 1]) for p in range(1, parts)] if pool else []
+    work(cuts[0], cuts[1])
+    for other in others:
+        other.result()
+
+
+def _threads_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(1, (os.cpu_count() or 1) - 1),
+                thread_name_prefix="semif-kernel",
+                initializer=_flush_subnormals,
+            )
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's worker threads do not exist here, so start new ones."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _flush_subnormals() -> None:
+    import torch
+
+    torch.set_flush_denormal(True)
