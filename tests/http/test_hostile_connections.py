@@ -102,12 +102,26 @@ def test_a_connection_whose_body_was_left_unread_closes_after_the_reply_whatever
         assert closed_within(sock, 5)
 
 
-def test_a_refused_post_whose_body_is_still_owed_closes_its_connection(server):
+def test_a_refused_post_whose_body_is_still_owed_closes_its_connection_and_says_so(server):
     sock = server.connect(head("POST", "/decide", "Content-Length: 1000000\r\n") + b"{")
     status, headers, body = read_response(sock)
     assert_envelope(status, headers, body, 401, "unauthorized")
+    # Said in the head: a keep-alive client must not send its next request on this connection.
+    assert headers.get("connection") == "close", headers
     sock.sendall(b'"id": ')
     assert closed_within(sock, 5)
+
+
+def test_a_keep_alive_client_whose_post_was_refused_unread_sends_its_next_request_on_a_new_connection(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for _ in range(5):  # the next POST had raced the server's close: "Server disconnected"
+            refused = client.post(
+                "/decide", content=b"{" * 2_000_000, headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+            assert refused.status_code == 413 and refused.headers["connection"] == "close"
+            answered = client.post("/decide", json=decision(), headers={"Authorization": f"Bearer {TOKEN}"})
+            assert answered.status_code == 200, answered.text
+            assert "close" not in answered.headers.get("connection", "")
 
 
 def refusal_of_a_body_sent_late(server) -> tuple[int, bytes, bool]:

@@ -9,11 +9,12 @@ over h11's 16 KiB) is answered with the error envelope (`400 invalid_http_reques
 uvicorn's plain text, and the connection is closed; headers that do not complete within
 SEMIF_HEADER_TIMEOUT_SECONDS of the connection opening (or of the previous response) get
 `408 header_timeout` and the connection is closed; and a response sent before the request's
-body was read whole (a refusal, a GET with a body) ends the connection: the server's side is
-closed after the response (the client reads it, then the end of the stream), and what the
-client still sends is read and dropped for at most LINGER_SECONDS and LINGER_BYTES before the
-socket closes (nginx's lingering close: closing with unread bytes sends a reset, which may
-destroy the response before the client has read it), so no byte keeps the connection open.
+body was read whole (a refusal, a GET with a body) says `Connection: close` and ends the
+connection: the server's side is closed after the response (the client reads it, then the end
+of the stream), and what the client still sends is read and dropped for at most LINGER_SECONDS
+and LINGER_BYTES before the socket closes (nginx's lingering close: closing with unread bytes
+sends a reset, which may destroy the response before the client has read it), so no byte keeps
+the connection open.
 
 The first SIGTERM/SIGINT stops admitting (new POSTs get 503 draining, /health says
 draining so a load balancer takes the replica out) while the socket stays open; in-flight
@@ -73,6 +74,17 @@ class StrictConnection(h11.Connection):
             if b"content-length" in names and b"transfer-encoding" in names:
                 self._refuse("the request has both Content-Length and Transfer-Encoding")
         return event
+
+    def send(self, event):
+        """h11's bytes for `event`; a response head sent while the request's body is still owed
+        says `Connection: close`, so a keep-alive client does not send its next request on a
+        connection that ends after this response. (h11 is not told: it would have uvicorn close
+        the socket at once, where the body's bytes still in flight would reset it.)"""
+        data = super().send(event)
+        if isinstance(event, h11.Response) and self.their_state is h11.SEND_BODY and data:
+            if b"connection" not in {name for name, _ in event.headers}:
+                data = data[:-2] + b"connection: close\r\n\r\n"
+        return data
 
     def _refuse_loose_head(self) -> None:
         buffered = self.trailing_data[0][: MAX_HEAD_BYTES + 4]
