@@ -85,13 +85,6 @@ def _copied(tensor: Any, dtype: Any) -> Any:
     return out.copy_(tensor)
 
 
-def _array(tensor: Any) -> Any:
-    """`tensor` as a float32 C-contiguous numpy array (a view where it already is one)."""
-    import torch
-
-    return tensor.to(torch.float32).contiguous().numpy()
-
-
 def causal_conv1d(
     hidden_states: Any, weight: Any, bias: Any | None = None, activation: str | None = None, **kwargs: Any
 ) -> Any:
