@@ -62,9 +62,10 @@ def watch(process: subprocess.Popen, timeout: float) -> dict:
             children = []
         for child in children:
             try:  # each on its own: one that ended between two looks must not hide the others
-                if child.pid not in seen["pids"]:
-                    command = " ".join(child.cmdline())
-                    seen["pids"].add(child.pid)
+                # read at every look: a child caught between fork and exec still shows its parent's command
+                command = " ".join(child.cmdline())
+                seen["pids"].add(child.pid)
+                if command not in seen["commands"]:
                     seen["commands"].append(command)
                 listening, connected = addresses_of(child)
                 seen["listening"] |= listening
