@@ -10,8 +10,10 @@ over the state) as vectorised loops over contiguous rows, ~2x faster on a packed
 
     S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  out = S^T q
 
-with the decay applied after the key's product (one pass fewer), and decays under exp(-50)
-taken as exactly 0, as the chunked kernel did: a term that small cannot move a float32 sum,
+with the decay applied after the key's product (one pass fewer), the output read from the state
+before this token's write (`S'^T q = exp(g) S^T q + (k . q) delta`: both products in one pass
+over the state, and the write no longer waits on a sum), and decays under exp(-50) taken as
+exactly 0, as the chunked kernel did: a term that small cannot move a float32 sum,
 and its products would be subnormals (every op on one takes the CPU's slow path).
 
 The state is held transposed, `[value dim, key dim]`, so each value column's key row is
@@ -71,22 +73,24 @@ def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest, normed):
         for t in range(length):
             _unit(k[b, t, hk], key, normed, 1.0)
             _unit(q[b, t, hk], query, normed, scale)
+            key_query = np.float32(0.0)
+            for i in range(key_dim):
+                key_query += key[i] * query[i]
             log_decay = g[b, t, h]
             decay = np.float32(math.exp(log_decay)) if log_decay >= smallest else np.float32(0.0)
             rate = beta[b, t, h]
             value, row_out = v[b, t, h], out[b, t, h]
             for j in range(value_dim):
                 column = state[j]
-                total = np.float32(0.0)  # S^T k, before the decay
+                keyed = np.float32(0.0)  # S^T k and S^T q, both before the decay, in one pass
+                queried = np.float32(0.0)
                 for i in range(key_dim):
-                    total += column[i] * key[i]
-                delta = (value[j] - decay * total) * rate
-                read = np.float32(0.0)
+                    keyed += column[i] * key[i]
+                    queried += column[i] * query[i]
+                delta = (value[j] - decay * keyed) * rate
+                row_out[j] = decay * queried + key_query * delta
                 for i in range(key_dim):
-                    s = decay * column[i] + delta * key[i]
-                    column[i] = s
-                    read += query[i] * s
-                row_out[j] = read
+                    column[i] = decay * column[i] + delta * key[i]
 
 
 def recurrence(

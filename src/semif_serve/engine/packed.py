@@ -323,13 +323,20 @@ class _Mixers:
                 values = torch.cat([before[1].to(values.dtype), values], dim=2)
             self.ends[i][layer] = (keys, values)
             past = keys.shape[2] - (hi - lo)
-            allowed = torch.ones(hi - lo, keys.shape[2], dtype=torch.bool, device=keys.device).tril(past)
+            # From position 0 the causal flag says it all (the fused kernel, no mask to read).
+            allowed = (
+                torch.ones(hi - lo, keys.shape[2], dtype=torch.bool, device=keys.device).tril(past)
+                if past
+                else None
+            )
             out[:, :, lo:hi] = torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, lo:hi],
-                keys.repeat_interleave(groups, dim=1),
-                values.repeat_interleave(groups, dim=1),
+                keys,
+                values,
                 attn_mask=allowed,
+                is_causal=not past,
                 scale=attn.scaling,
+                enable_gqa=groups > 1,
             )
         attended = out[0].transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate)
         return attn.o_proj(attended)
