@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ class PromptCodec:
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._boundary_tokens = [t.content for t in added.values() if not getattr(t, "rstrip", False)]
         self._splits_after_state: bool | None = None
+        self._preamble: tuple[int, ...] | None = None
         self._spans: dict[str, ImageSpan] = {}  # placeholder as rendered in JSON -> its image
         self._span_pattern: re.Pattern[str] | None = None
 
@@ -155,6 +157,17 @@ class PromptCodec:
         if self._splits_after_state is None:
             self._splits_after_state = all(self._split_is_exact(state) for state in SPLIT_PROBES)
         return self._splits_after_state
+
+    @property
+    def preamble(self) -> tuple[int, ...]:
+        """The ids every prompt starts with, whatever its state, question and options (the system
+        turn and the user turn up to its state): the ids the probe states' prompts all share,
+        less the last (a token can merge across the cut). Computed once."""
+        if self._preamble is None:
+            rendered = (self.render_prompt(state, "Did it?", ("Yes.", "No.")) for state in SPLIT_PROBES)
+            shared = os.path.commonprefix([self.encode(text) for text in rendered])
+            self._preamble = tuple(shared[:-1])
+        return self._preamble
 
     def _split_is_exact(self, state: Any) -> bool:
         head: StateHead | None = None

@@ -231,7 +231,9 @@ def state_start(
             return None, how, True, cache.longest_prefix(prefix[:state_tokens], adapter)
         return start, how, False, None
     start = cache.longest_prefix(prefix, adapter)
-    return start, "extended" if start is not None and stepped is None else "fresh", False, None
+    # From the preamble alone a state is new: only the ids every prompt starts with were stored.
+    extended = start is not None and not start.preamble and stepped is None
+    return start, "extended" if extended else "fresh", False, None
 
 
 def _fork(states: dict[int, StoredState | None], row_adapters: Sequence[int]) -> Any:

@@ -125,6 +125,7 @@ class PackedRunner:
         self.stepped = groups.stepped
         self.lone = groups.lone
         self.shapes = groups.shapes
+        self.unkept_preambles: set[int] = set()  # adapters whose preamble outgrows the cache's budget
 
     def run(self, groups: Sequence[Group[PreparedRows]], direct_reuse: bool) -> list[Outcome]:
         """The outcome of each group (its rows' results, or UNFINISHED), from one packed forward."""
@@ -194,9 +195,11 @@ class PackedRunner:
         entry = _Planned(group, [])
         if len(parts) == 1 and first.direct:
             ids = first.prompts[0].ids
+            ref = self._preamble(first.preamble, ids, first.adapter, plan)
             how = RowRead(0, first.n_options[0], None, False)
-            entry.reads.append(plan.read(ids, Ref(), first.adapter, images, how))
-            entry.direct, entry.row_tokens, entry.width = True, len(ids), len(ids)
+            entry.reads.append(plan.read(ids, ref, first.adapter, images, how))
+            computed = len(ids) - (ref.covers if ref.start is not None else 0)
+            entry.direct, entry.row_tokens, entry.width = True, computed, computed
             return entry
         prefix = first.prefix if group.prefix_key is not None else []
         adapters = sorted({p.job.payload.adapter for p in parts})
@@ -209,7 +212,8 @@ class PackedRunner:
                 return entry
         if self._past_one_chunk(group, prefix, adapters):
             return None
-        refs = {a: self._state(prefix, first.state_tokens, images, a, plan, entry) for a in adapters}
+        state_tokens, preamble = first.state_tokens, first.preamble
+        refs = {a: self._state(prefix, state_tokens, images, a, plan, entry, preamble) for a in adapters}
         entry.prefix_tokens = len(prefix)
         for part in parts:
             prepared = part.job.payload
@@ -261,9 +265,11 @@ class PackedRunner:
         adapter: int,
         plan: ForwardPlan,
         entry: _Planned,
+        preamble: tuple[int, ...] = (),
     ) -> Ref:
         """`GroupRunner._state` planned into the forward: the ref the rows continue (a cached state,
-        or segments computing it from the longest cached prefix, kept in their tiers)."""
+        or segments computing it from the longest cached prefix, else from the preamble, kept in
+        their tiers)."""
         if not prefix:
             return Ref()
         kind = QUESTION if len(prefix) > state_tokens else STATE
@@ -275,10 +281,14 @@ class PackedRunner:
         entry.stepped_seconds += stepped or 0.0
         start, how, state_first, superseded = state_start(self.cache, prefix, state_tokens, adapter, stepped)
         ref = _ref_of(start)
+        if start is None and superseded is None:  # nothing of it stored: from the preamble
+            ref = self._preamble(preamble, prefix, adapter, plan)
+            entry.state_tokens += ref.covers if ref.parent is not None else 0
         if state_first:
             ref = self._kept(
-                prefix[:state_tokens], _ref_of(superseded), STATE, images, adapter, plan=plan, entry=entry
-            )
+                prefix[:state_tokens], ref if superseded is None else _ref_of(superseded), STATE, images,
+                adapter, plan=plan, entry=entry,
+            )  # fmt: skip
         if stepped is not None:  # continue from the last step's slice where it is the longer start
             longer = self.cache.longest_prefix(prefix, adapter)
             if longer is not None and len(longer) > ref.covers:
@@ -303,6 +313,28 @@ class PackedRunner:
     ) -> Ref:
         entry.state_tokens += len(ids) - ref.covers
         return plan.keep(ids, ref, adapter, images, lambda cache: self.cache.put(ids, cache, kind, adapter))
+
+    def _preamble(
+        self, preamble: tuple[int, ...], ids: Sequence[int], adapter: int, plan: ForwardPlan
+    ) -> Ref:
+        """What a sequence computed from position 0 continues: the stored state of the preamble
+        every prompt starts with, else the preamble as a segment of this forward, kept for every
+        later prompt; nothing where `ids` do not go past it, or it is larger than the cache's
+        whole budget."""
+        n = len(preamble)
+        if not n or len(ids) <= n or tuple(ids[:n]) != preamble or adapter in self.unkept_preambles:
+            return Ref()
+        stored = self.cache.peek(preamble, STATE, adapter)
+        if stored is not None:
+            return _ref_of(stored)
+
+        def store(cache: Any) -> StoredState:
+            stored = self.cache.put(preamble, cache, STATE, adapter, preamble=True)
+            if stored.nbytes > self.cache.budget_bytes:
+                self.unkept_preambles.add(adapter)  # the cache can never keep it: never planned again
+            return stored
+
+        return plan.keep(preamble, Ref(), adapter, None, store)
 
     def _read(
         self, plan: ForwardPlan, packed: Packed

@@ -65,6 +65,9 @@ class PreparedRows:
     # None: SemIf's answer slots, read as `read_slots` does.
     columns: tuple[tuple[int, ...], ...] | None = None
     hidden: bool = False  # its rows read their last hidden states (float32), no logits
+    # The ids every prompt of its method starts with, which its prompts do (`PromptCodec.preamble`;
+    # empty: none): a prompt computed from position 0 continues the preamble's stored state.
+    preamble: tuple[int, ...] = ()
 
     def job(self, job_id: Hashable) -> Job[PreparedRows]:
         """The batching job for these rows (rows sized after the prefix)."""

@@ -192,6 +192,9 @@ class TorchEngine:
         if image_set is not None:
             over = prefix or list(state_ids)
             image_set.preprocess(self._uncached_images(image_set, over, prompts, adapter))
+        preamble = self.codec.preamble if not direct or self.direct_path == "reuse" else ()
+        if any(tuple(p.ids[: len(preamble)]) != preamble for p in prompts):
+            preamble = ()
         return PreparedRows(
             prompts=prompts,
             n_options=[len(row.descriptions) for row in rows],
@@ -202,6 +205,7 @@ class TorchEngine:
             state_ids=state_ids,
             images=image_set,
             adapter=adapter,
+            preamble=preamble,
         )
 
     def readout(self, prepared: PreparedRows, scored: Sequence[ScoredRow]) -> Readout:

@@ -127,9 +127,10 @@ class StoredState:
     """A prefilled state at the exact boundary of `ids` under `adapter` (the adapter bank's
     index, BASE for the base); hand out `fork(rows)`, never the cache."""
 
-    def __init__(self, ids: Sequence[int], cache: Any, adapter: int = BASE) -> None:
+    def __init__(self, ids: Sequence[int], cache: Any, adapter: int = BASE, preamble: bool = False) -> None:
         self.ids: tuple[int, ...] = tuple(int(t) for t in ids)
         self.adapter = adapter
+        self.preamble = preamble  # the ids every prompt starts with: no request's state
         self.digest = state_key(self.ids, adapter)
         self.nbytes = state_bytes(cache)
         self._cache = cache
@@ -238,16 +239,25 @@ class StateCache:
     def get(self, ids: Sequence[int], kind: str = STATE, adapter: int = BASE) -> StoredState | None:
         """The state stored for exactly `ids` under `adapter` in tier `kind` (now most recently
         used), or None; counts a hit or miss of that kind."""
-        key = state_key(ids, adapter)
         with self._lock:
-            tier = self._tiers[kind]
-            entry = tier.get(key)
-            if entry is None or entry.ids != tuple(ids):
-                self._lookups[kind][1] += 1
-                return None
-            tier.move_to_end(key)
-            self._lookups[kind][0] += 1
+            entry = self._recent(ids, kind, adapter)
+            self._lookups[kind][0 if entry is not None else 1] += 1
             return entry
+
+    def peek(self, ids: Sequence[int], kind: str = STATE, adapter: int = BASE) -> StoredState | None:
+        """`get` without counting a hit or miss (a lookup no request asked for: the preamble's)."""
+        with self._lock:
+            return self._recent(ids, kind, adapter)
+
+    def _recent(self, ids: Sequence[int], kind: str, adapter: int) -> StoredState | None:
+        """The entry for exactly `ids` in tier `kind`, now most recently used (the lock held)."""
+        key = state_key(ids, adapter)
+        tier = self._tiers[kind]
+        entry = tier.get(key)
+        if entry is None or entry.ids != tuple(ids):
+            return None
+        tier.move_to_end(key)
+        return entry
 
     def has(self, ids: Sequence[int], kind: str | None = None, adapter: int = BASE) -> bool:
         """Whether exactly `ids` is stored under `adapter` in tier `kind` (None: in either tier);
@@ -281,13 +291,15 @@ class StateCache:
                 self._tiers[best_kind].move_to_end(best.digest)
             return best
 
-    def put(self, ids: Sequence[int], cache: Any, kind: str = STATE, adapter: int = BASE) -> StoredState:
+    def put(
+        self, ids: Sequence[int], cache: Any, kind: str = STATE, adapter: int = BASE, preamble: bool = False
+    ) -> StoredState:
         """Take ownership of `cache` (prefilled over exactly `ids` under `adapter`, one row) and
         store it in tier `kind`, evicting least-recently-used entries to fit (question prefixes
         first; a question prefix never evicts a state prefix); what cannot fit is returned
         unstored, as is what would need a pinned entry evicted. The caller must use the returned
         state's `fork`, never `cache` again."""
-        state = StoredState(ids, cache, adapter)
+        state = StoredState(ids, cache, adapter, preamble)
         with self._lock:
             for tier_kind, tier in self._tiers.items():
                 old = tier.pop(state.digest, None)
