@@ -18,6 +18,7 @@ from semif_serve.app import create_app
 from semif_serve.service.startup import Service
 from tests.http.test_admission import Exchange, scope, while_every_slot_is_taken
 from tests.support import TOKEN, decision, make_settings
+from tests.support.batch import assert_close
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LIMIT = 4000
@@ -133,8 +134,8 @@ def test_both_doors_answer_the_same_valid_body_after_a_gzip_round_trip(server, p
     plain = post(server, path, body, {**PLAIN, **AUTH})
     packed = post(server, path, gzip.compress(body), {**PLAIN, **AUTH, "Content-Encoding": "gzip"})
     assert (plain.status_code, packed.status_code) == (200, 200), packed.text
-    if path.startswith("/v1/"):
-        assert packed.json()["answers"] == plain.json()["answers"]
+    if path.startswith("/v1/"):  # its default orderings share a state: the repeat reads the stored one
+        assert_close(packed.json()["answers"], plain.json()["answers"])
 
 
 def test_a_percent_encoded_systemone_path_is_404_in_typesafes_shape(server):
