@@ -17,7 +17,7 @@ from semif_serve.domain.requests import BASE, RowsRequest
 from semif_serve.domain.types import PromptRow
 from semif_serve.engine.batching import Group
 from semif_serve.engine.forwards import head_logits
-from semif_serve.engine.packed import Segment, packed_forward
+from semif_serve.engine.packed import Segment, _causal_attention, packed_forward
 from semif_serve.engine.runner import _whole
 from semif_serve.engine.state_cache import StoredState
 from tests.support.peft_oracle import fresh_base, peft_last, peft_model
@@ -185,3 +185,21 @@ def test_one_engine_turn_answers_rows_of_requests_over_different_states_as_plain
                 ]
             assert row.run.forward_requests == 16 and row.run.packed
             assert torch.allclose(torch.tensor(row.option_logits), want, atol=TOLERANCE), n
+
+
+@pytest.mark.parametrize("past", [0, 7, 20, 63])  # none, shorter than the queries, as long, longer
+def test_attention_after_a_past_equals_a_softmax_written_out(past):
+    torch.manual_seed(past)
+    n, heads, key_heads, dim, scale = 20, 4, 2, 16, 0.25
+    query = torch.randn(1, heads, n, dim)
+    keys, values = torch.randn(1, key_heads, past + n, dim), torch.randn(1, key_heads, past + n, dim)
+
+    got = _causal_attention(query, keys, values, past, scale, heads // key_heads)
+
+    shared_keys = keys.repeat_interleave(heads // key_heads, dim=1)
+    shared_values = values.repeat_interleave(heads // key_heads, dim=1)
+    scores = (query @ shared_keys.transpose(-1, -2)) * scale
+    later = torch.arange(past + n)[None, :] > (past + torch.arange(n))[:, None]  # keys after each query
+    weights = torch.exp(scores.masked_fill(later, float("-inf")) - scores.amax(-1, keepdim=True))
+    want = (weights / weights.sum(-1, keepdim=True)) @ shared_values
+    assert (got - want).abs().max().item() <= 1e-5

