@@ -93,7 +93,7 @@ def test_a_lone_question_over_a_new_state_computes_only_its_tokens_past_the_stor
     service = Service.start(make_settings(checkpoint), engine=engine)
     preamble = engine.codec.preamble
     stored = service.engine.cache.peek(preamble, STATE)
-    assert stored is not None and stored.preamble  # the warm-up's lone question kept it
+    assert stored is not None and stored.is_preamble  # the warm-up's lone question kept it
     before = service.engine.cache.stats()
     state = "The nightly backup of the billing database failed at 02:14 with a full disk."
 
@@ -123,7 +123,7 @@ def test_the_first_forward_keeps_the_preamble_and_rows_of_new_states_continue_it
     assert first.ids == preamble and first.keep and first.start is None and first.parent is None
     assert row.parent == 0 and row.read
     stored = service.engine.cache.peek(preamble, STATE)
-    assert stored is not None and stored.preamble
+    assert stored is not None and stored.is_preamble
 
 
 def test_a_new_state_shared_by_several_questions_is_prefilled_fresh_from_the_preamble_and_kept(
@@ -192,7 +192,7 @@ def test_each_model_reads_a_new_state_from_its_own_preamble_as_its_whole_prompt_
             assert reply.status_code == 200, reply.text
             answers[path] = reply.json()
             starts = [s.start for s in forwards[-1]]
-    assert starts[0] is not None and starts[0].preamble
+    assert starts[0] is not None and starts[0].is_preamble
     assert (starts[0].adapter != BASE) == served.adapter
     reuse, plain = answers["reuse"], answers["plain"]
     assert max(abs(a - b) for a, b in zip(reuse["option_logits"], plain["option_logits"], strict=True)) <= TOL

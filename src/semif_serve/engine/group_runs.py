@@ -232,7 +232,7 @@ def state_start(
         return start, how, False, None
     start = cache.longest_prefix(prefix, adapter)
     # From the preamble alone a state is new: only the ids every prompt starts with were stored.
-    extended = start is not None and not start.preamble and stepped is None
+    extended = start is not None and not start.is_preamble and stepped is None
     return start, "extended" if extended else "fresh", False, None
 
 

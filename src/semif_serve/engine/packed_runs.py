@@ -329,7 +329,7 @@ class PackedRunner:
             return _ref_of(stored)
 
         def store(cache: Any) -> StoredState:
-            stored = self.cache.put(preamble, cache, STATE, adapter, preamble=True)
+            stored = self.cache.put(preamble, cache, STATE, adapter, is_preamble=True)
             if stored.nbytes > self.cache.budget_bytes:
                 self.unkept_preambles.add(adapter)  # the cache can never keep it: never planned again
             return stored

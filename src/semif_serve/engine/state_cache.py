@@ -127,10 +127,12 @@ class StoredState:
     """A prefilled state at the exact boundary of `ids` under `adapter` (the adapter bank's
     index, BASE for the base); hand out `fork(rows)`, never the cache."""
 
-    def __init__(self, ids: Sequence[int], cache: Any, adapter: int = BASE, preamble: bool = False) -> None:
+    def __init__(
+        self, ids: Sequence[int], cache: Any, adapter: int = BASE, is_preamble: bool = False
+    ) -> None:
         self.ids: tuple[int, ...] = tuple(int(t) for t in ids)
         self.adapter = adapter
-        self.preamble = preamble  # the ids every prompt starts with: no request's state
+        self.is_preamble = is_preamble  # the ids every prompt starts with: no request's state
         self.digest = state_key(self.ids, adapter)
         self.nbytes = state_bytes(cache)
         self._cache = cache
@@ -292,14 +294,20 @@ class StateCache:
             return best
 
     def put(
-        self, ids: Sequence[int], cache: Any, kind: str = STATE, adapter: int = BASE, preamble: bool = False
+        self,
+        ids: Sequence[int],
+        cache: Any,
+        kind: str = STATE,
+        adapter: int = BASE,
+        is_preamble: bool = False,
     ) -> StoredState:
         """Take ownership of `cache` (prefilled over exactly `ids` under `adapter`, one row) and
         store it in tier `kind`, evicting least-recently-used entries to fit (question prefixes
         first; a question prefix never evicts a state prefix); what cannot fit is returned
-        unstored, as is what would need a pinned entry evicted. The caller must use the returned
+        unstored, as is what would need a pinned entry evicted (`is_preamble`: the state of the
+        preamble every prompt starts with, docs/state-cache.md). The caller must use the returned
         state's `fork`, never `cache` again."""
-        state = StoredState(ids, cache, adapter, preamble)
+        state = StoredState(ids, cache, adapter, is_preamble)
         with self._lock:
             for tier_kind, tier in self._tiers.items():
                 old = tier.pop(state.digest, None)
