@@ -320,9 +320,9 @@ class PackedRunner:
         """What a sequence computed from position 0 continues: the stored state of the preamble
         every prompt starts with, else the preamble as a segment of this forward, kept for every
         later prompt; nothing where `ids` do not go past it, or it is larger than the cache's
-        whole budget."""
+        whole budget. `ids` start with it (`TorchEngine.prepare` sets it only where they do)."""
         n = len(preamble)
-        if not n or len(ids) <= n or tuple(ids[:n]) != preamble or adapter in self.unkept_preambles:
+        if not n or len(ids) <= n or adapter in self.unkept_preambles:
             return Ref()
         stored = self.cache.peek(preamble, STATE, adapter)
         if stored is not None:
