@@ -1,5 +1,6 @@
 """What the engine's compiled CPU kernels (numba) share: how they are compiled, and how a call's
-work is split across the forward's threads (the calling thread and worker threads of their own).
+work is split across the forward's threads (the calling thread and worker threads of their own,
+taking its parts in turn).
 
 Worker threads flush subnormals to zero for their whole life (they run only these kernels); a
 forked child starts its own (a fork copies none of the parent's threads). Numba is imported
@@ -8,6 +9,7 @@ only by the modules that define kernels, which only the CPU path imports.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -17,6 +19,8 @@ from typing import Any
 
 log = logging.getLogger("semif_serve.engine")
 
+# Parts per thread: small enough that a late thread's share is soon taken by the others.
+_PARTS_PER_THREAD = 4
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -35,16 +39,27 @@ def compiled(function: Any) -> Any:
 
 
 def run_split(work: Callable[[int, int], None], items: int, threads: int, min_items: int) -> None:
-    """`work(lo, hi)` over `0:items` in up to `threads` contiguous parts, each at least
-    `min_items` long (handing a smaller part to another thread costs more than it saves); the
-    first part runs on the calling thread."""
-    parts = max(1, min(threads, items // max(1, min_items)))
+    """`work(lo, hi)` over `0:items` in contiguous parts, each at least `min_items` long (handing a
+    smaller part to another thread costs more than it saves), taken in turn by the calling thread
+    and up to `threads - 1` workers: a thread the OS has not scheduled yet leaves its parts to the
+    others, so no call waits for one late thread's fixed half (docs/packing.md)."""
+    parts = max(1, min(threads * _PARTS_PER_THREAD, items // max(1, min_items)))
+    if parts == 1 or threads == 1:
+        work(0, items)
+        return
     cuts = [items * p // parts for p in range(parts + 1)]
-    pool = _threads_pool() if parts > 1 else None
-    others = [pool.submit(work, cuts[p], cuts[p + 1]) for p in range(1, parts)] if pool else []
-    work(cuts[0], cuts[1])
+    claims = itertools.count()  # next() is atomic: each part is taken once
+
+    def take_parts() -> None:
+        while (part := next(claims)) < parts:
+            work(cuts[part], cuts[part + 1])
+
+    pool = _threads_pool()
+    others = [pool.submit(take_parts) for _ in range(min(threads, parts) - 1)]
+    take_parts()
     for other in others:
-        other.result()
+        if not other.cancel():  # one not started yet has nothing left to take
+            other.result()
 
 
 def _threads_pool() -> ThreadPoolExecutor:
