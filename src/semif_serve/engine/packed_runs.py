@@ -32,6 +32,9 @@ from semif_serve.engine.stepped import Step
 from semif_serve.engine.vision import ImageSet
 
 Outcome = Results | Unfinished
+# A shorter preamble saves less compute than its stored state costs the cache (a linear-attention
+# layer's state is the same size whatever the tokens behind it): lev's plain style opens with one.
+PREAMBLE_MIN_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -217,9 +220,14 @@ class PackedRunner:
         entry.prefix_tokens = len(prefix)
         for part in parts:
             prepared = part.job.payload
-            ref = refs[prepared.adapter]
             for i in range(part.start, part.stop):
                 ids = prepared.prompts[i].ids
+                # A row computed whole (no prefix) continues its method's preamble like a lone row.
+                ref = (
+                    refs[prepared.adapter]
+                    if prefix
+                    else self._preamble(prepared.preamble, ids, prepared.adapter, plan)
+                )
                 own = prepared.columns[i] if prepared.columns is not None else None
                 how = RowRead(0, prepared.n_options[i], own, prepared.hidden)
                 entry.reads.append(plan.read(ids, ref, prepared.adapter, images, how))
@@ -319,10 +327,11 @@ class PackedRunner:
     ) -> Ref:
         """What a sequence computed from position 0 continues: the stored state of the preamble
         every prompt starts with, else the preamble as a segment of this forward, kept for every
-        later prompt; nothing where `ids` do not go past it, or it is larger than the cache's
-        whole budget. `ids` start with it (`TorchEngine.prepare` sets it only where they do)."""
+        later prompt; nothing where `ids` do not go past it, it is shorter than
+        `PREAMBLE_MIN_TOKENS`, or it is larger than the cache's whole budget. `ids` start with it
+        (`TorchEngine.prepare` and `prepare_ids` set it only where they do)."""
         n = len(preamble)
-        if not n or len(ids) <= n or adapter in self.unkept_preambles:
+        if n < PREAMBLE_MIN_TOKENS or len(ids) <= n or adapter in self.unkept_preambles:
             return Ref()
         stored = self.cache.peek(preamble, STATE, adapter)
         if stored is not None:

@@ -280,12 +280,14 @@ class TorchEngine:
         columns: Sequence[Sequence[int]] | None,
         adapter: int = BASE,
         encode_seconds: float = 0.0,
+        preamble: tuple[int, ...] = (),
     ) -> PreparedRows:
         """A method's own rows (lev's: its ids rendered and encoded by the method) as a job of
         the batcher: each row `prefix + suffixes[i]`, read at `columns[i]` (raw logits), or
         (`columns` None) its last hidden state in float32. Rows over one prefix when it is worth
         it (`shares_prefix`: long enough to keep, or a prefill that pays), else each row whole;
-        the state cache keys the prefix under `adapter` (the adapter bank's index its rows read)."""
+        the state cache keys the prefix under `adapter` (the adapter bank's index its rows read).
+        `preamble`: the ids every prompt of the method starts with (set where `prefix` does)."""
         width = max(len(s) for s in suffixes)
         shared = bool(prefix) and self.shares_prefix(prefix, adapter, len(suffixes), width)
         whole = [[*prefix, *suffix] for suffix in suffixes]
@@ -305,6 +307,7 @@ class TorchEngine:
             adapter=adapter,
             columns=tuple(tuple(int(t) for t in c) for c in columns) if columns is not None else None,
             hidden=columns is None,
+            preamble=preamble if tuple(prefix[: len(preamble)]) == preamble else (),
         )
 
     def shares_prefix(self, prefix: Sequence[int], adapter: int, rows: int, width: int) -> bool:

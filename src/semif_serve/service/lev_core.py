@@ -12,13 +12,15 @@ answers (the head over the hidden states, then lev's softmax, orders and calibra
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from semif_serve.domain.lev.prompt import candidate_texts
+from semif_serve.domain.lev.prompt import candidate_texts, render_prefix
 from semif_serve.domain.lev.readout import LevPlan, plan_request, read_plan
-from semif_serve.domain.lev.types import LevAnswer, LevQuestion, ModeBUnavailable
+from semif_serve.domain.lev.types import LevAnswer, LevQuestion, ModeBUnavailable, PromptStyle
+from semif_serve.domain.prompt import SPLIT_PROBES
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.tokens import BoundedEncoder, PastLimit
 from semif_serve.domain.types import BatchTiming, TooManyRows, TooManyTokens
@@ -49,6 +51,8 @@ class LevRows:
     prefix_ids: list[int]
     suffixes: list[list[int]]
     candidates: dict[str, list[list[int]]]
+    # The ids every lev prefix of its style starts with, which this one does (empty: none).
+    preamble: tuple[int, ...] = ()
 
     @property
     def forward_rows(self) -> int:
@@ -82,6 +86,16 @@ class LevEncoder:
         self.tokenizer = tokenizer
         self.bounded = BoundedEncoder(tokenizer)
         self.wraps = self._wrapping(tokenizer)
+        self._preambles: dict[PromptStyle, tuple[int, ...]] = {}
+
+    def preamble(self, style: PromptStyle) -> tuple[int, ...]:
+        """The ids every lev prefix of `style` starts with, whatever its state (the chat style's
+        system turn and the user turn up to its evidence): the ids the probe states' prefixes all
+        share, less the last (a token can merge across the cut). Computed once per style."""
+        if style not in self._preambles:
+            encoded = [self.encode(render_prefix(state, style), None, True) for state in SPLIT_PROBES]
+            self._preambles[style] = tuple(os.path.commonprefix(encoded)[:-1])
+        return self._preambles[style]
 
     @staticmethod
     def _wrapping(tokenizer: Any) -> tuple[list[int], list[int]] | None:
@@ -181,7 +195,10 @@ def lev_rows(
         if budget is not None and total > budget:
             raise TooManyTokens.for_request(total, budget, counted, rows_needed)
         candidates[qid] = ids
-    return LevRows(plan, prefix_ids, suffixes, candidates)
+    preamble = encoder.preamble(release.options.prompt_style)
+    if tuple(prefix_ids[: len(preamble)]) != preamble:
+        preamble = ()
+    return LevRows(plan, prefix_ids, suffixes, candidates, preamble)
 
 
 def lev_jobs(
@@ -192,15 +209,16 @@ def lev_jobs(
     it, read as hidden states; every Mode B question's candidates as whole rows, read as hidden
     states."""
     prepare = functools.partial(engine.prepare_ids, adapter=adapter, encode_seconds=encode_seconds)
+    over_prefix = functools.partial(prepare, preamble=rows.preamble)  # rows that start with lev's prefix
     plan = rows.plan
     jobs: list[Callable[[], PreparedRows]] = []
     if rows.label_rows:
         suffixes = [rows.suffixes[i] for i in rows.label_rows]
         reads = [plan.rows[i].label_ids or () for i in rows.label_rows]
-        jobs.append(functools.partial(prepare, rows.prefix_ids, suffixes, reads))
+        jobs.append(functools.partial(over_prefix, rows.prefix_ids, suffixes, reads))
     if rows.head_rows:
         jobs.append(
-            functools.partial(prepare, rows.prefix_ids, [rows.suffixes[i] for i in rows.head_rows], None)
+            functools.partial(over_prefix, rows.prefix_ids, [rows.suffixes[i] for i in rows.head_rows], None)
         )
         candidates = [ids for qid in rows.candidates for ids in rows.candidates[qid]]
         jobs.append(functools.partial(prepare, [], candidates, None))
