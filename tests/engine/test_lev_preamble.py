@@ -11,15 +11,11 @@ import pytest
 
 from semif_serve.domain.lev.prompt import render_prefix, render_state
 from semif_serve.domain.lev.types import LevChoice, LevNoul
-from semif_serve.engine import packed_runs
-from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.lev_release import load_lev_release
-from semif_serve.engine.loader import CheckpointSpec, load_model
 from semif_serve.engine.packed_runs import PREAMBLE_MIN_TOKENS
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import STATE, StateCache
 from semif_serve.service.lev_core import LevEncoder
-from semif_serve.tools.demo import DEMO_REVISION
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME, write_lev_release
 from tests.engine.test_preamble import STATES
 from tests.support.lev_oracle import lev_on_engine, lev_per_row
@@ -38,21 +34,6 @@ NEW_STATES = [
 
 
 @pytest.fixture(scope="module")
-def base(checkpoint):
-    spec = CheckpointSpec(
-        directory=checkpoint, revision=DEMO_REVISION, source=DEFAULT_BASE_NAME, dtype="float32", device="cpu"
-    )
-    return load_model(spec)
-
-
-@pytest.fixture(scope="module")
-def bank(base):
-    bank = AdapterBank(base.model)
-    yield bank
-    bank.close()
-
-
-@pytest.fixture(scope="module")
 def releases(base, bank, checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("lev-preamble")
     return {
@@ -66,20 +47,6 @@ def releases(base, bank, checkpoint, tmp_path_factory):
         )
         for style, seed in (("chat", 4), ("plain", 3))
     }
-
-
-@pytest.fixture
-def forwards(monkeypatch) -> list[list]:
-    """Every packed forward's segments, as the engine hands them to `packed_forward`."""
-    seen: list[list] = []
-    real = packed_runs.packed_forward
-
-    def recording(model, segments, adapters=None):
-        seen.append(list(segments))
-        return real(model, segments, adapters)
-
-    monkeypatch.setattr(packed_runs, "packed_forward", recording)
-    return seen
 
 
 def assert_levs_own_answers(reply, release, base, bank, state, questions=QUESTIONS) -> None:

@@ -23,10 +23,8 @@ from semif_serve.domain.lev.release import serving_options
 from semif_serve.domain.lev.types import LevChoice, LevNoul, LevReleaseError, LevScore, ModeBUnavailable
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.lev_release import load_lev_release
-from semif_serve.engine.loader import CheckpointSpec, load_model
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
-from semif_serve.tools.demo import DEMO_REVISION
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME, DEFAULT_TEMPERATURES, write_lev_release
 from tests.support.lev_oracle import lev_on_engine, lev_per_row
 from tests.support.peft_oracle import peft_last, peft_model
@@ -53,28 +51,12 @@ NINE = list("ABCDEFGHI")
 
 
 @pytest.fixture(scope="module")
-def base(checkpoint):
-    spec = CheckpointSpec(
-        directory=checkpoint, revision=DEMO_REVISION, source=DEFAULT_BASE_NAME, dtype="float32", device="cpu"
-    )
-    return load_model(spec)
-
-
-@pytest.fixture(scope="module")
 def release_dirs(checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("lev")
     return {
         "plain": write_lev_release(root / "plain", checkpoint, prompt_style="plain", seed=3),
         "chat": write_lev_release(root / "chat", checkpoint, prompt_style="chat", seed=4),
     }
-
-
-@pytest.fixture(scope="module")
-def bank(base):
-    """The adapter bank the releases are entries of (their adapters read once, by its rules)."""
-    bank = AdapterBank(base.model)
-    yield bank
-    bank.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from semif_serve.app import create_app
 from semif_serve.domain.prompt import USER_OPENING
 from semif_serve.domain.requests import BASE
 from semif_serve.domain.types import PromptRow
-from semif_serve.engine import packed_runs
 from semif_serve.engine.state_cache import STATE
 from semif_serve.service.startup import Service
 from tests.engine.test_reuse import OPTIONS, assert_plain, decide_body, long_state
@@ -37,20 +36,6 @@ STATES = [
     "Zo\u00eb \u6570\u5b57 \U0001f600",
     '{"evidence": "nested"}',
 ]
-
-
-@pytest.fixture
-def forwards(monkeypatch) -> list[list]:
-    """Every packed forward's segments, as the engine hands them to `packed_forward`."""
-    seen: list[list] = []
-    real = packed_runs.packed_forward
-
-    def recording(model, segments, adapters=None):
-        seen.append(list(segments))
-        return real(model, segments, adapters)
-
-    monkeypatch.setattr(packed_runs, "packed_forward", recording)
-    return seen
 
 
 def post(service: Service, path: str, body: dict) -> httpx.Response:
