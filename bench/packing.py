@@ -9,6 +9,10 @@
       In process: one packed forward of n prompts (n = 1, 2, 4, 7, 14, 29), the cost per sequence
       and the gain over one alone, per dtype: where `SEMIF_MAX_FORWARD_TOKENS`' default comes from.
 
+  uv run python bench/packing.py --only lev
+      In process, bf16: one lev request (a chat-style release over the checkpoint) over a new
+      ~150-token state, with lev's stored preamble and without it, interleaved.
+
   uv run python bench/packing.py --only servers [--vllm /work/peers/vllm] [--rounds 3]
       Real servers on the peers' checkpoint (hidden 256, 8 layers, linear head dim 64, the real
       vocabulary): semif-serve at its defaults in bf16 and float32, and vLLM's CPU build in bf16
@@ -177,6 +181,79 @@ def forward_cells(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
                 decoder(input_ids=torch.tensor([p]), use_cache=False)
 
     return {"packed 16": packed, "16 packed forwards of 1": one_by_one, "16 plain forwards": plain}
+
+
+# -- lev's preamble ------------------------------------------------------------------------------
+
+
+def lev_preamble(model: Path, repeats: int, work: Path) -> dict[str, Any]:
+    """In process, bf16: one lev request over a new ~150-token state (a chat-style release over the
+    checkpoint; a rating noul, one row computed whole, and a four-option choice, its rows over a
+    kept prefix), engine time with lev's stored preamble and without it, interleaved."""
+    from semif_serve.domain.lev.types import MANIFEST_FILE, LevChoice, LevNoul
+    from semif_serve.engine.adapters import AdapterBank
+    from semif_serve.engine.lev_release import load_lev_release
+    from semif_serve.engine.runner import TorchEngine
+    from semif_serve.engine.state_cache import StateCache
+    from semif_serve.service.lev_core import LevEncoder, lev_answers, lev_jobs, lev_rows
+    from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME, write_lev_release
+
+    loaded = codec_of(model, "bfloat16")
+    words = state_words(loaded.codec)
+    directory = work / "lev-release"
+    if not (directory / MANIFEST_FILE).exists():
+        write_lev_release(directory, model, prompt_style="chat", seed=5)
+    bank = AdapterBank(loaded.model)
+    release = load_lev_release(
+        directory,
+        bank,
+        loaded.codec.tokenizer,
+        name="chat",
+        base_name=DEFAULT_BASE_NAME,
+        base_directory=model,
+    )
+    cases = {
+        "rating noul (1 row, whole)": {"urgent": LevNoul(criteria=None)},
+        "choice of 4 (rows over a kept prefix)": {
+            "team": LevChoice(dict.fromkeys(OPTIONS), instructions=QUESTION)
+        },
+    }
+    with_preamble = LevEncoder(release.tokenizer)
+    without = LevEncoder(release.tokenizer)
+    without.preamble = lambda style: ()  # type: ignore[method-assign]
+    # Each side its own cache: a prefix lookup would otherwise find the other side's preamble.
+    sides = {
+        "with the preamble": (
+            with_preamble,
+            TorchEngine.over(loaded, bank).with_options(cache=StateCache(256 << 20)),
+        ),
+        "without": (without, TorchEngine.over(loaded, bank).with_options(cache=StateCache(256 << 20))),
+    }
+    counter = itertools.count()
+
+    def ask(encoder: Any, engine: Any, questions: Any) -> float:
+        rows = lev_rows(release, encoder, filler(words, seed=30_000 + next(counter)), questions, None)
+        t0 = time.perf_counter()
+        lev_answers(
+            release, rows, [engine.read_prepared(job()) for job in lev_jobs(rows, engine, release.adapter)]
+        )
+        return (time.perf_counter() - t0) * 1000
+
+    out: dict[str, Any] = {"preamble_tokens": len(with_preamble.preamble("chat"))}
+    for name, questions in cases.items():
+        times: dict[str, list[float]] = {"with the preamble": [], "without": []}
+        for rep in range(repeats + 1):
+            for label, (encoder, engine) in sides.items():
+                ms = ask(encoder, engine, questions)
+                if rep:  # the first pass warms (and keeps the preamble)
+                    times[label].append(ms)
+        medians = {label: statistics.median(v) for label, v in times.items()}
+        out[name] = {**medians, "gain": medians["without"] / medians["with the preamble"]}
+    bank.close()
+    rows = [[name, *(f"{v[k]:.1f}" for k in ("with the preamble", "without")), f"{v['gain']:.2f}x"]
+            for name, v in out.items() if name != "preamble_tokens"]  # fmt: skip
+    print_table(["lev request, new state", "with (ms)", "without (ms)", "gain"], rows, "lev's preamble")
+    return out
 
 
 # -- servers --------------------------------------------------------------------------------------
@@ -386,7 +463,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["limit", "budget", "servers"], required=True)
+    parser.add_argument("--only", choices=["limit", "budget", "lev", "servers"], required=True)
     parser.add_argument("--model", type=Path, default=Path("/tmp/semif-bench/peers-model"))
     parser.add_argument(
         "--vllm", type=Path, default=None, help="vLLM's venv root (PEERS.md); none: without it"
@@ -401,6 +478,8 @@ def main() -> None:
         result = limit(model, args.repeats)
     elif args.only == "budget":
         result = budget(model, args.repeats)
+    elif args.only == "lev":
+        result = lev_preamble(model, args.repeats, Path("/tmp/semif-bench/packing"))
     else:
         result = servers(model, args.vllm, args.rounds, args.seconds, Path("/tmp/semif-bench/packing"))
     if args.out is not None:
