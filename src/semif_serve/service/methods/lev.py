@@ -194,6 +194,7 @@ class LevMethod:
             if key not in by_tokenizer:
                 by_tokenizer[key] = LevEncoder(release.tokenizer)
             self.encoders[name] = by_tokenizer[key]
+            self.encoders[name].preamble(release.options.prompt_style)  # found at start: no request pays
 
     @classmethod
     def read_entry(cls, name: str, table: Mapping[str, Any], place: EntryPlace) -> ModelEntry:
