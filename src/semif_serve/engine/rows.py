@@ -120,6 +120,13 @@ class ScoredRow:
     hidden: Any = None  # the row's last hidden state, where it reads that
 
 
+def preamble_of(preamble: tuple[int, ...], sequences: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """`preamble` where every one of `sequences` starts with it, else none: the ids a request's
+    rows may continue from the preamble's stored state (`PreparedRows.preamble`)."""
+    n = len(preamble)
+    return preamble if all(tuple(ids[:n]) == preamble for ids in sequences) else ()
+
+
 def _padded(run: GroupRun, prepared: PreparedRows, scored: Sequence[ScoredRow]) -> int:
     """The suffix tokens `run` computed for this request's rows: each row's own where it ran
     packed, else the group's widest for each row (right padding)."""

@@ -31,7 +31,7 @@ from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
 from semif_serve.engine.options import DIRECT_PATHS, DirectPath, EngineOptions
 from semif_serve.engine.packed_runs import PackedRunner
-from semif_serve.engine.rows import PreparedRows, Readout, Results, ScoredRow, readout_of
+from semif_serve.engine.rows import PreparedRows, Readout, Results, ScoredRow, preamble_of, readout_of
 from semif_serve.engine.sharing import prefill_pays
 from semif_serve.engine.state_cache import StateCache, prefix_digest
 from semif_serve.engine.threads import EngineThreads
@@ -193,8 +193,6 @@ class TorchEngine:
             over = prefix or list(state_ids)
             image_set.preprocess(self._uncached_images(image_set, over, prompts, adapter))
         preamble = self.codec.preamble if not direct or self.direct_path == "reuse" else ()
-        if any(tuple(p.ids[: len(preamble)]) != preamble for p in prompts):
-            preamble = ()
         return PreparedRows(
             prompts=prompts,
             n_options=[len(row.descriptions) for row in rows],
@@ -205,7 +203,7 @@ class TorchEngine:
             state_ids=state_ids,
             images=image_set,
             adapter=adapter,
-            preamble=preamble,
+            preamble=preamble_of(preamble, [p.ids for p in prompts]),
         )
 
     def readout(self, prepared: PreparedRows, scored: Sequence[ScoredRow]) -> Readout:
@@ -307,7 +305,7 @@ class TorchEngine:
             adapter=adapter,
             columns=tuple(tuple(int(t) for t in c) for c in columns) if columns is not None else None,
             hidden=columns is None,
-            preamble=preamble if tuple(prefix[: len(preamble)]) == preamble else (),
+            preamble=preamble_of(preamble, [prefix]),
         )
 
     def shares_prefix(self, prefix: Sequence[int], adapter: int, rows: int, width: int) -> bool:

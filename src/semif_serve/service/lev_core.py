@@ -51,7 +51,8 @@ class LevRows:
     prefix_ids: list[int]
     suffixes: list[list[int]]
     candidates: dict[str, list[list[int]]]
-    # The ids every lev prefix of its style starts with, which this one does (empty: none).
+    # The ids every lev prefix of its style starts with (`LevEncoder.preamble`; the engine
+    # checks that this one does).
     preamble: tuple[int, ...] = ()
 
     @property
@@ -195,10 +196,7 @@ def lev_rows(
         if budget is not None and total > budget:
             raise TooManyTokens.for_request(total, budget, counted, rows_needed)
         candidates[qid] = ids
-    preamble = encoder.preamble(release.options.prompt_style)
-    if tuple(prefix_ids[: len(preamble)]) != preamble:
-        preamble = ()
-    return LevRows(plan, prefix_ids, suffixes, candidates, preamble)
+    return LevRows(plan, prefix_ids, suffixes, candidates, encoder.preamble(release.options.prompt_style))
 
 
 def lev_jobs(
