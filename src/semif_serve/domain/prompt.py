@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,13 @@ def question_independent_opening(state: Any) -> str:
     return json.dumps({"evidence": state, "criterion": ""}, ensure_ascii=False)[:-2]
 
 
+def probed_opening(encode: Callable[[Any], Sequence[int]]) -> tuple[int, ...]:
+    """The ids a method's prompts start with whatever their state (its preamble): the ids that
+    `encode(state)` gives for every probe state (`SPLIT_PROBES`), less the last shared one (a token
+    can merge across the cut where the state begins)."""
+    return tuple(os.path.commonprefix([list(encode(state)) for state in SPLIT_PROBES])[:-1])
+
+
 class PromptCodec:
     """Renders and tokenises SemIf prompts for one tokenizer over its answer codes (alphabet.py:
     A..Z, then the two-letter codes that are one exact token), with every readout check.
@@ -164,9 +171,9 @@ class PromptCodec:
         turn and the user turn up to its state): the ids the probe states' prompts all share,
         less the last (a token can merge across the cut). Computed once."""
         if self._preamble is None:
-            rendered = (self.render_prompt(state, "Did it?", ("Yes.", "No.")) for state in SPLIT_PROBES)
-            shared = os.path.commonprefix([self.encode(text) for text in rendered])
-            self._preamble = tuple(shared[:-1])
+            self._preamble = probed_opening(
+                lambda state: self.encode(self.render_prompt(state, "Did it?", ("Yes.", "No.")))
+            )
         return self._preamble
 
     def _split_is_exact(self, state: Any) -> bool:

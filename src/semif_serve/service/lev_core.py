@@ -12,7 +12,6 @@ answers (the head over the hidden states, then lev's softmax, orders and calibra
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from semif_serve.domain.lev.prompt import candidate_texts, render_prefix
 from semif_serve.domain.lev.readout import LevPlan, plan_request, read_plan
 from semif_serve.domain.lev.types import LevAnswer, LevQuestion, ModeBUnavailable, PromptStyle
-from semif_serve.domain.prompt import SPLIT_PROBES
+from semif_serve.domain.prompt import probed_opening
 from semif_serve.domain.requests import Limits
 from semif_serve.domain.tokens import BoundedEncoder, PastLimit
 from semif_serve.domain.types import BatchTiming, TooManyRows, TooManyTokens
@@ -94,8 +93,9 @@ class LevEncoder:
         system turn and the user turn up to its evidence): the ids the probe states' prefixes all
         share, less the last (a token can merge across the cut). Computed once per style."""
         if style not in self._preambles:
-            encoded = [self.encode(render_prefix(state, style), None, True) for state in SPLIT_PROBES]
-            self._preambles[style] = tuple(os.path.commonprefix(encoded)[:-1])
+            self._preambles[style] = probed_opening(
+                lambda state: self.encode(render_prefix(state, style), None, True)
+            )
         return self._preambles[style]
 
     @staticmethod
