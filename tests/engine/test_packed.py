@@ -187,10 +187,11 @@ def test_one_engine_turn_answers_rows_of_requests_over_different_states_as_plain
             assert torch.allclose(torch.tensor(row.option_logits), want, atol=TOLERANCE), n
 
 
+@pytest.mark.parametrize("n", [20, 1], ids=["queries", "lone-query"])
 @pytest.mark.parametrize("past", [0, 7, 20, 63])  # none, shorter than the queries, as long, longer
-def test_attention_after_a_past_equals_a_softmax_written_out(past):
+def test_attention_after_a_past_equals_a_softmax_written_out(past, n):
     torch.manual_seed(past)
-    n, heads, key_heads, dim, scale = 20, 4, 2, 16, 0.25
+    heads, key_heads, dim, scale = 4, 2, 16, 0.25
     query = torch.randn(1, heads, n, dim)
     keys, values = torch.randn(1, key_heads, past + n, dim), torch.randn(1, key_heads, past + n, dim)
 
@@ -203,3 +204,56 @@ def test_attention_after_a_past_equals_a_softmax_written_out(past):
     weights = torch.exp(scores.masked_fill(later, float("-inf")) - scores.amax(-1, keepdim=True))
     want = (weights / weights.sum(-1, keepdim=True)) @ shared_values
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def rows_into_last_mlp(model, segments) -> list[int]:
+    """How many rows the decoder's last MLP computed in one packed forward of `segments`."""
+    seen: list[int] = []
+    mlp = model.get_decoder().layers[-1].mlp
+    handle = mlp.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+    try:
+        packed_forward(model, segments)
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_the_last_layer_computes_only_the_rows_read_and_still_keeps_every_state(engine, reference):
+    state, rows = ids(200, 11), [ids(9, 12), ids(30, 13)]
+    segments = [Segment(tuple(state), keep=True)]
+    segments += [Segment(tuple(r), parent=0, read=True) for r in rows]
+    segments += [Segment(tuple(ids(50, 14)), keep=True), Segment(tuple(ids(60, 15)), read=True)]
+
+    assert rows_into_last_mlp(engine.model, segments) == [3]  # of 349 tokens, the 3 read
+    assert rows_into_last_mlp(engine.model, [Segment(tuple(state), keep=True)]) == []
+
+    packed = packed_forward(engine.model, segments)
+    kept, own = StoredState(state, packed.caches[0]), stored(reference, state)
+    last = len(engine.model.get_decoder().layers) - 1
+    for got, want in zip(kept.layer_state(last), own.layer_state(last), strict=True):
+        assert got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=TOLERANCE)
+    for n, row in enumerate(rows):
+        want = alone(reference, state + row)
+        assert torch.allclose(packed_logits(engine, packed, 1 + n), want, atol=TOLERANCE)
+
+
+def test_a_model_whose_last_layer_is_linear_attention_reads_its_rows_as_plain_forwards(tmp_path):
+    from semif_serve.service.startup import load_engine
+    from semif_serve.tools.demo import CheckpointShape, write_checkpoint
+    from tests.support import make_settings
+    from tests.support.peft_oracle import fresh_base
+
+    directory = write_checkpoint(tmp_path / "five", CheckpointShape(num_hidden_layers=5), seed=3)
+    engine = load_engine(make_settings(directory))
+    model = fresh_base(directory)
+    assert engine.model.config.get_text_config().layer_types[-1] == "linear_attention"
+    state, rows = ids(120, 16), [ids(4, 17), ids(25, 18)]
+    segments = [Segment(tuple(state), keep=True)]
+    segments += [Segment(tuple(r), parent=0, read=True) for r in rows]
+    segments += [Segment(tuple(ids(70, 19)), read=True)]
+
+    assert rows_into_last_mlp(engine.model, segments) == [3]
+    packed = packed_forward(engine.model, segments)
+    wanted = [state + rows[0], state + rows[1], list(segments[3].ids)]
+    for i, sequence in zip((1, 2, 3), wanted, strict=True):
+        assert torch.allclose(packed_logits(engine, packed, i), alone(model, sequence), atol=TOLERANCE), i

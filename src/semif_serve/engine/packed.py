@@ -92,19 +92,29 @@ def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBan
         cos, sin = decoder.rotary_emb(hidden[None], positions[:, None, :])
         token_adapters = [segments[i].adapter for i in layout for _ in segments[i].ids]
         mixers = _Mixers(decoder, segments, spans, cos, sin)
-        selection = adapters.rows(token_adapters) if adapters is not None else _nothing()
-        with selection, accelerated_kernels(decoder) as kernels:
-            mixers.kernels = kernels
-            for index, layer in enumerate(decoder.layers):
-                mixed = layer.input_layernorm(hidden)
-                if layer.block_type == "linear_attention":
-                    mixed = mixers.linear(index, layer.linear_attn, mixed)
-                else:
-                    mixed = mixers.attention(index, layer.self_attn, mixed)
-                hidden = hidden + mixed
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         reads = {i: spans[i][1] - 1 for i, s in enumerate(segments) if s.read}
-        last = decoder.norm(hidden[list(reads.values())]) if reads else None
+        rows = list(reads.values())
+        final = len(decoder.layers) - 1
+        with accelerated_kernels(decoder) as kernels:
+            mixers.kernels = kernels
+            with _selected(adapters, token_adapters):
+                for index, layer in enumerate(decoder.layers):
+                    mixed = layer.input_layernorm(hidden)
+                    if layer.block_type == "linear_attention":
+                        mixed = mixers.linear(index, layer.linear_attn, mixed)
+                    else:
+                        last_only = frozenset(reads) if index == final else None
+                        mixed = mixers.attention(index, layer.self_attn, mixed, last_only)
+                    if index == final:  # its outputs feed only the read rows: the rest is not computed
+                        break
+                    hidden = hidden + mixed
+                    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            last = None
+            if rows:
+                with _selected(adapters, [token_adapters[r] for r in rows]):
+                    read = hidden[rows] + mixed[rows]
+                    read = read + layer.mlp(layer.post_attention_layernorm(read))
+                last = decoder.norm(read)
         hidden_reads = {i: last[n] for n, i in enumerate(reads)} if last is not None else {}
         caches = {i: mixers.cache(i) for i, s in enumerate(segments) if s.keep}
     return Packed(hidden_reads, caches, at)
@@ -116,6 +126,11 @@ def _check(segments: Sequence[Segment]) -> None:
     for i, segment in enumerate(segments):
         if segment.parent is not None and not 0 <= segment.parent < i:
             raise ValueError(f"segment {i} continues segment {segment.parent}, which does not come before it")
+
+
+def _selected(adapters: AdapterBank | None, token_adapters: list[int]) -> Any:
+    """The adapter rows of a forward over these tokens (nothing to select without a bank)."""
+    return adapters.rows(token_adapters) if adapters is not None else _nothing()
 
 
 class _nothing:
@@ -191,6 +206,8 @@ def _causal_attention(query: Any, keys: Any, values: Any, past: int, scale: floa
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     n = query.shape[2]
+    if n == 1:  # the last position sees every key: no mask
+        return sdpa(query, keys, values, scale=scale, enable_gqa=groups > 1)
     if past > n:
         allowed = torch.ones(n, past + n, dtype=torch.bool, device=query.device).tril(past)
         return sdpa(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=groups > 1)
@@ -319,8 +336,10 @@ class _Mixers:
             window = inputs[r : r + 1, hi - lo : kernel + hi - lo].transpose(1, 2)  # the last `kernel` inputs
             self.ends[i][layer] = (window, final[r : r + 1])
 
-    def attention(self, layer: int, attn: Any, hidden: Any) -> Any:
-        """A full-attention layer: projections once, each segment's queries over its chain's keys."""
+    def attention(self, layer: int, attn: Any, hidden: Any, last_only: frozenset[int] | None = None) -> Any:
+        """A full-attention layer: projections once, each segment's queries over its chain's keys.
+        With `last_only` (the decoder's last layer), only those segments' last queries attend; every
+        other output row is zeros (no later layer reads it), and every segment's keys are kept."""
         import torch
 
         n = hidden.shape[0]
@@ -331,7 +350,7 @@ class _Mixers:
         key = attn.k_norm(attn.k_proj(hidden).view(n, -1, head_dim)).transpose(0, 1)[None]
         value = attn.v_proj(hidden).view(n, -1, head_dim).transpose(0, 1)[None]
         query, key = self.modeling.apply_rotary_pos_emb(query, key, self.cos, self.sin)
-        out = torch.empty_like(query)
+        out = torch.empty_like(query) if last_only is None else torch.zeros_like(query)
         groups = attn.num_key_value_groups
         for i in range(len(self.segments)):
             lo, hi = self.spans[i]
@@ -341,8 +360,12 @@ class _Mixers:
                 keys = torch.cat([before[0].to(keys.dtype), keys], dim=2)
                 values = torch.cat([before[1].to(values.dtype), values], dim=2)
             self.ends[i][layer] = (keys, values)
-            past = keys.shape[2] - (hi - lo)
-            out[:, :, lo:hi] = _causal_attention(query[:, :, lo:hi], keys, values, past, attn.scaling, groups)
+            if last_only is not None and i not in last_only:
+                continue
+            first = lo if last_only is None else hi - 1  # the first query that attends
+            past = keys.shape[2] - (hi - first)
+            queries = query[:, :, first:hi]
+            out[:, :, first:hi] = _causal_attention(queries, keys, values, past, attn.scaling, groups)
         attended = out[0].transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate)
         return attn.o_proj(attended)
 
