@@ -18,8 +18,10 @@ its segment starts and what it continues:
 
 Each segment's state at its end is kept where asked (`keep`): a `DynamicCache` over exactly its
 chain's tokens, never a neighbour's or padding, ready for `StateCache.put`; its last position's
-hidden state is returned where asked (`read`). Every row equals its sequence run alone within
-float32 rounding (tests/engine/test_packed.py compares with a plain forward of the whole row).
+hidden state is returned where asked (`read`). The last layer's output feeds only those read
+positions, so past its sequence mixer it computes them alone. Every row equals its sequence run
+alone within float32 rounding (tests/engine/test_packed.py compares with a plain forward of the
+whole row).
 """
 
 from __future__ import annotations
