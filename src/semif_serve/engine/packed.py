@@ -203,7 +203,8 @@ def _causal_attention(query: Any, keys: Any, values: Any, past: int, scale: floa
     no longer than the queries: they are padded in front by the past's length and those rows'
     outputs dropped (the same bits as a mask, half the time on 1,500 queries after a 39-token
     preamble); a mask offset by the past where it is longer (a question over a long stored state,
-    where padding would cost the past's square)."""
+    where padding would cost the past's square); no mask for a lone query (the last position sees
+    every key: the last layer's reads)."""
     import torch
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
