@@ -111,13 +111,12 @@ def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBan
                         break
                     hidden = hidden + mixed
                     hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-            last = None
+            hidden_reads: dict[int, Any] = {}
             if rows:
                 with _selected(adapters, [token_adapters[r] for r in rows]):
                     read = hidden[rows] + mixed[rows]
                     read = read + layer.mlp(layer.post_attention_layernorm(read))
-                last = decoder.norm(read)
-        hidden_reads = {i: last[n] for n, i in enumerate(reads)} if last is not None else {}
+                hidden_reads = dict(zip(reads, decoder.norm(read), strict=True))
         caches = {i: mixers.cache(i) for i, s in enumerate(segments) if s.keep}
     return Packed(hidden_reads, caches, at)
 
