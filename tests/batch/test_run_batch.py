@@ -124,7 +124,7 @@ def test_every_line_is_answered_as_the_running_service_answers_its_body(service_
 
 # -- killed, then run again -------------------------------------------------------------------
 
-KILL_LINES = 160
+KILL_LINES = 64
 
 
 @pytest.fixture(scope="module")
