@@ -1,7 +1,8 @@
 """The decoder's last layer computes only the rows a request reads, for every model the engine
 serves: the base (SemIf), a PEFT adapter (SemIf) and a lev release (lev's rows, read as hidden
 states and label logits). Each request's answers still equal an independent computation: a plain
-forward of the base, PEFT's own LoRA forward, lev's own per-row forwards."""
+forward of the base, PEFT's own LoRA forward, lev's own per-row forwards; and so do they when one
+request of each model, each over its own new state, shares one packed forward."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 
 from semif_serve.domain.requests import RowsRequest
 from semif_serve.domain.types import PromptRow
+from semif_serve.engine.batching import Group, Part
 from semif_serve.engine.lev_release import load_lev_release
 from semif_serve.engine.runner import TorchEngine
 from semif_serve.engine.state_cache import StateCache
+from semif_serve.service.lev_core import LevEncoder, lev_answers, lev_jobs, lev_rows
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME, write_lev_release
 from tests.engine.test_adapters import write_adapter
 from tests.engine.test_lev_preamble import QUESTIONS, assert_levs_own_answers
@@ -97,3 +100,38 @@ def test_every_models_request_runs_its_last_layer_over_the_rows_it_reads_alone(
     for prompt, row, options in zip(prepared.prompts, readout.rows, ROWS, strict=True):
         want = last_logits(kind, reference, prompt.ids)[slots[: len(options.descriptions)]]
         assert torch.allclose(torch.tensor(row.option_logits), want, atol=TOL)
+
+
+def test_a_request_of_each_model_over_its_own_new_state_shares_one_forward_answered_as_alone(
+    base, bank, models, forwards
+):
+    engine = TorchEngine.over(base, bank).with_options(cache=StateCache(64 << 20), keep_state_tokens=0)
+    states = {kind: f"{kind.capitalize()} report. {STATE}" for kind in models}
+    semif = {
+        kind: engine.prepare(
+            RowsRequest.of(states[kind], ROWS, shared=True, max_input_tokens=4096, adapter=models[kind][0])
+        )
+        for kind in ("base", "adapter")
+    }
+    release = models["lev release"][1]
+    lev_plan = lev_rows(release, LevEncoder(release.tokenizer), states["lev release"], QUESTIONS, None)
+    lev_prepared = [job() for job in lev_jobs(lev_plan, engine, release.adapter)]
+    everything = [*semif.values(), *lev_prepared]
+    jobs = [p.job(("mixed", n)) for n, p in enumerate(everything)]
+    groups = [Group(job.prefix_key, job.prefix_tokens, (Part(job, 0, len(job.row_tokens)),)) for job in jobs]
+
+    outcomes = engine.run_groups(groups)
+
+    assert len(forwards) == 1  # three models, three new states, one forward
+    adapters_read = {s.adapter for s in forwards[0] if s.read}
+    assert adapters_read == {-1, models["adapter"][0], release.adapter}
+    readouts = [
+        engine.readout(p, outcome[job.id]) for p, job, outcome in zip(everything, jobs, outcomes, strict=True)
+    ]
+    slots = engine.codec.slots
+    for kind, readout in zip(semif, readouts, strict=False):
+        for prompt, row, options in zip(semif[kind].prompts, readout.rows, ROWS, strict=True):
+            want = last_logits(kind, models[kind][1], prompt.ids)[slots[: len(options.descriptions)]]
+            assert torch.allclose(torch.tensor(row.option_logits), want, atol=TOL), kind
+    reply = lev_answers(release, lev_plan, readouts[len(semif) :])
+    assert_levs_own_answers(reply, release, base, bank, states["lev release"])
