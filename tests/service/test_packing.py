@@ -104,6 +104,14 @@ def test_sixteen_requests_over_sixteen_new_states_run_in_at_most_four_forwards_a
     assert metric(after, "semif_per_forward_padding_share_sum") == metric(
         before, "semif_per_forward_padding_share_sum"
     )
+    rows, sequences = (
+        metric(after, f"semif_per_forward_{name}_sum") - metric(before, f"semif_per_forward_{name}_sum")
+        for name in ("rows", "sequences")
+    )
+    assert rows == metric(after, "semif_forward_rows_total") - metric(before, "semif_forward_rows_total")
+    if served.method == "semif":  # `choice=shifts` by default: min(n, 4) rows (contract.md)
+        assert rows == 16 * len(CHOICE["criteria"])
+    assert 1 <= sequences <= rows  # each sequence ends in a row it reads
 
 
 def test_eight_lev_and_eight_base_requests_over_new_states_share_at_most_four_forwards(shared):
