@@ -21,6 +21,16 @@
       SemIf's own prompt ids, `allowed_token_ids` = the four codes and processed log-probabilities.
       Rounds interleave the servers; the others are stopped (SIGSTOP) while one is measured.
 
+  uv run python bench/packing.py --only fairness [--seconds 40]
+      The contract's promise under a flood (issue 50's case): semif-serve at its defaults in bf16
+      (rows per request raised to 128), 8 clients each sending 128-row `/decide/shared` requests
+      (32 decisions x 4 rotations) over a new ~3k-token state as soon as the last is answered, and
+      one client sending a one-row `/decide` over a new short state every ~0.5 s: its latency
+      (p50, max) beside the same request with the engine idle, and the forwards the engine ran
+      while it was in flight (`semif_forwards_total`, read before it is sent and after it is
+      answered: at most the one running when it arrived plus its own, give or take one that
+      another client's request finished in that span).
+
 Results are printed (and written as JSON with `--out FILE`).
 """
 
@@ -447,6 +457,119 @@ def servers(model: Path, vllm_root: Path | None, rounds: int, seconds: float, wo
     return out
 
 
+FLOOD_CLIENTS = 8
+FLOOD_DECISIONS = 32  # x 4 rotations = 128 rows a request
+FLOOD_STATE_TOKENS = 3000
+
+
+def fairness(model: Path, seconds: float, work: Path) -> dict[str, Any]:
+    """A one-row request's wait while 8 clients flood the engine with 128-row requests over new
+    ~3k-token states (see the module docstring)."""
+    from semif_serve.domain.types import PromptRow
+    from semif_serve.tools.demo import DEMO_REVISION
+
+    codec = codec_of(model).codec
+    row = PromptRow(QUESTION, OPTIONS)
+    base = len(codec.encode_prompts("", [row], 1 << 20)[0].ids)
+    words = 200
+    while len(codec.encode_prompts(filler(words), [row], 1 << 20)[0].ids) - base < FLOOD_STATE_TOKENS:
+        words += 100
+    options = [{"id": str(i), "description": d} for i, d in enumerate(OPTIONS)]
+    settings = {"device": "cpu", "dtype": "bfloat16", "max_rows": FLOOD_DECISIONS * len(OPTIONS)}
+    with ServiceProcess(model, DEMO_REVISION, settings, work / "fairness") as service:
+        auth = {"Authorization": f"Bearer {service.token}"}
+        counter = itertools.count()
+
+        def forwards(c: httpx.Client) -> float:
+            text = c.get(f"{service.url}/metrics", headers=auth).text
+            line = next(x for x in text.splitlines() if x.startswith("semif_forwards_total "))
+            return float(line.split()[1])
+
+        def small(c: httpx.Client) -> tuple[float, float]:
+            """One one-row request over a new short state: (seconds, forwards run meanwhile)."""
+            n = next(counter)
+            state = filler(40, seed=50_000 + n)
+            body = {"id": f"s{n}", "state": state, "question": QUESTION, "options": options}
+            before = forwards(c)
+            t0 = time.perf_counter()
+            c.post(f"{service.url}/decide", json=body, headers=auth).raise_for_status()
+            took = time.perf_counter() - t0
+            return took, forwards(c) - before
+
+        def heavy(c: httpx.Client) -> None:
+            n = next(counter)
+            decisions = [
+                {"id": f"q{k}", "question": f"{QUESTION} ({k})", "options": options, "orderings": "rotations"}
+                for k in range(FLOOD_DECISIONS)
+            ]
+            body = {"state": filler(words, seed=60_000 + n), "decisions": decisions}
+            c.post(f"{service.url}/decide/shared", json=body, headers=auth).raise_for_status()
+
+        with httpx.Client(timeout=600) as c:
+            for _ in range(3):  # warm
+                small(c)
+            idle = [small(c)[0] for _ in range(10)]
+            heavy(c)
+            heavy_alone = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                heavy(c)
+                heavy_alone.append(time.perf_counter() - t0)
+            stop = time.monotonic() + seconds
+            heavy_done = itertools.count()
+
+            def flood() -> None:
+                with httpx.Client(timeout=600) as fc:
+                    while time.monotonic() < stop:
+                        heavy(fc)
+                        next(heavy_done)
+
+            threads = [threading.Thread(target=flood) for _ in range(FLOOD_CLIENTS)]
+            for t in threads:
+                t.start()
+            time.sleep(min(5.0, seconds / 4))  # the flood's first forwards are running
+            waits: list[tuple[float, float]] = []
+            while time.monotonic() < stop - 1:
+                waits.append(small(c))
+                time.sleep(0.5)
+            for t in threads:
+                t.join()
+    took = [w[0] for w in waits]
+    ran = [w[1] for w in waits]
+    out = {
+        "state_words": words,
+        "heavy_alone_s": statistics.median(heavy_alone),
+        "heavy_requests_answered": next(heavy_done),
+        "small_idle_ms": statistics.median(idle) * 1000,
+        "small_in_flood": {
+            "requests": len(waits),
+            "p50_ms": percentile(took, 50) * 1000,
+            "max_ms": max(took) * 1000,
+            "forwards_p50": statistics.median(ran),
+            "forwards_max": max(ran),
+        },
+    }
+    flood_cell = out["small_in_flood"]
+    print_table(
+        ["case", "value"],
+        [
+            ["one heavy request alone (128 rows, ~3k-token state)", f"{out['heavy_alone_s']:.2f} s"],
+            ["the one-row request, engine idle (p50)", f"{out['small_idle_ms']:.0f} ms"],
+            [
+                f"the one-row request in the flood (p50 / max of {flood_cell['requests']})",
+                f"{flood_cell['p50_ms']:.0f} / {flood_cell['max_ms']:.0f} ms",
+            ],
+            [
+                "forwards run while it was in flight (p50 / max)",
+                f"{flood_cell['forwards_p50']:.0f} / {flood_cell['forwards_max']:.0f}",
+            ],
+            ["heavy requests answered in the flood", str(out["heavy_requests_answered"])],
+        ],
+        "fairness",
+    )
+    return out
+
+
 def print_servers(medians: dict[str, dict[str, float]]) -> None:
     rows = []
     for server in sorted({name.rsplit(" @", 1)[0] for name in medians}):
@@ -463,7 +586,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["limit", "budget", "lev", "servers"], required=True)
+    parser.add_argument("--only", choices=["limit", "budget", "lev", "servers", "fairness"], required=True)
     parser.add_argument("--model", type=Path, default=Path("/tmp/semif-bench/peers-model"))
     parser.add_argument(
         "--vllm", type=Path, default=None, help="vLLM's venv root (PEERS.md); none: without it"
@@ -480,6 +603,8 @@ def main() -> None:
         result = budget(model, args.repeats)
     elif args.only == "lev":
         result = lev_preamble(model, args.repeats, Path("/tmp/semif-bench/packing"))
+    elif args.only == "fairness":
+        result = fairness(model, args.seconds, Path("/tmp/semif-bench/packing"))
     else:
         result = servers(model, args.vllm, args.rounds, args.seconds, Path("/tmp/semif-bench/packing"))
     if args.out is not None:

@@ -408,3 +408,88 @@ def test_a_group_past_the_budget_gives_the_parts_that_fit_and_its_first_part_alw
     assert calls[0] == [[("big", 0, 1)]]
     assert [len(call[0]) for call in calls[1:]] in ([1, 2], [2, 1], [1, 1, 1])  # never past 25 tokens
     assert sorted(p[0] for call in calls[1:] for g in call for p in g) == ["x", "y", "z"]
+
+
+class SteppedEngine:
+    """A packing fake engine whose every call waits for the test to let it go (`step`), so
+    requests can be made to arrive during a chosen forward."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[list[tuple]]] = []
+        self._running = threading.Semaphore(0)  # one per call started
+        self._go = threading.Semaphore(0)  # one per call the test lets finish
+
+    def __call__(self, groups):
+        self.calls.append(shape(list(groups)))
+        self._running.release()
+        assert self._go.acquire(timeout=HANG_GUARD_S), "the test never let this forward finish"
+        return [{p.job.id: [p.job.id] * (p.stop - p.start) for p in g.parts} for g in groups]
+
+    async def running(self) -> int:
+        """Wait until the next call has started; its index."""
+        assert await asyncio.to_thread(self._running.acquire, True, HANG_GUARD_S), "no forward started"
+        return len(self.calls) - 1
+
+    def step(self) -> None:
+        self._go.release()
+
+
+def heavy(name: str, steps: int) -> Job:
+    """A request over its own state whose rows are `steps` groups of one budget each."""
+    return job(name, f"state {name}", 0, (10,) * steps)
+
+
+def test_a_request_arriving_while_other_rounds_wait_runs_in_the_next_forward_beside_their_step():
+    engine = SteppedEngine()
+    arrived_during: dict[str, int] = {}
+
+    async def main():
+        # One group a forward fits the budget: each heavy request takes turns, one row at a time.
+        batcher = Batcher(None, Bounds(max_batch_rows=1, max_forward_tokens=10), run_groups=engine)
+        tasks = []
+        for name in ("a", "b", "c", "tiny"):
+            tasks.append(asyncio.create_task(batcher.submit(heavy(name, 1 if name == "tiny" else 4))))
+            await settle()
+            arrived_during[name] = await engine.running() if name == "a" else len(engine.calls) - 1
+            engine.step()
+            if name != "tiny":
+                await engine.running()  # the next forward has started: the next request arrives during it
+        while not all(t.done() for t in tasks):
+            engine.step()
+            await asyncio.sleep(0.001)
+        await batcher.close()
+
+    run(main())
+    after = arrived_during["tiny"] + 1
+    assert ("tiny", 0, 1) in [part for group in engine.calls[after] for part in group]
+    # Three heavy rounds were waiting; the forward that took the newcomer also took a step of theirs.
+    assert len(engine.calls[after]) == 2
+    for name in "abc":
+        assert sum(part[0] == name for call in engine.calls for g in call for part in g) == 4
+
+
+def test_new_arrivals_during_every_forward_never_stall_a_round_already_waiting():
+    engine = SteppedEngine()
+
+    async def main():
+        batcher = Batcher(None, Bounds(max_batch_rows=1, max_forward_tokens=10), run_groups=engine)
+        waiting = asyncio.create_task(batcher.submit(heavy("waiting", 4)))
+        await engine.running()
+        newcomers = []
+        while not waiting.done():  # a new request during every forward, each the next to lead
+            newcomers.append(asyncio.create_task(batcher.submit(heavy(f"new{len(newcomers)}", 1))))
+            await settle()
+            engine.step()
+            await asyncio.wait(
+                [waiting, asyncio.create_task(engine.running())], return_when="FIRST_COMPLETED"
+            )
+        engine.step()
+        while not all(t.done() for t in newcomers):
+            engine.step()
+            await asyncio.sleep(0.001)
+        await batcher.close()
+
+    run(main())
+    steps = [i for i, call in enumerate(engine.calls) for g in call for part in g if part[0] == "waiting"]
+    assert steps == [0, 1, 2, 3]  # a step in every forward
+    assert all(any(part[0].startswith("new") for g in call for part in g) for call in engine.calls[1:4])

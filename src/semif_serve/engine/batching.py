@@ -11,11 +11,14 @@ forward, runs each group on the engine thread through `run_group`, and when a me
 fails, retries each request alone so that one bad request fails alone.
 
 Fairness: what is taken together is one round of groups; rounds take turns a group at a time,
-and requests that arrive while a group runs form a new round that goes first after it. So a
-small request waits for at most the one step running when it arrives, never for every
-forward of a heavy request taken before it. A step is one group, or one slice of a long
-prefill: `run_group` may return `UNFINISHED` (it did part of the group's work and keeps it),
-and the group runs again at its round's next turn.
+and requests that arrive while a group runs form a new round that leads the next turn, its
+cheapest groups first. So a small request waits for at most the one step running when it
+arrives, never for every forward of a heavy request taken before it, nor for the other rounds
+waiting their turn. Packing, the turn a new round leads also takes a step of the round whose
+turn it was (past the token budget if need be), so new arrivals never stall the rounds already
+waiting. A step is one group, or one slice of a long prefill: `run_group` may return
+`UNFINISHED` (it did part of the group's work and keeps it), and the group runs again at its
+round's next turn.
 """
 
 from __future__ import annotations
@@ -313,47 +316,71 @@ class Batcher(Generic[P, R]):
             self.executor.shutdown(wait=False)
 
     async def _drain(self) -> None:
-        """Run the queued rounds a turn at a time until nothing is left. A turn takes groups a
-        round at a time in turn order, the round that led the last turn after any newcomers, up
-        to the forward's token budget; what arrives while a turn runs becomes a round of its own."""
+        """Run the queued rounds a turn at a time until nothing is left. What arrives while a turn
+        runs becomes a round of its own that leads the next turn; otherwise the rounds lead in
+        turn order, and a round that led goes to the back. A turn takes groups a round at a time
+        up to the forward's token budget (`_turn`)."""
         rounds: deque[deque[Group[P]]] = deque()
         live: dict[Hashable, _Pending[P]] = {}
-        current: deque[Group[P]] | None = None
         while True:
+            newcomers: deque[Group[P]] | None = None
             if self._queue:
                 taken, self._queue = self._queue, []
                 fresh = {p.job.id: p for p in taken if not self._dropped(p)}
                 live.update(fresh)
-                planned = deque(self._plan(fresh))
-                if planned:
-                    rounds.append(planned)
-            if current:
-                rounds.append(current)  # after the newcomers: a heavy round yields between its turns
+                newcomers = deque(self._cheapest_first(self._plan(fresh))) or None
             rounds = deque(r for r in rounds if r)
+            if newcomers:
+                rounds.appendleft(newcomers)
             if not rounds:
                 return
-            turn = self._turn(rounds)
+            turn, led = self._turn(rounds, newcomers is not None)
             finished = await self._run([group for _, group in turn], live)
             for (round_, group), done in zip(reversed(turn), reversed(finished), strict=True):
                 if not done:
                     round_.appendleft(group)  # a step done; the rest at its round's next turn
-            current = rounds.popleft()
+            for round_ in [rounds.popleft() for _ in range(led)][::-1]:
+                rounds.append(round_)  # the rounds that led go to the back, the older first
             for job_id in [i for i, p in live.items() if p.future.done()]:
                 del live[job_id]
 
-    def _turn(self, rounds: deque[deque[Group[P]]]) -> list[tuple[deque[Group[P]], Group[P]]]:
-        """The groups of one turn, taken off their rounds: a group per round in turn order, again
-        and again, while they fit the token budget; a group past what is left gives the parts
-        that fit and keeps the rest at its round's head (the first part of a turn always runs)."""
+    def _cheapest_first(self, groups: list[Group[P]]) -> list[Group[P]]:
+        """A new round's groups, the cheapest requests' first (by the cost of each request's first
+        group); a request split over several groups keeps their order."""
+        first_cost: dict[Hashable, int] = {}
+        for group in groups:
+            cost = self.cost(group)
+            for job_id in group.job_ids:
+                first_cost.setdefault(job_id, cost)
+        return sorted(groups, key=lambda g: min(first_cost[j] for j in g.job_ids))
+
+    def _turn(
+        self, rounds: deque[deque[Group[P]]], newcomers_lead: bool = False
+    ) -> tuple[list[tuple[deque[Group[P]], Group[P]]], int]:
+        """The groups of one turn, taken off their rounds, and how many rounds led it (from the
+        front): a group per round in turn order, again and again, while they fit the token
+        budget; a group past what is left gives the parts that fit and keeps the rest at its
+        round's head (the first part of a turn always runs). Where new arrivals lead, the round
+        whose turn it was also takes its next group, even past the budget."""
         first = rounds[0].popleft()
         if not self.packs:
-            return [(rounds[0], first)]
+            return [(rounds[0], first)], 1
         budget = self.bounds.max_forward_tokens
         head, budget = self._fitting(first, budget, at_least_one=True)
         if head is not first:
             rounds[0].appendleft(_rest(first, head))
         taken: list[tuple[deque[Group[P]], Group[P]]] = [(rounds[0], head)]
         full = {id(rounds[0])} if head is not first else set()
+        led = 1
+        if newcomers_lead and len(rounds) > 1:
+            waiting = rounds[1]
+            group = waiting.popleft()
+            part, budget = self._fitting(group, budget, at_least_one=True)
+            if part is not group:
+                waiting.appendleft(_rest(group, part))
+                full.add(id(waiting))
+            taken.append((waiting, part))
+            led = 2
         while len(full) < len(rounds):
             for round_ in rounds:
                 if id(round_) in full:
@@ -371,7 +398,7 @@ class Batcher(Generic[P, R]):
                 if part is not group:
                     round_.appendleft(_rest(group, part))
                     full.add(id(round_))
-        return taken
+        return taken, led
 
     def _fitting(self, group: Group[P], budget: int, at_least_one: bool) -> tuple[Any, int]:
         """The most of `group` (its leading parts) whose cost fits `budget`, and the budget left;
@@ -388,8 +415,12 @@ class Batcher(Generic[P, R]):
             fitted, left = head, budget - cost
         if fitted is not None:
             return fitted, left
-        if at_least_one:
-            head = Group(group.prefix_key, group.prefix_tokens, group.parts[:1])
+        if at_least_one:  # its first part, past the budget (the whole group where that is all)
+            head = (
+                group
+                if len(group.parts) == 1
+                else Group(group.prefix_key, group.prefix_tokens, group.parts[:1])
+            )
             return head, budget - self.cost(head)
         return None, budget
 
