@@ -9,6 +9,7 @@ histograms say what the forwards carried."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import httpx
@@ -125,9 +126,10 @@ def test_eight_lev_and_eight_base_requests_over_new_states_share_at_most_four_fo
 
 
 def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then_runs_in_its_own(shared):
-    """Eight heavy requests (many rows over long new states, each past one forward's budget) queued
-    at once; a one-row request that reaches the engine's queue while they run is answered after at
-    most the forward running then and its own (counted in forwards, from its arrival)."""
+    """Eight heavy requests (many rows over long new states, each past one forward's budget) in two
+    waves, so two rounds are waiting; a one-row request that reaches the engine's queue while they
+    run is answered after at most the forward running then and its own (counted in forwards, from
+    its arrival), not after the other round's turn too."""
     service = shared
     app = create_app(service)
     gate = threading.Event()
@@ -142,6 +144,8 @@ def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then
 
     async def watched(job, wait=None):
         small = "Ticket 99" in job.payload.prompts[0].text
+        if "Flood" in job.payload.prompts[0].text:
+            arrived["heavy"] = arrived.get("heavy", 0) + 1
         if small:
             arrived["at"] = batcher.stats().forwards
         try:
@@ -156,26 +160,39 @@ def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then
             busy = asyncio.ensure_future(service.worker.run(lambda: gate.wait(60)))
             flood = [
                 asyncio.ensure_future(client.post("/v1/systemone", json=heavy(i), headers=AUTH))
-                for i in range(8)
+                for i in range(4)
             ]
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 50
-            while service.worker.pending < 9 and loop.time() < deadline:
+            while service.worker.pending < 5 and loop.time() < deadline:
                 await asyncio.sleep(0.01)
             start = batcher.stats().forwards
             gate.set()
             await busy
             while batcher.stats().forwards == start and loop.time() < deadline:
-                await asyncio.sleep(0.001)  # the flood's first forward has run
+                await asyncio.sleep(0.001)  # the first wave's first forward has run
+            flood += [
+                asyncio.ensure_future(client.post("/v1/systemone", json=heavy(i), headers=AUTH))
+                for i in range(4, 8)
+            ]
+            while arrived.get("heavy", 0) < 8 and loop.time() < deadline:
+                await asyncio.sleep(0.001)  # the second wave has reached the engine's queue
+            second = batcher.stats().forwards
+            while batcher.stats().forwards <= second + 1 and loop.time() < deadline:
+                await asyncio.sleep(0.001)  # it is a round of its own, taking turns with the first
             tiny = await client.post("/v1/systemone", json=body(BASE, 99), headers=AUTH)
             replies = await asyncio.gather(*flood)
             return tiny, replies, batcher.stats().forwards
 
+    bounds = batcher.bounds
+    # Each heavy step past the budget, as a 3k-token state's prefill chunk is at the defaults.
+    batcher.bounds = dataclasses.replace(bounds, max_forward_tokens=256)
     batcher.submit = watched  # type: ignore[method-assign]
     try:
         tiny, replies, end = asyncio.run(main())
     finally:
         batcher.submit = real  # type: ignore[method-assign]
+        batcher.bounds = bounds
     assert tiny.status_code == 200 and all(r.status_code == 200 for r in replies)
     waited = arrived["answered"] - arrived["at"]
     assert end > arrived["answered"]  # the flood had forwards left when the small request was answered
