@@ -249,17 +249,22 @@ def test_a_second_question_about_a_state_hits_the_state_cache_on_every_model(roo
     state = STATE.format(key=f"cache-{served.id}")
 
     async def script(c):
-        start = cache_counts((await c.get("/metrics")).text)
+        before = (await c.get("/metrics")).text
+        start = cache_counts(before)
         first = await c.post("/v1/systemone", json=systemone_body(served, state))
-        kept = cache_counts((await c.get("/metrics")).text)
+        after = (await c.get("/metrics")).text
+        kept = cache_counts(after)
+        forwards.append(metric(after, "semif_forwards_total") - metric(before, "semif_forwards_total"))
         ask = {"again": noul(served, "Did the customer ask for a refund?")}
         second = await c.post("/v1/systemone", json=systemone_body(served, state, ask))
         hit = cache_counts(await metrics_when(c, lambda t: cache_counts(t)[1] > kept[1]))
         return start, first, kept, second, hit
 
+    forwards: list[float] = []
     start, first, kept, second, hit = talk(roomy, script)
     assert first.status_code == second.status_code == 200, (first.text, second.text)
     assert kept == (start[0] + 1, start[1])  # the first question kept its state
+    assert forwards == [1]  # in the forward that answered it: keeping costs no second pass
     assert hit == (kept[0], kept[1] + 1)  # the second found it
     assert second.json()["x_timing"]["prefill"] == "cached"
 
