@@ -115,7 +115,7 @@ def test_a_segment_must_come_after_the_one_it_continues(engine):
         packed_forward(engine.model, [Segment((5, 6), parent=1), Segment((7,))])
 
 
-def test_adapter_rows_and_base_rows_in_one_packed_forward_equal_peft_and_the_base(
+def test_adapter_rows_and_base_rows_in_one_packed_forward_equal_peft_and_the_base_and_keep_peft_s_state(
     engine, reference, checkpoint, tmp_path
 ):
     from semif_serve.engine.adapters import AdapterBank
@@ -149,6 +149,18 @@ def test_adapter_rows_and_base_rows_in_one_packed_forward_equal_peft_and_the_bas
         want = peft_last(lora, state + row)[0][COLUMNS]
         assert torch.allclose(got[at], want, atol=TOLERANCE)
     assert torch.allclose(got[1], alone(reference, state + rows[1]), atol=TOLERANCE)
+    # The state kept under the adapter is PEFT's own prefill of exactly its tokens.
+    kept, own = StoredState(state, packed.caches[0]), stored(lora, state)
+    for layer in range(len(engine.model.get_decoder().layers)):
+        for have, want in zip(kept.layer_state(layer), own.layer_state(layer), strict=True):
+            assert have.shape == want.shape
+            assert torch.allclose(have.float(), want.float(), atol=TOLERANCE), layer
+    base_state = stored(reference, state)
+    assert any(  # the adapter moves the state: the base's would not pass for it
+        not torch.allclose(a.float(), b.float(), atol=TOLERANCE)
+        for layer in range(len(engine.model.get_decoder().layers))
+        for a, b in zip(kept.layer_state(layer), base_state.layer_state(layer), strict=True)
+    )
 
 
 def test_one_engine_turn_answers_rows_of_requests_over_different_states_as_plain_forwards(engine, reference):
