@@ -13,13 +13,15 @@
       In process, bf16: one lev request (a chat-style release over the checkpoint) over a new
       ~150-token state, with lev's stored preamble and without it, interleaved.
 
-  uv run python bench/packing.py --only servers [--vllm /work/peers/vllm] [--rounds 3]
+  uv run python bench/packing.py --only servers [--vllm /work/peers/vllm] [--rounds 3] [--pinned]
       Real servers on the peers' checkpoint (hidden 256, 8 layers, linear head dim 64, the real
       vocabulary): semif-serve at its defaults in bf16 and float32, and vLLM's CPU build in bf16
       (its own venv, PEERS.md), each request a new ~150-token state and one 4-option question,
       1 client and 16 clients sending the next request as soon as the answer arrives. vLLM gets
       SemIf's own prompt ids, `allowed_token_ids` = the four codes and processed log-probabilities.
       Rounds interleave the servers; the others are stopped (SIGSTOP) while one is measured.
+      `--pinned`: every server's threads named instead of left to its defaults: semif-serve's
+      `SEMIF_TORCH_THREADS` and vLLM's `VLLM_CPU_OMP_THREADS_BIND` set to all of this machine's cores.
 
   uv run python bench/packing.py --only fairness [--seconds 40]
       The contract's promise under a flood (issue 50's case): semif-serve at its defaults in bf16
@@ -280,15 +282,15 @@ class Server:
 class VllmProcess:
     """vLLM's OpenAI server in its own venv (PEERS.md), its own process group."""
 
-    def __init__(self, root: Path, model: Path, port: int = 8061) -> None:
-        self.root, self.model, self.port = root, model, port
+    def __init__(self, root: Path, model: Path, port: int = 8061, bind: str = "auto") -> None:
+        self.root, self.model, self.port, self.bind = root, model, port, bind
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> VllmProcess:
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "4",
-            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_CPU_OMP_THREADS_BIND": self.bind,
             "HF_HUB_OFFLINE": "1",
         }
         args = [
@@ -380,7 +382,9 @@ def cell(server: Server, clients: int, seconds: float, counter: itertools.count)
     }
 
 
-def servers(model: Path, vllm_root: Path | None, rounds: int, seconds: float, work: Path) -> dict[str, Any]:
+def servers(
+    model: Path, vllm_root: Path | None, rounds: int, seconds: float, work: Path, pinned: bool = False
+) -> dict[str, Any]:
     from semif_serve.domain.types import PromptRow
     from semif_serve.tools.demo import DEMO_REVISION
 
@@ -413,20 +417,24 @@ def servers(model: Path, vllm_root: Path | None, rounds: int, seconds: float, wo
         return ask
 
     counter = itertools.count()
-    out: dict[str, Any] = {"state_words": words, "cells": {}}
+    out: dict[str, Any] = {"state_words": words, "cells": {}, "pinned": pinned}
+    # Pinned: every server on exactly this machine's cores, named (its defaults pick them itself).
+    cores = os.cpu_count() or 1
+    threads = {"torch_threads": cores} if pinned else {}
     with (
         ServiceProcess(
-            model, DEMO_REVISION, {"device": "cpu", "dtype": "bfloat16"}, work / "semif-bf16"
+            model, DEMO_REVISION, {"device": "cpu", "dtype": "bfloat16", **threads}, work / "semif-bf16"
         ) as bf16,
         ServiceProcess(
-            model, DEMO_REVISION, {"device": "cpu", "dtype": "float32"}, work / "semif-f32"
+            model, DEMO_REVISION, {"device": "cpu", "dtype": "float32", **threads}, work / "semif-f32"
         ) as f32,
     ):
         running = [
             Server("semif-serve bf16", bf16.url, bf16.pid, semif_ask(bf16.url, bf16.token)),
             Server("semif-serve float32", f32.url, f32.pid, semif_ask(f32.url, f32.token)),
         ]
-        vllm = VllmProcess(vllm_root, model) if vllm_root is not None else None
+        bind = f"0-{cores - 1}" if pinned else "auto"
+        vllm = VllmProcess(vllm_root, model, bind=bind) if vllm_root is not None else None
         if vllm is not None:
             log("packing: starting vLLM (3-4 minutes) ...")
             vllm.__enter__()
@@ -595,6 +603,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
+    parser.add_argument(
+        "--pinned",
+        action="store_true",
+        help="servers: every server's threads named (SEMIF_TORCH_THREADS, VLLM_CPU_OMP_THREADS_BIND)",
+    )
     args = parser.parse_args()
     model = peers_checkpoint(args.model)
     if args.only == "limit":
@@ -606,7 +619,8 @@ def main() -> None:
     elif args.only == "fairness":
         result = fairness(model, args.seconds, Path("/tmp/semif-bench/packing"))
     else:
-        result = servers(model, args.vllm, args.rounds, args.seconds, Path("/tmp/semif-bench/packing"))
+        work = Path("/tmp/semif-bench/packing")
+        result = servers(model, args.vllm, args.rounds, args.seconds, work, args.pinned)
     if args.out is not None:
         write_result(args.out, result)
 
