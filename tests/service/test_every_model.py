@@ -249,6 +249,8 @@ def test_a_second_question_about_a_state_hits_the_state_cache_on_every_model(roo
     state = STATE.format(key=f"cache-{served.id}")
 
     async def script(c):
+        # Another state first: the model's preamble, stored at its first use, is then in the cache.
+        await c.post("/v1/systemone", json=systemone_body(served, STATE.format(key=f"warm-{served.id}")))
         before = (await c.get("/metrics")).text
         start = cache_counts(before)
         first = await c.post("/v1/systemone", json=systemone_body(served, state))
