@@ -362,25 +362,15 @@ class Batcher(Generic[P, R]):
         budget; a group past what is left gives the parts that fit and keeps the rest at its
         round's head (the first part of a turn always runs). Where new arrivals lead, the round
         whose turn it was also takes its next group, even past the budget."""
-        first = rounds[0].popleft()
         if not self.packs:
-            return [(rounds[0], first)], 1
+            return [(rounds[0], rounds[0].popleft())], 1
         budget = self.bounds.max_forward_tokens
-        head, budget = self._fitting(first, budget, at_least_one=True)
-        if head is not first:
-            rounds[0].appendleft(_rest(first, head))
-        taken: list[tuple[deque[Group[P]], Group[P]]] = [(rounds[0], head)]
-        full = {id(rounds[0])} if head is not first else set()
-        led = 1
-        if newcomers_lead and len(rounds) > 1:
-            waiting = rounds[1]
-            group = waiting.popleft()
-            part, budget = self._fitting(group, budget, at_least_one=True)
-            if part is not group:
-                waiting.appendleft(_rest(group, part))
-                full.add(id(waiting))
-            taken.append((waiting, part))
-            led = 2
+        taken: list[tuple[deque[Group[P]], Group[P]]] = []
+        full: set[int] = set()
+        leaders = [rounds[0], rounds[1]] if newcomers_lead and len(rounds) > 1 else [rounds[0]]
+        for round_ in leaders:  # each leader's next group runs, past the budget if need be
+            part, budget = self._take(round_, budget, at_least_one=True, full=full)
+            taken.append((round_, part))
         while len(full) < len(rounds):
             for round_ in rounds:
                 if id(round_) in full:
@@ -388,17 +378,23 @@ class Batcher(Generic[P, R]):
                 if not round_:
                     full.add(id(round_))
                     continue
-                group = round_.popleft()
-                part, budget = self._fitting(group, budget, at_least_one=False)
-                if part is None:
-                    round_.appendleft(group)
-                    full.add(id(round_))  # its next group waits: the order within a round holds
-                    continue
-                taken.append((round_, part))
-                if part is not group:
-                    round_.appendleft(_rest(group, part))
-                    full.add(id(round_))
-        return taken, led
+                part, budget = self._take(round_, budget, at_least_one=False, full=full)
+                if part is not None:
+                    taken.append((round_, part))
+        return taken, len(leaders)
+
+    def _take(
+        self, round_: deque[Group[P]], budget: int, at_least_one: bool, full: set[int]
+    ) -> tuple[Any, int]:
+        """The most of `round_`'s next group that fits `budget` (`_fitting`), taken off it, and the
+        budget left; what does not fit stays at the round's head, and the round is then `full`
+        for this turn (the order within a round holds)."""
+        group = round_.popleft()
+        part, budget = self._fitting(group, budget, at_least_one)
+        if part is not group:
+            round_.appendleft(group if part is None else _rest(group, part))
+            full.add(id(round_))
+        return part, budget
 
     def _fitting(self, group: Group[P], budget: int, at_least_one: bool) -> tuple[Any, int]:
         """The most of `group` (its leading parts) whose cost fits `budget`, and the budget left;
