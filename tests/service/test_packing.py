@@ -125,7 +125,15 @@ def test_eight_lev_and_eight_base_requests_over_new_states_share_at_most_four_fo
     assert max(merged) > 8  # the reply says how many requests its forward carried, whatever their states
 
 
-def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then_runs_in_its_own(shared):
+# The base and a PEFT adapter, each a flood of its own requests (lev's jobs take the same batcher's
+# turns; a flood of lev's 16-question requests costs this suite ~30 s more).
+FLOODED = [s for s in SERVED if s.id in ("base", "adapter")]
+
+
+@pytest.mark.parametrize("served", FLOODED, ids=[s.id for s in FLOODED])
+def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then_runs_in_its_own(
+    shared, served
+):
     """Eight heavy requests (many rows over long new states, each past one forward's budget) in two
     waves, so two rounds are waiting; a one-row request that reaches the engine's queue while they
     run is answered after at most the forward running then and its own (counted in forwards, from
@@ -140,7 +148,7 @@ def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then
 
     def heavy(i: int) -> dict:
         questions = {f"q{k}": {**CHOICE, "instructions": f"Which team handles part {k}?"} for k in range(16)}
-        return systemone_body(BASE, f"Flood {i}. " + long_state, questions)
+        return systemone_body(served, f"Flood {i}. " + long_state, questions)
 
     async def watched(job, wait=None):
         small = "Ticket 99" in job.payload.prompts[0].text
@@ -180,7 +188,7 @@ def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then
             second = batcher.stats().forwards
             while batcher.stats().forwards <= second + 1 and loop.time() < deadline:
                 await asyncio.sleep(0.001)  # it is a round of its own, taking turns with the first
-            tiny = await client.post("/v1/systemone", json=body(BASE, 99), headers=AUTH)
+            tiny = await client.post("/v1/systemone", json=body(served, 99), headers=AUTH)
             replies = await asyncio.gather(*flood)
             return tiny, replies, batcher.stats().forwards
 
