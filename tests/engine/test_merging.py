@@ -16,7 +16,7 @@ from semif_serve.app import create_app
 from semif_serve.domain.numerics import MIB
 from semif_serve.domain.requests import Limits, RowsRequest
 from semif_serve.domain.types import Option, OutOfMemory, PromptRow, Question, TooLargeForMemory
-from semif_serve.engine.batching import Job
+from semif_serve.engine.batching import Bounds, Job, plan_groups
 from semif_serve.engine.forwards import prefill
 from semif_serve.engine.memory import ReleasePolicy
 from semif_serve.engine.runner import TorchEngine
@@ -323,3 +323,21 @@ def test_a_state_cached_through_the_http_app_answers_the_follow_up_and_health_sh
     assert health.json()["batching"]["max_batch_tokens"] == fresh.settings.max_batch_tokens
     for name in ("semif_state_cache_hits_total", "semif_forwards_total", "semif_padded_token_share"):
         assert name in metrics.text
+
+
+def test_a_request_cut_over_several_groups_costs_each_group_its_own_rows_and_the_state_until_kept(engine):
+    engine = engine.with_options(cache=StateCache(1 << 30))
+    rows = [PromptRow(f"Did step {i} finish?", ("It did.", "It did not.")) for i in range(6)]
+    request = RowsRequest.of(STATE, rows, shared=True, max_input_tokens=4096)
+    prepared = engine.prepare(request)
+    groups = plan_groups([prepared.job("cut")], Bounds(max_batch_rows=2))
+    state = len(prepared.prefix)
+    after_state = [len(prompt.ids) - state for prompt in prepared.prompts]
+    pairs = [
+        after_state[0] + after_state[1],
+        after_state[2] + after_state[3],
+        after_state[4] + after_state[5],
+    ]
+    assert [engine.forward_cost(g) for g in groups] == [state + n for n in pairs]
+    engine.read(request)  # keeps the state
+    assert [engine.forward_cost(g) for g in groups] == pairs

@@ -234,13 +234,17 @@ class TorchEngine:
 
     def _tokens_to_compute(self, group: Group[PreparedRows]) -> int:
         """About the tokens this group's forwards compute: each state unless it is cached as it is
-        (a hash lookup that counts nothing and moves nothing), and every row after its state."""
+        (a hash lookup that counts nothing and moves nothing), and each of the group's rows after
+        its state (a part's rows only: a request cut over several groups counts once in all)."""
         tokens = 0
-        for prepared in {id(p.job.payload): p.job.payload for p in group.parts}.values():
+        counted: set[int] = set()
+        for part in group.parts:
+            prepared = part.job.payload
             state = prepared.prefix or prepared.state_ids
-            if state and not self.cache.has(state, adapter=prepared.adapter):
+            if state and id(prepared) not in counted and not self.cache.has(state, adapter=prepared.adapter):
                 tokens += len(state)
-            tokens += sum(len(p.ids) - len(state) for p in prepared.prompts)
+            counted.add(id(prepared))
+            tokens += sum(len(prepared.prompts[i].ids) - len(state) for i in range(part.start, part.stop))
         return tokens
 
     def _threads_for(self, tokens: int) -> None:
