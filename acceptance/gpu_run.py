@@ -453,6 +453,7 @@ class GpuRun:
             max_body_bytes=CAPACITY_BODY_BYTES,
             max_batch_rows=opts.max_rows,  # the batcher must not split a capacity probe
             max_batch_tokens=opts.max_rows * 256 + 8192,
+            max_forward_tokens=opts.max_rows * 256 + 8192,  # nor cut its rows to a turn's budget
             demo=True,
             **extra,
         )

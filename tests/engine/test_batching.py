@@ -493,3 +493,28 @@ def test_new_arrivals_during_every_forward_never_stall_a_round_already_waiting()
     steps = [i for i, call in enumerate(engine.calls) for g in call for part in g if part[0] == "waiting"]
     assert steps == [0, 1, 2, 3]  # a step in every forward
     assert all(any(part[0].startswith("new") for g in call for part in g) for call in engine.calls[1:4])
+
+
+def test_a_waiting_requests_step_past_the_budget_is_cut_to_one_budget_of_rows_beside_a_newcomer():
+    engine = SteppedEngine()
+
+    async def main():
+        batcher = Batcher(None, Bounds(max_batch_rows=8, max_forward_tokens=30), run_groups=engine)
+        big = asyncio.create_task(batcher.submit(job("big", "state big", 0, (10,) * 16)))  # two groups of 80
+        await engine.running()
+        tiny = asyncio.create_task(batcher.submit(job("tiny", "state tiny", 0, (10,))))
+        await settle()
+        while not (big.done() and tiny.done()):
+            engine.step()
+            await asyncio.sleep(0.001)
+        await batcher.close()
+        return await big
+
+    rows = run(main())
+    assert engine.calls == [
+        [[("big", 0, 8)]],  # a new arrival's first step runs whole
+        [[("tiny", 0, 1)], [("big", 8, 11)]],  # the newcomer leads; the waiting request's step is cut
+        [[("big", 11, 14)]],  # three rows of ten tokens fit the budget of 30
+        [[("big", 14, 16)]],
+    ]
+    assert rows == ["big"] * 16

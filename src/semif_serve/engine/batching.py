@@ -16,7 +16,8 @@ cheapest groups first. So a small request waits for at most the one step running
 arrives, never for every forward of a heavy request taken before it, nor for the other rounds
 waiting their turn. Packing, the turn a new round leads also takes a step of the round whose
 turn it was (past the token budget if need be), so new arrivals never stall the rounds already
-waiting. A step is one group, or one slice of a long prefill: `run_group` may return
+waiting. A step is one group (packing, at most one budget of one request's rows: a group past
+the budget alone is cut by rows), or one slice of a long prefill: `run_group` may return
 `UNFINISHED` (it did part of the group's work and keeps it), and the group runs again at its
 round's next turn.
 """
@@ -171,8 +172,12 @@ def _slices(job: Job[P], bounds: Bounds) -> list[Group[P]]:
 
 
 def _rest(group: Group[P], head: Group[P]) -> Group[P]:
-    """`group` without the leading parts `head` took."""
-    return Group(group.prefix_key, group.prefix_tokens, group.parts[len(head.parts) :])
+    """`group` without what `head` took: its leading parts, the last of them maybe only its
+    leading rows (the rest of that part then leads)."""
+    taken, last = len(head.parts), head.parts[-1]
+    whole = group.parts[taken - 1]
+    tail = (Part(whole.job, last.stop, whole.stop),) if last.stop < whole.stop else ()
+    return Group(group.prefix_key, group.prefix_tokens, tail + group.parts[taken:])
 
 
 class Unfinished:
@@ -360,8 +365,10 @@ class Batcher(Generic[P, R]):
         """The groups of one turn, taken off their rounds, and how many rounds led it (from the
         front): a group per round in turn order, again and again, while they fit the token
         budget; a group past what is left gives the parts that fit and keeps the rest at its
-        round's head (the first part of a turn always runs). Where new arrivals lead, the round
-        whose turn it was also takes its next group, even past the budget."""
+        round's head (a leader's first part always runs). Where new arrivals lead, the round whose
+        turn it was also takes its next group, even past the budget. A waiting round's step past
+        the budget is cut to one budget of rows; a new arrival's runs whole (it is the cheapest
+        that came, and its rest would wait behind every round)."""
         if not self.packs:
             return [(rounds[0], rounds[0].popleft())], 1
         budget = self.bounds.max_forward_tokens
@@ -369,7 +376,8 @@ class Batcher(Generic[P, R]):
         full: set[int] = set()
         leaders = [rounds[0], rounds[1]] if newcomers_lead and len(rounds) > 1 else [rounds[0]]
         for round_ in leaders:  # each leader's next group runs, past the budget if need be
-            part, budget = self._take(round_, budget, at_least_one=True, full=full)
+            cut = round_ is not rounds[0] or not newcomers_lead
+            part, budget = self._take(round_, budget, at_least_one=True, full=full, cut=cut)
             taken.append((round_, part))
         while len(full) < len(rounds):
             for round_ in rounds:
@@ -384,21 +392,22 @@ class Batcher(Generic[P, R]):
         return taken, len(leaders)
 
     def _take(
-        self, round_: deque[Group[P]], budget: int, at_least_one: bool, full: set[int]
+        self, round_: deque[Group[P]], budget: int, at_least_one: bool, full: set[int], cut: bool = False
     ) -> tuple[Any, int]:
         """The most of `round_`'s next group that fits `budget` (`_fitting`), taken off it, and the
         budget left; what does not fit stays at the round's head, and the round is then `full`
         for this turn (the order within a round holds)."""
         group = round_.popleft()
-        part, budget = self._fitting(group, budget, at_least_one)
+        part, budget = self._fitting(group, budget, at_least_one, cut)
         if part is not group:
             round_.appendleft(group if part is None else _rest(group, part))
             full.add(id(round_))
         return part, budget
 
-    def _fitting(self, group: Group[P], budget: int, at_least_one: bool) -> tuple[Any, int]:
+    def _fitting(self, group: Group[P], budget: int, at_least_one: bool, cut: bool) -> tuple[Any, int]:
         """The most of `group` (its leading parts) whose cost fits `budget`, and the budget left;
-        None where not even its first part fits (unless `at_least_one`)."""
+        None where not even its first part fits (unless `at_least_one`: then its first part, whole
+        or, where `cut`, its rows up to a forward's budget)."""
         cost = self.cost(group)
         if cost <= budget:
             return group, budget - cost
@@ -411,14 +420,29 @@ class Batcher(Generic[P, R]):
             fitted, left = head, budget - cost
         if fitted is not None:
             return fitted, left
-        if at_least_one:  # its first part, past the budget (the whole group where that is all)
-            head = (
-                group
-                if len(group.parts) == 1
-                else Group(group.prefix_key, group.prefix_tokens, group.parts[:1])
-            )
+        if at_least_one:
+            head = self._rows_fitting(group, max(budget, self.bounds.max_forward_tokens) if cut else None)
             return head, budget - self.cost(head)
         return None, budget
+
+    def _rows_fitting(self, group: Group[P], limit: int | None) -> Group[P]:
+        """The most leading rows of `group`'s first part that cost at most `limit`, so one heavy
+        request's step never holds a forward past the budget; the part whole (the group, where
+        that is all) with no limit, or when not even one row fits: then what is past it is the
+        state's prefill, which runs in steps of its own first, and the rows are cut when it is done."""
+        first = group.parts[0]
+        whole = group if len(group.parts) == 1 else Group(group.prefix_key, group.prefix_tokens, (first,))
+
+        def head(stop: int) -> Group[P]:
+            return Group(group.prefix_key, group.prefix_tokens, (Part(first.job, first.start, stop),))
+
+        if limit is None or self.cost(whole) <= limit:
+            return whole
+        low, high = first.start, first.stop  # the cut's stop: head(high) does not fit, head(low) does
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self.cost(head(middle)) <= limit else (low, middle)
+        return head(low) if low > first.start else whole
 
     def cost(self, group: Group[P]) -> int:
         """The tokens `group` adds to a turn: the engine's count, else its rows and prefix."""
