@@ -282,8 +282,14 @@ def test_rows_over_a_state_longer_than_the_batch_budget_run_in_few_forwards_with
     prefix = reply.json()["timing"]["prefix_tokens"]
     assert prefix > budget  # the state alone is past the budget (before: one forward per row)
     width = max(r["input_tokens"] for r in results) - prefix
-    # Each forward holds as many whole rows as the budget takes (more than budget - width tokens).
-    assert forwards == math.ceil(rows / (budget // width)) <= math.ceil(rows * width / (budget - width))
+    # Groups of as many whole rows as the batch budget takes; each forward packs as many groups as
+    # the forward's token budget takes (the first beside the state's prefill).
+    per_forward = service.worker.batcher.bounds.max_forward_tokens
+    assert (
+        math.ceil(rows * width / per_forward)
+        <= forwards
+        <= 1 + math.ceil(rows * width / (per_forward - budget))
+    )
     prompts = [
         tokenizer.encode(
             rendered(tokenizer, state, d["question"], ["Yes.", "No."], engine.codec.codes),
