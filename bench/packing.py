@@ -33,6 +33,11 @@
       answered: at most the one running when it arrived plus its own, give or take one that
       another client's request finished in that span).
 
+  uv run python bench/packing.py --only siblings [--repeats 3]
+      In process: one step of a request's rows (26 of ~76 tokens) over its kept state of ~2.8k and
+      ~8.5k tokens, in bf16 and float32, the full-attention layers reading the state once for all
+      rows (cascade attention, `engine.packed._over_shared_past`) against once per row, interleaved.
+
 Results are printed (and written as JSON with `--out FILE`).
 """
 
@@ -465,6 +470,46 @@ def servers(
     return out
 
 
+def siblings(model: Path, repeats: int) -> dict[str, Any]:
+    """A step of 26 rows over a kept state: the state's keys read once for all rows, and once per
+    row (the path before, `_over_one_long_past` finding no siblings), interleaved, per dtype."""
+    from semif_serve.domain.requests import RowsRequest
+    from semif_serve.domain.types import PromptRow
+    from semif_serve.engine import packed
+    from semif_serve.engine.adapters import AdapterBank
+    from semif_serve.engine.batching import Group, Part
+    from semif_serve.engine.runner import TorchEngine
+    from semif_serve.engine.state_cache import StateCache
+
+    shared = packed._Mixers._over_one_long_past
+    rows = [PromptRow(f"{QUESTION} ({k}) {'x ' * (k % 4)}", OPTIONS) for k in range(26)]
+    out: dict[str, Any] = {}
+    for dtype in ("bfloat16", "float32"):
+        loaded = codec_of(model, dtype)
+        engine = TorchEngine.over(loaded, AdapterBank(loaded.model)).with_options(cache=StateCache(1 << 30))
+        for words in (2300, 7000):
+            request = RowsRequest.of(filler(words, seed=1), rows, shared=True, max_input_tokens=32_768)
+            job = engine.prepare(request).job("rows")
+            engine.read(request)  # keeps the state
+            group = Group(job.prefix_key, job.prefix_tokens, (Part(job, 0, len(rows)),))
+            seconds: dict[str, list[float]] = {"once": [], "per row": []}
+            for _ in range(repeats):
+                for name in seconds:
+                    packed._Mixers._over_one_long_past = shared if name == "once" else (lambda *a: [])
+                    t0 = time.perf_counter()
+                    engine.run_groups([group])
+                    seconds[name].append(time.perf_counter() - t0)
+            packed._Mixers._over_one_long_past = shared
+            cell = {k: statistics.median(v) * 1000 for k, v in seconds.items()}
+            cell["gain"] = cell["per row"] / cell["once"]
+            out[f"{dtype}, {job.prefix_tokens}-token state"] = cell
+    print_table(
+        ["26 rows over a kept state", "read once ms", "per row ms", "gain"],
+        [[k, f"{v['once']:.0f}", f"{v['per row']:.0f}", f"{v['gain']:.2f}x"] for k, v in out.items()],
+    )
+    return out
+
+
 FLOOD_CLIENTS = 8
 FLOOD_DECISIONS = 32  # x 4 rotations = 128 rows a request
 FLOOD_STATE_TOKENS = 3000
@@ -594,7 +639,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["limit", "budget", "lev", "servers", "fairness"], required=True)
+    parser.add_argument(
+        "--only", choices=["limit", "budget", "lev", "servers", "fairness", "siblings"], required=True
+    )
     parser.add_argument("--model", type=Path, default=Path("/tmp/semif-bench/peers-model"))
     parser.add_argument(
         "--vllm", type=Path, default=None, help="vLLM's venv root (PEERS.md); none: without it"
@@ -616,6 +663,8 @@ def main() -> None:
         result = budget(model, args.repeats)
     elif args.only == "lev":
         result = lev_preamble(model, args.repeats, Path("/tmp/semif-bench/packing"))
+    elif args.only == "siblings":
+        result = siblings(model, args.repeats)
     elif args.only == "fairness":
         result = fairness(model, args.seconds, Path("/tmp/semif-bench/packing"))
     else:

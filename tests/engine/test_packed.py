@@ -15,9 +15,10 @@ import torch
 
 from semif_serve.domain.requests import BASE, RowsRequest
 from semif_serve.domain.types import PromptRow
+from semif_serve.engine import packed as packed_module
 from semif_serve.engine.batching import Group
 from semif_serve.engine.forwards import head_logits
-from semif_serve.engine.packed import Segment, _causal_attention, packed_forward
+from semif_serve.engine.packed import Segment, _causal_attention, _over_shared_past, packed_forward
 from semif_serve.engine.runner import _whole
 from semif_serve.engine.state_cache import StoredState
 from tests.support.peft_oracle import fresh_base, peft_last, peft_model
@@ -216,6 +217,56 @@ def test_attention_after_a_past_equals_a_softmax_written_out(past, n):
     weights = torch.exp(scores.masked_fill(later, float("-inf")) - scores.amax(-1, keepdim=True))
     want = (weights / weights.sum(-1, keepdim=True)) @ shared_values
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def softmax_written_out(query, keys, values, positions, scale):
+    """Attention of queries at `positions` over `keys` (key heads shared in turn), causally."""
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = (query @ keys.transpose(-1, -2)) * scale
+    later = torch.arange(keys.shape[2])[None, :] > positions[:, None]
+    weights = torch.exp(scores.masked_fill(later, float("-inf")) - scores.amax(-1, keepdim=True))
+    return (weights / weights.sum(-1, keepdim=True)) @ values
+
+
+@pytest.mark.parametrize("last_only", [False, True], ids=["every-query", "last-query"])
+def test_siblings_over_one_shared_past_read_it_together_and_equal_a_softmax_written_out(last_only):
+    torch.manual_seed(5)
+    heads, key_heads, dim, scale, past = 4, 2, 16, 0.25, 50
+    spans = [(0, 1), (1, 8), (8, 28)]  # own lengths 1, 7 and 20 after the same 50-token past
+    query = torch.randn(1, heads, 28, dim)
+    key, value = torch.randn(1, key_heads, 28, dim), torch.randn(1, key_heads, 28, dim)
+    past_keys, past_values = torch.randn(1, key_heads, past, dim), torch.randn(1, key_heads, past, dim)
+    own = [(hi - 1 if last_only else lo, (lo, hi)) for lo, hi in spans]
+
+    got = _over_shared_past(query, key, value, (past_keys, past_values), own, scale, heads // key_heads)
+
+    for (first, (lo, hi)), read in zip(own, got, strict=True):
+        keys = torch.cat([past_keys, key[:, :, lo:hi]], dim=2)
+        values = torch.cat([past_values, value[:, :, lo:hi]], dim=2)
+        positions = past + torch.arange(first - lo, hi - lo)
+        want = softmax_written_out(query[:, :, first:hi], keys, values, positions, scale)
+        assert (read - want).abs().max().item() <= 1e-5
+
+
+def test_rows_over_one_stored_state_read_its_keys_once_a_layer_and_equal_their_plain_forwards(
+    engine, reference, monkeypatch
+):
+    state, rows = ids(120, 21), [ids(n, 30 + n) for n in (3, 9, 17)]
+    calls: list[int] = []
+    real = packed_module._over_shared_past
+
+    def counted(query, key, value, past, own, scale, groups):
+        calls.append(len(own))
+        return real(query, key, value, past, own, scale, groups)
+
+    monkeypatch.setattr(packed_module, "_over_shared_past", counted)
+    cached = stored(reference, state)
+    packed = packed_forward(engine.model, [Segment(tuple(r), start=cached, read=True) for r in rows])
+    attention_layers = engine.model.config.get_text_config().layer_types.count("full_attention")
+    assert calls == [len(rows)] * attention_layers  # every full-attention layer: one read of the past
+    for n, row in enumerate(rows):
+        assert torch.allclose(packed_logits(engine, packed, n), alone(reference, state + row), atol=TOLERANCE)
 
 
 def rows_into_last_mlp(model, segments) -> list[int]:

@@ -218,6 +218,46 @@ def _causal_attention(query: Any, keys: Any, values: Any, past: int, scale: floa
     return sdpa(query, keys, values, is_causal=True, scale=scale, enable_gqa=groups > 1)[:, :, past:]
 
 
+def _over_shared_past(
+    query: Any,
+    key: Any,
+    value: Any,
+    past: tuple[Any, Any],
+    own: list[tuple[int, tuple[int, int]]],
+    scale: float,
+    groups: int,
+) -> list[Any]:
+    """Each sibling's attention (its queries from `first` over the shared `past` keys, then its own
+    keys `lo:hi`, causally), the past's part for all siblings in one call: a question's rows over
+    one long stored state read its keys once, where one masked call per row ran at a fraction of
+    the CPU's peak (cascade attention). The two parts are merged by their log-sum-exps: the
+    softmax over the union, exact in float32 (within its rounding)."""
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    dtype = query.dtype
+    past_keys = past[0].to(dtype).repeat_interleave(groups, dim=1)
+    past_values = past[1].to(dtype).repeat_interleave(groups, dim=1)
+    queries = torch.cat([query[:, :, first:hi] for first, (_, hi) in own], dim=2)
+    from_past, past_lse = flash(queries, past_keys, past_values, 0.0, False, scale=scale)[:2]
+    reads, at = [], 0
+    for first, (lo, hi) in own:
+        keys = key[:, :, lo:hi].repeat_interleave(groups, dim=1)
+        values = value[:, :, lo:hi].repeat_interleave(groups, dim=1)
+        # Own keys from the segment's start: the queries from `first` see those before them.
+        mine, mine_lse = flash(
+            query[:, :, first:hi], keys, values, 0.0, first == lo and hi - lo > 1, scale=scale
+        )[:2]
+        count = hi - first
+        theirs, theirs_lse = from_past[:, :, at : at + count], past_lse[:, :, at : at + count]
+        at += count
+        top = torch.maximum(mine_lse, theirs_lse)
+        w_mine, w_theirs = torch.exp(mine_lse - top)[..., None], torch.exp(theirs_lse - top)[..., None]
+        merged = (w_mine * mine.float() + w_theirs * theirs.float()) / (w_mine + w_theirs)
+        reads.append(merged.to(dtype))
+    return reads
+
+
 def _batches(segments: Sequence[Segment]) -> list[list[int]]:
     """The segments in the order the linear-attention layers run them: by depth (a parent's
     batch before its children's), then batched by length in steps of `LENGTH_STEP` tokens, so
@@ -244,7 +284,38 @@ class _Mixers:
         self.kernels: Any = None
         # Per segment, per layer: (keys, values) over its whole chain, or (conv inputs, recurrent state).
         self.ends: list[dict[int, tuple[Any, Any]]] = [{} for _ in segments]
+        # The segments whose keys over their whole chain outlive their layer: kept, or continued.
+        self.continued = {i for i, s in enumerate(segments) if s.keep} | {
+            s.parent for s in segments if s.parent is not None
+        }
         self.batches = _batches(segments)
+
+    def _chain(self, i: int, layer: int, key: Any, value: Any) -> tuple[Any, Any]:
+        """Segment i's keys and values over its whole chain: what it continues, then its own."""
+        import torch
+
+        lo, hi = self.spans[i]
+        keys, values = key[:, :, lo:hi], value[:, :, lo:hi]
+        before = self._before(i, layer)
+        if before is None:
+            return keys, values
+        keys = torch.cat([before[0].to(keys.dtype), keys], dim=2)
+        return keys, torch.cat([before[1].to(values.dtype), values], dim=2)
+
+    def _over_one_long_past(
+        self, attending: list[tuple[int, int]], layer: int
+    ) -> list[tuple[tuple[Any, Any], list[tuple[int, int]]]]:
+        """The segments that continue one past (their parent, or one stored state) longer than
+        their own queries, two or more to a past, with that past: its keys are read once for all."""
+        siblings: dict[tuple[str, int], tuple[tuple[Any, Any], list[tuple[int, int]]]] = {}
+        for i, first in attending:
+            segment, hi = self.segments[i], self.spans[i][1]
+            before = self._before(i, layer)
+            if before is None or before[0].shape[2] <= hi - first:
+                continue
+            past = ("parent", segment.parent) if segment.parent is not None else ("start", id(segment.start))
+            siblings.setdefault(past, (before, []))[1].append((i, first))
+        return [shared for shared in siblings.values() if len(shared[1]) > 1]
 
     def _before(self, i: int, layer: int) -> tuple[Any, Any] | None:
         """What segment i continues at `layer`: its parent's end, its stored state's, or None."""
@@ -341,7 +412,8 @@ class _Mixers:
     def attention(self, layer: int, attn: Any, hidden: Any, last_only: frozenset[int] | None = None) -> Any:
         """A full-attention layer: projections once, each segment's queries over its chain's keys.
         With `last_only` (the decoder's last layer), only those segments' last queries attend; every
-        other output row is zeros (no later layer reads it), and every segment's keys are kept."""
+        other output row is zeros (no later layer reads it), and every kept or continued segment's
+        keys are still stored."""
         import torch
 
         n = hidden.shape[0]
@@ -354,20 +426,27 @@ class _Mixers:
         query, key = self.modeling.apply_rotary_pos_emb(query, key, self.cos, self.sin)
         out = torch.empty_like(query) if last_only is None else torch.zeros_like(query)
         groups = attn.num_key_value_groups
+        attending: list[tuple[int, int]] = []  # (segment, its first query that attends)
         for i in range(len(self.segments)):
             lo, hi = self.spans[i]
-            before = self._before(i, layer)
-            keys, values = key[:, :, lo:hi], value[:, :, lo:hi]
-            if before is not None:
-                keys = torch.cat([before[0].to(keys.dtype), keys], dim=2)
-                values = torch.cat([before[1].to(values.dtype), values], dim=2)
-            self.ends[i][layer] = (keys, values)
-            if last_only is not None and i not in last_only:
-                continue
-            first = lo if last_only is None else hi - 1  # the first query that attends
+            if i in self.continued:
+                self.ends[i][layer] = self._chain(i, layer, key, value)
+            if last_only is None or i in last_only:
+                attending.append((i, lo if last_only is None else hi - 1))
+        shared = self._over_one_long_past(attending, layer) if query.device.type == "cpu" else []
+        apart = set(attending).difference(member for _, members in shared for member in members)
+        for i, first in sorted(apart):
+            hi = self.spans[i][1]
+            keys, values = self.ends[i][layer] if i in self.continued else self._chain(i, layer, key, value)
             past = keys.shape[2] - (hi - first)
-            queries = query[:, :, first:hi]
-            out[:, :, first:hi] = _causal_attention(queries, keys, values, past, attn.scaling, groups)
+            out[:, :, first:hi] = _causal_attention(
+                query[:, :, first:hi], keys, values, past, attn.scaling, groups
+            )
+        for past, members in shared:
+            own = [(first, self.spans[i]) for i, first in members]
+            reads = _over_shared_past(query, key, value, past, own, attn.scaling, groups)
+            for (first, (_, hi)), read in zip(own, reads, strict=True):
+                out[:, :, first:hi] = read
         attended = out[0].transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate)
         return attn.o_proj(attended)
 
