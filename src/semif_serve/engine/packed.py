@@ -236,10 +236,15 @@ def _over_shared_past(
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     dtype = query.dtype
-    past_keys = past[0].to(dtype).repeat_interleave(groups, dim=1)
-    past_values = past[1].to(dtype).repeat_interleave(groups, dim=1)
     queries = torch.cat([query[:, :, first:hi] for first, (_, hi) in own], dim=2)
-    from_past, past_lse = flash(queries, past_keys, past_values, 0.0, False, scale=scale)[:2]
+    heads, count, dim = queries.shape[1:]
+    # Query head h reads key head h // groups (transformers' `repeat_kv`): with no mask, a key
+    # head's query heads are one longer run of queries over it, so the past's keys are not copied.
+    by_key_head = queries.reshape(1, heads // groups, groups * count, dim)
+    from_past, past_lse = flash(by_key_head, past[0].to(dtype), past[1].to(dtype), 0.0, False, scale=scale)[
+        :2
+    ]
+    from_past, past_lse = from_past.reshape(1, heads, count, dim), past_lse.reshape(1, heads, count)
     reads, at = [], 0
     for first, (lo, hi) in own:
         keys = key[:, :, lo:hi].repeat_interleave(groups, dim=1)
