@@ -341,3 +341,25 @@ def test_a_request_cut_over_several_groups_costs_each_group_its_own_rows_and_the
     assert [engine.forward_cost(g) for g in groups] == [state + n for n in pairs]
     engine.read(request)  # keeps the state
     assert [engine.forward_cost(g) for g in groups] == pairs
+
+
+def test_requests_about_one_new_state_in_one_group_cost_the_state_once_and_their_own_rows(engine):
+    # Their forward computes the state once (one segment, every request's rows continuing it), so
+    # the budget must not count it per request: eight questions about a new state share a forward.
+    engine = engine.with_options(cache=StateCache(1 << 30))
+    requests = [
+        RowsRequest.of(
+            STATE,
+            [PromptRow(f"Did step {i} finish?", ("It did.", "It did not."))],
+            shared=True,
+            max_input_tokens=4096,
+        )
+        for i in range(3)
+    ]
+    prepared = [engine.prepare(request) for request in requests]
+    (group,) = plan_groups([p.job(f"question {n}") for n, p in enumerate(prepared)], Bounds())
+    state = len(prepared[0].prefix)
+    rows = sum(len(p.prompts[0].ids) - state for p in prepared)
+    assert engine.forward_cost(group) == state + rows
+    engine.read(requests[0])  # keeps the state
+    assert engine.forward_cost(group) == rows

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -235,15 +235,17 @@ class TorchEngine:
     def _tokens_to_compute(self, group: Group[PreparedRows]) -> int:
         """About the tokens this group's forwards compute: each state unless it is cached as it is
         (a hash lookup that counts nothing and moves nothing), and each of the group's rows after
-        its state (a part's rows only: a request cut over several groups counts once in all)."""
+        its state (a part's rows only: a request cut over several groups counts once in all). A
+        group's shared state is computed once per adapter however many requests ask about it."""
         tokens = 0
-        counted: set[int] = set()
+        counted: set[Hashable] = set()
         for part in group.parts:
             prepared = part.job.payload
             state = prepared.prefix or prepared.state_ids
-            if state and id(prepared) not in counted and not self.cache.has(state, adapter=prepared.adapter):
+            key = (group.prefix_key, prepared.adapter) if group.prefix_key is not None else id(prepared)
+            if state and key not in counted and not self.cache.has(state, adapter=prepared.adapter):
                 tokens += len(state)
-            counted.add(id(prepared))
+            counted.add(key)
             tokens += sum(len(prepared.prompts[i].ids) - len(state) for i in range(part.start, part.stop))
         return tokens
 
