@@ -38,6 +38,11 @@
       ~8.5k tokens, in bf16 and float32, the full-attention layers reading the state once for all
       rows (cascade attention, `engine.packed._over_shared_past`) against once per row, interleaved.
 
+  uv run python bench/packing.py --only breakdown [--repeats 7]
+      In process, bf16: where one packed forward of 16 such prompts goes (timers around its
+      sequence mixers and the linear-attention kernels; the rest is the token-wise work: norms,
+      projections, the MLP), and the bf16 matmul's rate over one prompt's rows and over sixteen's.
+
 Results are printed (and written as JSON with `--out FILE`).
 """
 
@@ -140,6 +145,79 @@ def limit(model: Path, repeats: int) -> dict[str, Any]:
     ]
     print_table(["dtype", "tokens", "packed 16 (ms)", "16 x packed 1", "16 x plain", "gain"], rows, "limit")
     return out
+
+
+def breakdown(model: Path, repeats: int) -> dict[str, Any]:
+    """Per part, the median ms of one packed forward of `CLIENTS` prompts (bf16), and the bf16
+    matmul's GFLOPS over one prompt's rows and over all of theirs (the MLP's gate projection)."""
+    import collections
+
+    import torch
+
+    from semif_serve.domain.types import PromptRow
+    from semif_serve.engine import causal_conv_rows, delta_rule_rows
+    from semif_serve.engine.packed import Segment, _Mixers, packed_forward
+
+    loaded = codec_of(model, "bfloat16")
+    words = state_words(loaded.codec)
+    row = [PromptRow(QUESTION, OPTIONS)]
+    prompts = [
+        loaded.codec.encode_prompts(filler(words, seed=900 + i), row, 1 << 20)[0].ids for i in range(CLIENTS)
+    ]
+    segments = [Segment(tuple(p), read=True) for p in prompts]
+    spent: collections.Counter[str] = collections.Counter()
+    parts = {  # (owner, attribute): the part its time counts in, in the order printed
+        (_Mixers, "linear"): "linear-attention layers",
+        (delta_rule_rows, "recurrence"): "  of which the gated delta rule",
+        (causal_conv_rows, "convolve_bf16"): "  of which the convolution",
+        (_Mixers, "attention"): "full-attention layers",
+    }
+    originals = {key: getattr(*key) for key in parts}
+
+    def timed(inner: Any, label: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - started
+
+        return run
+
+    totals: list[float] = []
+    per_part: dict[str, list[float]] = {label: [] for label in parts.values()}
+    try:
+        for key, label in parts.items():
+            setattr(*key, timed(originals[key], label))
+        for rep in range(repeats + 2):  # two to warm (the kernels load or compile)
+            spent.clear()
+            started = time.perf_counter()
+            packed_forward(loaded.model, segments)
+            if rep >= 2:
+                totals.append((time.perf_counter() - started) * 1000)
+                for label in per_part:
+                    per_part[label].append(spent[label] * 1000)
+    finally:
+        for key, inner in originals.items():
+            setattr(*key, inner)
+    ms = {label: statistics.median(v) for label, v in per_part.items()}
+    mixers = ms["linear-attention layers"] + ms["full-attention layers"]
+    ms["the rest: norms, MLP, residuals"] = statistics.median(totals) - mixers
+    ms["whole forward"] = statistics.median(totals)
+    weight = loaded.model.get_decoder().layers[0].mlp.gate_proj.weight
+    rates = {}
+    with torch.inference_mode():
+        for rows in (len(prompts[0]), sum(len(p) for p in prompts)):
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            times = []
+            for _ in range(repeats + 2):
+                started = time.perf_counter()
+                torch.nn.functional.linear(x, weight)
+                times.append(time.perf_counter() - started)
+            rates[rows] = 2 * rows * weight.shape[0] * weight.shape[1] / statistics.median(times[2:]) / 1e9
+    print_table(["part", "ms"], [[label, f"{v:.1f}"] for label, v in ms.items()], "breakdown (bf16)")
+    print_table(["rows", "GFLOPS"], [[r, f"{v:.0f}"] for r, v in rates.items()], "matmul (bf16)")
+    return {"ms": ms, "matmul_gflops": {str(r): v for r, v in rates.items()}}
 
 
 BUDGET_COUNTS = (1, 2, 4, 7, 14, 29)
@@ -640,7 +718,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--only", choices=["limit", "budget", "lev", "servers", "fairness", "siblings"], required=True
+        "--only",
+        choices=["limit", "budget", "lev", "servers", "fairness", "siblings", "breakdown"],
+        required=True,
     )
     parser.add_argument("--model", type=Path, default=Path("/tmp/semif-bench/peers-model"))
     parser.add_argument(
@@ -665,6 +745,8 @@ def main() -> None:
         result = lev_preamble(model, args.repeats, Path("/tmp/semif-bench/packing"))
     elif args.only == "siblings":
         result = siblings(model, args.repeats)
+    elif args.only == "breakdown":
+        result = breakdown(model, args.repeats)
     elif args.only == "fairness":
         result = fairness(model, args.seconds, Path("/tmp/semif-bench/packing"))
     else:

@@ -345,7 +345,7 @@ def test_a_request_cut_over_several_groups_costs_each_group_its_own_rows_and_the
 
 def test_requests_about_one_new_state_in_one_group_cost_the_state_once_and_their_own_rows(engine):
     # Their forward computes the state once (one segment, every request's rows continuing it), so
-    # the budget must not count it per request: eight questions about a new state share a forward.
+    # the budget must not count it per request: questions asked together about a new state share one.
     engine = engine.with_options(cache=StateCache(1 << 30))
     requests = [
         RowsRequest.of(
