@@ -205,7 +205,7 @@ def breakdown(model: Path, repeats: int) -> dict[str, Any]:
     ms["the rest: norms, MLP, residuals"] = statistics.median(totals) - mixers
     ms["whole forward"] = statistics.median(totals)
     weight = loaded.model.get_decoder().layers[0].mlp.gate_proj.weight
-    rates = {}
+    rates: dict[int, float] = {}
     with torch.inference_mode():
         for rows in (len(prompts[0]), sum(len(p) for p in prompts)):
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
