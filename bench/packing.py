@@ -165,7 +165,7 @@ def breakdown(model: Path, repeats: int) -> dict[str, Any]:
         loaded.codec.encode_prompts(filler(words, seed=900 + i), row, 1 << 20)[0].ids for i in range(CLIENTS)
     ]
     segments = [Segment(tuple(p), read=True) for p in prompts]
-    spent: collections.Counter[str] = collections.Counter()
+    spent: collections.defaultdict[str, float] = collections.defaultdict(float)
     parts = {  # (owner, attribute): the part its time counts in, in the order printed
         (_Mixers, "linear"): "linear-attention layers",
         (delta_rule_rows, "recurrence"): "  of which the gated delta rule",
