@@ -61,14 +61,21 @@ def reference(engine, checkpoint, adapter_dirs, model: str | None, ids: list[int
     return logits[engine.slot_ids[:n]].float()
 
 
-def run_merged(engine, requests):
-    """The requests' rows as ONE group (what the batcher builds for jobs over one state)."""
+def merged_group(engine, requests):
+    """The requests prepared, and their rows as ONE group (what the batcher builds for jobs over
+    one state)."""
     prepared = [engine.prepare(r) for r in requests]
     jobs = [p.job(i) for i, p in enumerate(prepared)]
     assert len({job.prefix_key for job in jobs}) == 1  # one state, whatever the model
     group = Group(
         jobs[0].prefix_key, jobs[0].prefix_tokens, tuple(Part(j, 0, len(j.row_tokens)) for j in jobs)
     )
+    return prepared, group
+
+
+def run_merged(engine, requests):
+    """The requests' rows run as ONE group; their readouts."""
+    prepared, group = merged_group(engine, requests)
     results = engine.run_group(group)
     return prepared, [engine.readout(p, results[i]) for i, p in enumerate(prepared)]
 
@@ -86,6 +93,19 @@ def test_requests_of_three_models_share_one_forward_and_each_row_equals_its_mode
             torch.testing.assert_close(torch.tensor(row.option_logits), expected, atol=ATOL, rtol=0)
     base, triage = readouts[1].rows[0].option_logits, readouts[0].rows[0].option_logits
     assert max(abs(a - b) for a, b in zip(base, triage, strict=True)) > 1e-3  # the adapter is read
+
+
+def test_a_group_over_one_new_state_costs_the_budget_the_state_once_per_model_and_each_row_once(engine):
+    # The forward computes the state once for each model reading it (its own weights), so the
+    # token budget counts it so: not once per request, not once for all models.
+    engine.cache.clear()
+    models = ["triage", None, "routing", "triage"]
+    prepared, group = merged_group(engine, [request(engine, m) for m in models])
+    state = len(prepared[0].prefix)
+    rows = sum(len(prompt.ids) - state for p in prepared for prompt in p.prompts)
+    assert engine.forward_cost(group) == 3 * state + rows
+    engine.run_group(group)  # keeps the state under each model
+    assert engine.forward_cost(group) == rows
 
 
 def test_a_state_cached_under_one_model_is_never_served_for_another(engine, checkpoint, adapter_dirs):
