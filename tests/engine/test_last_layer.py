@@ -62,12 +62,12 @@ def last_logits(kind: str, reference, ids) -> torch.Tensor:
 
 @pytest.fixture
 def last_mlp_rows(base) -> list[int]:
-    """The rows each forward's last MLP computed."""
+    """The rows each forward's last MLP computed (its gate projection's input rows)."""
     seen: list[int] = []
     handle = (
         base.model.get_decoder()
         .layers[-1]
-        .mlp.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+        .mlp.gate_proj.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
     )
     yield seen
     handle.remove()

@@ -111,6 +111,37 @@ def test_key_heads_shared_by_value_heads_equal_the_reference_given_them_repeated
     assert torch.allclose(got_state, expected_state, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rule_writes_each_rows_tokens_into_its_packed_rows_rounded_once_and_no_others(dtype) -> None:
+    generator = torch.Generator().manual_seed(8)
+    lengths, starts, tokens, heads, dim = [40, 5, 17], [0, 45, 60], 40, 4, 32
+    q, k, v = (torch.randn(3, tokens, heads, dim, generator=generator) for _ in range(3))
+    g = -torch.rand(3, tokens, heads, generator=generator)
+    beta = torch.rand(3, tokens, heads, generator=generator)
+    state = torch.randn(3, heads, dim, dim, generator=generator)
+    options = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True, lengths=lengths)
+    returned, returned_state = linear_attention_cpu.gated_delta_rule(
+        q, k, v, initial_state=state.clone(), **options
+    )
+    packed = torch.full((80, heads, dim), 7.0, dtype=dtype)
+    nothing, written_state = linear_attention_cpu.gated_delta_rule(
+        q, k, v, initial_state=state.clone(), into=(packed, starts), **options
+    )
+    expected = torch.full((80, heads, dim), 7.0, dtype=dtype)
+    for row, (n, start) in enumerate(zip(lengths, starts, strict=True)):
+        expected[start : start + n] = returned[row, :n].to(dtype)
+    assert nothing is None and torch.equal(packed, expected)
+    assert torch.equal(written_state, returned_state)
+
+
+def test_the_rule_writes_only_into_a_contiguous_float32_or_bf16_tensor() -> None:
+    q = k = v = torch.randn(1, 3, 2, 8)
+    g, beta = -torch.rand(1, 3, 2), torch.rand(1, 3, 2)
+    for target in (torch.zeros(3, 2, 8, dtype=torch.float16), torch.zeros(3, 8, 2).transpose(1, 2)):
+        with pytest.raises(ValueError, match="contiguous float32 or bf16"):
+            linear_attention_cpu.gated_delta_rule(q, k, v, g=g, beta=beta, into=(target, [0]))
+
+
 def test_each_row_stops_at_its_own_length_with_the_state_at_its_own_end() -> None:
     generator = torch.Generator().manual_seed(7)
     lengths, tokens, heads, dim = [40, 3, 0], 40, 4, 32

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from semif_serve.engine.bf16_bits import store_rounded
 from semif_serve.engine.compiled_parts import compiled, run_split
 
 _SPLIT_AT = 64 * 1024  # values: below this a call runs on the calling thread alone
-_BF16_NAN = 0x7FC0
 
 
 @compiled
@@ -39,12 +39,9 @@ def _tokens(x, taps, bias, out, lo, hi):
                 bits[c] = np.uint32(row[c]) << np.uint32(16)
             for c in range(channels):
                 total[c] += tap[c] * values[c]
-        target = out[b, t]
         for c in range(channels):
             total[c] += bias[c]
-            u = total_bits[c]
-            rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            target[c] = np.uint16(_BF16_NAN) if total[c] != total[c] else np.uint16(rounded)
+        store_rounded(total, total_bits, out[b, t])
 
 
 def convolve_bf16(x_bits: Any, taps: Any, bias: Any, threads: int) -> Any:

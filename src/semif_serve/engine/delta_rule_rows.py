@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from semif_serve.engine.bf16_bits import store_rounded
 from semif_serve.engine.compiled_parts import compiled, run_split
 
 SMALLEST_DECAY_LOG = -50.0  # exp(-50) ~ 2e-22: a term that small cannot move a float32 sum
@@ -53,24 +54,25 @@ def _unit(source, into, normed, scale):
 
 
 @compiled
-def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest, normed):
+def _rows(q, k, v, g, beta, lengths, state_t, out, starts, as_bits, lo, hi, smallest, normed):
     """Rows `lo:hi` (batch row times value heads + head) of the rule: see the module docstring.
-    Every token runs the same loops whatever came before it in this call, so a run continued
-    from a stored state gives the bits of one unbroken run."""
-    _, tokens, key_heads, key_dim = k.shape
+    Batch row b's token t is written to `out[starts[b] + t, head]`, as float32 or as bf16 bits
+    (`as_bits`, `out` of uint16: rounded to nearest even, as torch rounds). Every token runs the same loops
+    whatever came before it in this call, so a run continued from a stored state gives the bits
+    of one unbroken run."""
+    _, _, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     share = value_heads // key_heads
     scale = np.float32(key_dim**-0.5)
     key = np.empty(key_dim, np.float32)
     query = np.empty(key_dim, np.float32)
+    result = np.empty(value_dim, np.float32)
+    result_bits = result.view(np.uint32)
     for r in range(lo, hi):
         b, h = r // value_heads, r % value_heads
         hk = h // share
         state = state_t[b, h]
-        length = lengths[b]
-        for t in range(length, tokens):
-            out[b, t, h, :] = 0.0
-        for t in range(length):
+        for t in range(lengths[b]):
             _unit(k[b, t, hk], key, normed, 1.0)
             _unit(q[b, t, hk], query, normed, scale)
             key_query = np.float32(0.0)
@@ -79,7 +81,7 @@ def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest, normed):
             log_decay = g[b, t, h]
             decay = np.float32(math.exp(log_decay)) if log_decay >= smallest else np.float32(0.0)
             rate = beta[b, t, h]
-            value, row_out = v[b, t, h], out[b, t, h]
+            value = v[b, t, h]
             for j in range(value_dim):
                 column = state[j]
                 keyed = np.float32(0.0)  # S^T k and S^T q, both before the decay, in one pass
@@ -88,9 +90,15 @@ def _rows(q, k, v, g, beta, lengths, state_t, out, lo, hi, smallest, normed):
                     keyed += column[i] * key[i]
                     queried += column[i] * query[i]
                 delta = (value[j] - decay * keyed) * rate
-                row_out[j] = decay * queried + key_query * delta
+                result[j] = decay * queried + key_query * delta
                 for i in range(key_dim):
                     column[i] = decay * column[i] + delta * key[i]
+            row_out = out[starts[b] + t, h]
+            if as_bits:
+                store_rounded(result, result_bits, row_out)
+            else:
+                for j in range(value_dim):
+                    row_out[j] = result[j]
 
 
 def recurrence(
@@ -103,19 +111,27 @@ def recurrence(
     state_t: Any,
     threads: int,
     normed: bool,
+    into: tuple[Any, Any] | None = None,
 ) -> Any:
     """Run the rule over `[batch, tokens, heads, dim]` float32 numpy arrays of any strides (query
     and key may hold fewer heads than the value, each shared by consecutive value heads; both
     scaled to unit length first if `normed`, the query then by `k_dim ** -0.5`), from and into
-    `state_t` `[batch, v_heads, v_dim, k_dim]`, row b's tokens from `lengths[b]` on left as
-    zeros; returns the float32 output `[batch, tokens, v_heads, v_dim]`."""
+    `state_t` `[batch, v_heads, v_dim, k_dim]`, each row b stopping after `lengths[b]` tokens.
+    Returns the float32 output `[batch, tokens, v_heads, v_dim]`, zeros past each row's length;
+    or, given `into` (`out` `[n, v_heads, v_dim]` float32 or bf16 bits as uint16, and `starts`),
+    writes row b's token t to `out[starts[b] + t]` (a packed forward's rows) and returns None."""
     batch, tokens = value.shape[0], value.shape[1]
     rows = batch * value.shape[2]
-    out = np.empty(value.shape, dtype=np.float32)
-    arrays = (query, key, value, g, beta, lengths, state_t, out)
+    if into is None:
+        out = np.zeros((batch * tokens, *value.shape[2:]), dtype=np.float32)
+        starts = np.arange(batch, dtype=np.int64) * tokens
+    else:
+        out, starts = into
+    at = np.asarray(starts, dtype=np.int64)
+    arrays = (query, key, value, g, beta, lengths, state_t, out, at, out.dtype == np.uint16)
 
     def part(lo: int, hi: int) -> None:
         _rows(*arrays, lo, hi, SMALLEST_DECAY_LOG, normed)
 
     run_split(part, rows, threads, min_items=max(1, _SPLIT_AT // max(1, tokens)))
-    return out
+    return out.reshape(value.shape) if into is None else None

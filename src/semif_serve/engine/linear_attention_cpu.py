@@ -49,14 +49,17 @@ def gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     lengths: Sequence[int] | None = None,
+    into: tuple[Any, Sequence[int]] | None = None,
     **kwargs: Any,
-) -> tuple[Any, Any | None]:
+) -> tuple[Any | None, Any | None]:
     """transformers' `torch_chunk_gated_delta_rule`, same arguments and results
     (`[batch, tokens, v_heads, v_dim]` in the value's dtype, the float32 state or None), run as
     the compiled recurrence of `engine.delta_rule_rows`. The query and key may hold fewer heads
     than the value (each shared by consecutive value heads, as `repeat_interleave` would lay them
     out), so callers need not repeat them; `lengths` (per batch row) stops each row after its own
-    tokens: the state returned is the one at its end, and the output after it is zeros."""
+    tokens: the state returned is the one at its end, and the output after it is zeros. `into`
+    (a packed forward's `[n, v_heads, v_dim]` float32 or bf16 tensor, and each batch row's first
+    row in it): the output is written there, rounded once to its dtype, and None returned."""
     import numpy as np
     import torch
 
@@ -71,10 +74,17 @@ def gated_delta_rule(
     counts = np.asarray(lengths if lengths is not None else [tokens] * batch, dtype=np.int64)
     q, k, v, decays, rates = (t.float().numpy() for t in (query, key, value, g, beta))  # views if float32
     threads = torch.get_num_threads()
-    out = recurrence(q, k, v, decays, rates, counts, state_t.numpy(), threads, use_qk_l2norm_in_kernel)
-    result = torch.from_numpy(out).to(value.dtype)
+    arrays = (q, k, v, decays, rates, counts, state_t.numpy(), threads, use_qk_l2norm_in_kernel)
     final = state_t.transpose(-1, -2) if output_final_state else None
-    return result, final
+    if into is not None:
+        target, starts = into
+        if target.dtype not in (torch.float32, torch.bfloat16) or not target.is_contiguous():
+            raise ValueError("the rule writes into a contiguous float32 or bf16 tensor")
+        bf16 = target.dtype == torch.bfloat16
+        rows = target.view(torch.int16).numpy().view(np.uint16) if bf16 else target.numpy()
+        recurrence(*arrays, into=(rows, starts))
+        return None, final
+    return torch.from_numpy(recurrence(*arrays)).to(value.dtype), final
 
 
 def _copied(tensor: Any, dtype: Any) -> Any:
