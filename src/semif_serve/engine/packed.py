@@ -208,8 +208,8 @@ def _mlp(mlp: Any, x: Any) -> Any:
 
 def _gated_norm(norm: Any, x: Any, gate: Any) -> Any:
     """Qwen3.5's gated norm (`weight * rms_norm(x)` in x's dtype, times `act(gate)` in float32),
-    the norm as torch's fused kernel and the product in place: the same bits as transformers'
-    module in a third of its time (bench/RESULTS.md)."""
+    the norm as torch's `F.rms_norm` and the product in place: the same bits as transformers'
+    module in fewer passes (bench/RESULTS.md)."""
     import torch
     import torch.nn.functional as F
     from transformers.activations import ACT2FN
