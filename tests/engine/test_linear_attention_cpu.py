@@ -289,6 +289,31 @@ def test_the_rule_gives_the_same_bits_whatever_the_inputs_strides_threads_and_ne
     assert torch.equal(alone[0], whole[1])
 
 
+def test_a_lone_prompts_rule_runs_on_both_of_the_forwards_threads(monkeypatch) -> None:
+    # One ~250-token prompt, 8 value heads: its rows go to more than one part, so a second thread
+    # takes some (on one thread the rule was a fifth of a lone forward; docs/packing.md).
+    from semif_serve.engine import delta_rule_rows
+
+    taken: list[tuple[int, int]] = []
+    split = delta_rule_rows.run_split
+
+    def counted(work, items, threads, min_items):
+        taken.append((items, min_items))
+        return split(work, items, threads, min_items)
+
+    monkeypatch.setattr(delta_rule_rows, "run_split", counted)
+    q, k = (torch.randn(1, 242, 4, 64) for _ in range(2))
+    v = torch.randn(1, 242, 8, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        linear_attention_cpu.gated_delta_rule(q, k, v, g=-torch.rand(1, 242, 8), beta=torch.rand(1, 242, 8))
+    finally:
+        torch.set_num_threads(threads)
+    [(rows, least)] = taken
+    assert rows == 8 and rows // least >= 2
+
+
 def test_a_run_continued_from_its_stored_state_gives_the_bits_of_one_unbroken_run() -> None:
     # What the state cache relies on: a follow-up read from a kept state equals the whole prompt run.
     generator = torch.Generator().manual_seed(4)

@@ -31,9 +31,9 @@ from semif_serve.engine.bf16_bits import store_rounded
 from semif_serve.engine.compiled_parts import compiled, run_split
 
 SMALLEST_DECAY_LOG = -50.0  # exp(-50) ~ 2e-22: a term that small cannot move a float32 sum
-# Below this many token-rows a call runs on the calling thread alone: handing work to another
-# thread costs more than it saves.
-_SPLIT_AT = 2048
+# Each part at least this many token-rows (below it a call runs on the calling thread alone): a
+# lone ~250-token prompt's value heads still run on both threads (docs/packing.md).
+_SPLIT_AT = 512
 
 
 @compiled
