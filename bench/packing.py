@@ -2,8 +2,15 @@
 
   uv run python bench/packing.py --only limit
       In process, this CPU's limit for the work: one packed forward over 16 SemIf prompts of
-      ~150-token new states against the same 16 run one by one (packed forwards of one, and
-      transformers' own plain forward), in float32 and bfloat16.
+      ~150-token new states (whole on two threads, and split into two lanes as the engine runs it)
+      against the same 16 run one by one (packed forwards of one, and transformers' own plain
+      forward), in float32 and bfloat16.
+
+  uv run python bench/packing.py --only lanes
+      In process: one packed forward of n such prompts (n = 2, 4, 8, 16) and of 2 and 8 shorter
+      ones, whole on two threads against split into two lanes of one thread each
+      (`engine.lanes.ForwardLanes`, its split forced), interleaved, per dtype: where the lanes'
+      thresholds come from.
 
   uv run python bench/packing.py --only budget
       In process: one packed forward of n prompts (n = 1, 2, 4, 7, 14, 29), the cost per sequence
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import os
 import signal
@@ -104,6 +112,20 @@ def state_words(codec: Any) -> int:
 # -- this CPU's limit ---------------------------------------------------------------------------
 
 
+def interleaved(cells: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Each cell's median ms over `repeats` runs, the cells interleaved (the machine is shared and
+    noisy), after one warm run each."""
+    times: dict[str, list[float]] = {name: [] for name in cells}
+    for fn in cells.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in cells.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1000)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def limit(model: Path, repeats: int) -> dict[str, Any]:
     """One packed forward over 16 prompts against 16 forwards, per dtype (median ms)."""
     from semif_serve.domain.types import PromptRow
@@ -118,32 +140,86 @@ def limit(model: Path, repeats: int) -> dict[str, Any]:
             for i in range(CLIENTS)
         ]
 
-        cells = forward_cells(loaded.model, prompts)
-        times: dict[str, list[float]] = {name: [] for name in cells}
-        for fn in cells.values():
-            fn()  # warm
-        for _ in range(repeats):
-            for name, fn in cells.items():  # interleaved: the machine is shared and noisy
-                t0 = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t0) * 1000)
-        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        medians = interleaved(forward_cells(loaded.model, prompts), repeats)
         out[dtype] = {
             "prompt_tokens": statistics.mean(len(p) for p in prompts),
             "ms": medians,
             "packed_gain_over_one_by_one": medians["16 packed forwards of 1"] / medians["packed 16"],
             "packed_gain_over_plain": medians["16 plain forwards"] / medians["packed 16"],
+            "lanes_gain_over_one_by_one": medians["16 packed forwards of 1"] / medians["packed 16 in lanes"],
         }
     rows = [
         [
             d,
             f"{v['prompt_tokens']:.0f}",
             *(f"{v['ms'][k]:.0f}" for k in v["ms"]),
-            f"{v['packed_gain_over_plain']:.2f}x",
+            f"{v['packed_gain_over_one_by_one']:.2f}x",
+            f"{v['lanes_gain_over_one_by_one']:.2f}x",
         ]
         for d, v in out.items()
     ]
-    print_table(["dtype", "tokens", "packed 16 (ms)", "16 x packed 1", "16 x plain", "gain"], rows, "limit")
+    header = ["dtype", "tokens", "packed 16 (ms)", "in 2 lanes", "16 x packed 1", "16 x plain"]
+    print_table([*header, "gain", "gain, lanes"], rows, "limit")
+    return out
+
+
+def lanes(model: Path, repeats: int) -> dict[str, Any]:
+    """One packed forward whole on two threads against split into two lanes of one thread each
+    (the split forced), over n SemIf prompts and over shorter sequences, per dtype (median ms)."""
+    import random
+
+    import torch
+
+    from semif_serve.domain.types import PromptRow
+    from semif_serve.engine import lanes as lanes_module
+    from semif_serve.engine.packed import Segment, packed_forward
+
+    rng = random.Random(0)
+    out: dict[str, Any] = {}
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        loaded = codec_of(model, dtype)
+        codec = loaded.codec
+        words = state_words(codec)
+        prompts = [
+            codec.encode_prompts(filler(words, seed=900 + i), [PromptRow(QUESTION, OPTIONS)], 1 << 20)[0].ids
+            for i in range(CLIENTS)
+        ]
+        shapes = [(n, prompts[:n]) for n in (2, 4, 8, 16)]
+        shapes += [
+            (n, [[rng.randrange(1000, 50_000) for _ in range(t)] for _ in range(n)])
+            for n, t in ((2, 64), (2, 128), (2, 192), (8, 32), (8, 64))
+        ]
+        forced = lanes_module.ForwardLanes()
+        torch.set_num_threads(2)
+        saved = lanes_module.MIN_SHARE_TOKENS
+        lanes_module.MIN_SHARE_TOKENS = 0  # measured below the engine's threshold too
+        try:
+            for n, sequences in shapes:
+                segments = [Segment(tuple(p), read=True) for p in sequences]
+                ms = interleaved(
+                    {
+                        "whole": functools.partial(packed_forward, loaded.model, segments),
+                        "lanes": functools.partial(forced.forward, loaded.model, segments),
+                    },
+                    repeats,
+                )
+                tokens = sum(len(p) for p in sequences) // n
+                gain = ms["whole"] / ms["lanes"]
+                out[f"{dtype} {n} x {tokens}"] = {
+                    "whole_ms": ms["whole"],
+                    "lanes_ms": ms["lanes"],
+                    "gain": gain,
+                }
+                rows.append(
+                    [dtype, str(n), str(tokens), f"{ms['whole']:.1f}", f"{ms['lanes']:.1f}", f"{gain:.2f}x"]
+                )
+        finally:
+            lanes_module.MIN_SHARE_TOKENS = saved
+            forced.close()
+    print_table(
+        ["dtype", "sequences", "tokens each", "whole, 2 threads (ms)", "2 lanes (ms)", "gain"], rows, "lanes"
+    )
     return out
 
 
@@ -256,15 +332,21 @@ def budget(model: Path, repeats: int) -> dict[str, Any]:
 
 
 def forward_cells(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
-    """The three ways to run `prompts`: one packed forward, a packed forward each, a plain one each."""
+    """The four ways to run `prompts`: one packed forward (whole on this thread's threads, and in
+    the engine's lanes), a packed forward each, a plain one each."""
     import torch
 
+    from semif_serve.engine.lanes import ForwardLanes
     from semif_serve.engine.packed import Segment, packed_forward
 
     decoder = model.get_decoder()
+    lanes = ForwardLanes()
 
     def packed() -> None:
         packed_forward(model, [Segment(tuple(p), read=True) for p in prompts])
+
+    def in_lanes() -> None:
+        lanes.forward(model, [Segment(tuple(p), read=True) for p in prompts])
 
     def one_by_one() -> None:
         for p in prompts:
@@ -275,7 +357,12 @@ def forward_cells(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
             for p in prompts:
                 decoder(input_ids=torch.tensor([p]), use_cache=False)
 
-    return {"packed 16": packed, "16 packed forwards of 1": one_by_one, "16 plain forwards": plain}
+    return {
+        "packed 16": packed,
+        "packed 16 in lanes": in_lanes,
+        "16 packed forwards of 1": one_by_one,
+        "16 plain forwards": plain,
+    }
 
 
 # -- lev's preamble ------------------------------------------------------------------------------
@@ -719,7 +806,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["limit", "budget", "lev", "servers", "fairness", "siblings", "breakdown"],
+        choices=["limit", "lanes", "budget", "lev", "servers", "fairness", "siblings", "breakdown"],
         required=True,
     )
     parser.add_argument("--model", type=Path, default=Path("/tmp/semif-bench/peers-model"))
@@ -739,6 +826,8 @@ def main() -> None:
     model = peers_checkpoint(args.model)
     if args.only == "limit":
         result = limit(model, args.repeats)
+    elif args.only == "lanes":
+        result = lanes(model, args.repeats)
     elif args.only == "budget":
         result = budget(model, args.repeats)
     elif args.only == "lev":

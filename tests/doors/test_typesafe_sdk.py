@@ -120,7 +120,26 @@ def test_a_body_the_sdk_sends_zstd_compressed_gets_the_answers_of_the_plain_body
     assert request.headers["content-encoding"] == "zstd"
     assert request.content.startswith(ZSTD_MAGIC)
     assert len(json.dumps(long_state)) >= MIN_COMPRESSED_BODY_LENGTH
-    assert packed.answers == plain.answers
+    # The same answers: the second asks about the state the first cached, and a forward's float32
+    # sums may differ in their last bits with what it is packed beside (contract.md: within 1e-5).
+    (numbers, words), (want_numbers, want_words) = fields_of(packed.answers), fields_of(plain.answers)
+    assert words == want_words
+    assert numbers == pytest.approx(want_numbers, rel=0, abs=1e-6)
+
+
+def fields_of(answers: dict) -> tuple[dict[str, float], dict[str, str]]:
+    """Every field of every answer by `question.field[.key]`: its numbers, and the rest as text."""
+    numbers: dict[str, float] = {}
+    words: dict[str, str] = {}
+    for question, answer in answers.items():
+        for name, value in answer.model_dump().items():
+            for key, item in value.items() if isinstance(value, dict) else [(None, value)]:
+                label = f"{question}.{name}" + ("" if key is None else f".{key}")
+                if isinstance(item, float):
+                    numbers[label] = item
+                else:
+                    words[label] = str(item)
+    return numbers, words
 
 
 def test_a_255_option_choice_round_trips_its_option_names_through_the_sdk(server):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from semif_serve.engine import packed_runs
 from semif_serve.engine.adapters import AdapterBank
+from semif_serve.engine.lanes import ForwardLanes
 from semif_serve.engine.loader import CheckpointSpec, load_model
 from semif_serve.tools.demo import DEMO_REVISION
 from semif_serve.tools.lev_builder import DEFAULT_BASE_NAME
@@ -31,13 +31,14 @@ def bank(base):
 
 @pytest.fixture
 def forwards(monkeypatch) -> list[list]:
-    """Every packed forward's segments, as the engine hands them to `packed_forward`."""
+    """Every packed forward's segments, as the engine hands them to its lanes (one forward,
+    however many lanes run its shares)."""
     seen: list[list] = []
-    real = packed_runs.packed_forward
+    real = ForwardLanes.forward
 
-    def recording(model, segments, adapters=None):
+    def recording(self, model, segments, adapters=None):
         seen.append(list(segments))
-        return real(model, segments, adapters)
+        return real(self, model, segments, adapters)
 
-    monkeypatch.setattr(packed_runs, "packed_forward", recording)
+    monkeypatch.setattr(ForwardLanes, "forward", recording)
     return seen

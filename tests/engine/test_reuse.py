@@ -379,15 +379,15 @@ def test_a_lone_question_about_a_state_being_prefilled_in_steps_joins_that_prefi
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(type(decoder), "forward", counting)
-    from semif_serve.engine import packed_runs
+    from semif_serve.engine.lanes import ForwardLanes
 
-    packed = packed_runs.packed_forward
+    packed = ForwardLanes.forward
 
-    def packed_counting(model, segments, adapters=None):
+    def packed_counting(self, model, segments, adapters=None):
         fed.append(sum(len(s.ids) for s in segments))
-        return packed(model, segments, adapters)
+        return packed(self, model, segments, adapters)
 
-    monkeypatch.setattr(packed_runs, "packed_forward", packed_counting)
+    monkeypatch.setattr(ForwardLanes, "forward", packed_counting)
     results: dict[int, list] = {}
     first = stepping.run_group(groups[0])  # the first request's first step; the second arrives now
     assert first is UNFINISHED

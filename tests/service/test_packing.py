@@ -3,8 +3,8 @@ states, for every kind of served model (tests/support/served_models.py), through
 
 Sixteen System One requests at the default orderings (a 4-option choice: several rows each), each
 about a new state of its own, queued while the engine is busy, run in at most 4 forwards (counted
-in /metrics), and each answer equals the same request asked alone; /metrics' per-forward
-histograms say what the forwards carried."""
+in /metrics), their shares in two lanes at once, and each answer equals the same request asked
+alone; /metrics' per-forward histograms say what the forwards carried."""
 
 from __future__ import annotations
 
@@ -31,13 +31,17 @@ LEV = next(s for s in SERVED if s.id == "lev-release")
 
 @pytest.fixture(scope="module")
 def shared(engine, checkpoint, served_models):
-    with serving(engine, checkpoint, served_models) as service:
+    # Two intra-op threads for every forward, whatever the machine's load: a forward this large
+    # then runs its shares in two lanes (engine/lanes.py), on every kind of model.
+    with serving(engine, checkpoint, served_models, torch_threads=2) as service:
         yield service
 
 
 def body(served: Served, i: int) -> dict:
     """A choice about a new state (a noul where the model answers no choice)."""
-    state = f"Ticket {i}: the customer in region {i * 7} was charged twice for plan {i % 5}."
+    state = f"Ticket {i}: the customer in region {i * 7} was charged twice for plan {i % 5}." + (
+        " The second charge went through after the first was refunded." * 6
+    )  # long enough that a forward of such states splits into lanes on every model
     question = CHOICE if served.asks("choice") else {"type": "noul", "instructions": "Is it billing's?"}
     return systemone_body(served, state, {"team": question})
 
@@ -113,6 +117,8 @@ def test_sixteen_requests_over_sixteen_new_states_run_in_at_most_four_forwards_a
     if served.method == "semif":  # `choice=shifts` by default: min(n, 4) rows (contract.md)
         assert rows == 16 * len(CHOICE["criteria"])
     assert 1 <= sequences <= rows  # each sequence ends in a row it reads
+    lanes = metric(after, "semif_per_forward_lanes_sum") - metric(before, "semif_per_forward_lanes_sum")
+    assert forwards < lanes <= 2 * forwards  # a forward's shares ran in two lanes, and still answer as alone
 
 
 def test_eight_lev_and_eight_base_requests_over_new_states_share_at_most_four_forwards(shared):

@@ -170,13 +170,13 @@ class SimulatedCuda:
     def _track_packed(self, model) -> None:
         """Allocate each packed forward's working set too (it runs the decoder's layers itself):
         every sequence's row bytes and its whole chain's tokens."""
-        from semif_serve.engine import packed_runs
+        from semif_serve.engine.lanes import ForwardLanes
 
-        real = packed_runs.packed_forward
+        real = ForwardLanes.forward
 
-        def packed_forward(over, segments, adapters=None):
+        def packed_forward(lanes, over, segments, adapters=None):
             if over is not model:
-                return real(over, segments, adapters)
+                return real(lanes, over, segments, adapters)
             chains: list[int] = []
             for segment in segments:
                 before = chains[segment.parent] if segment.parent is not None else len(segment.start or ())
@@ -185,11 +185,11 @@ class SimulatedCuda:
             nbytes = sum(self.forward_bytes(1, 0, chain) for chain in chains)
             self.allocate(nbytes)
             try:
-                return real(over, segments, adapters)
+                return real(lanes, over, segments, adapters)
             finally:
                 self.free(nbytes)
 
-        packed_runs.packed_forward = packed_forward
+        ForwardLanes.forward = packed_forward  # type: ignore[method-assign]
 
     def track_vision(self, tower) -> None:
         """Account a vision tower's weights, and allocate `patches * patch_bytes` for each of its

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -103,14 +104,23 @@ class _Selection:
 
 @dataclass
 class AdapterBank:
-    """The adapters served over one model, loaded once, and the per-forward row selection."""
+    """The adapters served over one model, loaded once, and the per-forward row selection (each
+    thread's own: a forward's lanes run at once on threads of their own, `engine.lanes`)."""
 
     model: Any
     adapters: list[ServedAdapter] = field(default_factory=list)
     _loaded: dict[Path, LoraWeights] = field(default_factory=dict)
     _tables: dict[str, dict[int, tuple[Any, Any, float]]] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
-    _selection: _Selection | None = None
+    _selected: threading.local = field(default_factory=threading.local)
+
+    @property
+    def _selection(self) -> _Selection | None:
+        return getattr(self._selected, "selection", None)
+
+    @_selection.setter
+    def _selection(self, selection: _Selection | None) -> None:
+        self._selected.selection = selection
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,6 @@
-"""What each forward carried, as histograms: rows, requests and sequences per forward and the
-share of its computed tokens that was padding (the `/metrics` histograms of docs/packing.md)."""
+"""What each forward carried, as histograms: rows, requests and sequences per forward, the
+share of its computed tokens that was padding, and the lanes it ran in (the `/metrics` histograms
+of docs/packing.md)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
-COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)  # rows, requests, sequences
+COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)  # rows, requests, sequences, lanes
 SHARE_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0)  # the padding share
-SHAPES = ("rows", "requests", "sequences", "padding_share")
+SHAPES = ("rows", "requests", "sequences", "padding_share", "lanes")
 
 
 @dataclass
@@ -48,12 +49,14 @@ class ForwardShapes:
             name: Histogram(SHARE_BUCKETS if name == "padding_share" else COUNT_BUCKETS) for name in SHAPES
         }
 
-    def observe(self, rows: int, requests: int, sequences: int, tokens: int, padded_tokens: int) -> None:
-        """One forward: its rows, requests, sequences, and the tokens it computed with and
-        without padding."""
+    def observe(
+        self, rows: int, requests: int, sequences: int, tokens: int, padded_tokens: int, lanes: int = 1
+    ) -> None:
+        """One forward: its rows, requests, sequences, the tokens it computed with and without
+        padding, and the lanes its shares ran in at once (`engine.lanes`)."""
         share = 1 - tokens / padded_tokens if padded_tokens else 0.0
         with self._lock:
-            for name, value in zip(SHAPES, (rows, requests, sequences, share), strict=True):
+            for name, value in zip(SHAPES, (rows, requests, sequences, share, lanes), strict=True):
                 self._histograms[name].observe(value)
 
     def snapshot(self) -> dict[str, Histogram]:

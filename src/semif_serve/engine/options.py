@@ -1,11 +1,12 @@
-"""How an engine runs over its weights: its memory, state cache, prefill steps, lone-row path and
-threads (`EngineOptions`)."""
+"""How an engine runs over its weights: its memory, state cache, prefill steps, lone-row path,
+threads and lanes (`EngineOptions`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from semif_serve.engine.lanes import MOST_LANES
 from semif_serve.engine.lone import KEEP_STATE_TOKENS
 from semif_serve.engine.memory import DeviceMemory
 from semif_serve.engine.state_cache import StateCache
@@ -34,7 +35,10 @@ class EngineOptions:
     direct_path: DirectPath = "reuse"
     keep_state_tokens: int = KEEP_STATE_TOKENS  # a lone row's state this long is kept by its own pass
     threads: ThreadPolicy = field(default_factory=ThreadPolicy.of_machine)  # a CPU's threads per forward
+    forward_lanes: int = MOST_LANES  # a CPU's packed forward split into at most this many at once
 
     def __post_init__(self) -> None:
         if self.direct_path not in DIRECT_PATHS:
             raise ValueError(f"direct_path must be one of {DIRECT_PATHS}")
+        if self.forward_lanes < 1:
+            raise ValueError("forward_lanes must be at least 1")

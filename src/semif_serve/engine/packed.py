@@ -66,11 +66,13 @@ class Segment:
 @dataclass
 class Packed:
     """What a packed forward returns: each read segment's last hidden state (after the final
-    norm, the decoder's dtype) and each kept segment's cache, by segment index."""
+    norm, the decoder's dtype) and each kept segment's cache, by segment index; `lanes`: how
+    many forwards ran its shares at once (`engine.lanes`)."""
 
     hidden: dict[int, Any]
     caches: dict[int, Any]
     tokens: int
+    lanes: int = 1
 
 
 def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBank | None = None) -> Packed:

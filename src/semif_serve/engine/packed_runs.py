@@ -25,7 +25,8 @@ from typing import Any
 from semif_serve.engine.batching import UNFINISHED, Group, Part, Unfinished
 from semif_serve.engine.forwards import head_logits, read_slots
 from semif_serve.engine.group_runs import GroupRunner, _over_state, _picked, state_start
-from semif_serve.engine.packed import Packed, Segment, packed_forward
+from semif_serve.engine.lanes import ForwardLanes
+from semif_serve.engine.packed import Packed, Segment
 from semif_serve.engine.rows import PREFILL_KINDS, GroupRun, PreparedRows, Results, ScoredRow
 from semif_serve.engine.state_cache import QUESTION, STATE, StoredState
 from semif_serve.engine.stepped import Step
@@ -121,8 +122,9 @@ class _Planned:
 class PackedRunner:
     """Plans the groups of one turn into one packed forward and runs it (see the module docstring)."""
 
-    def __init__(self, groups: GroupRunner) -> None:
+    def __init__(self, groups: GroupRunner, lanes: ForwardLanes | None = None) -> None:
         self.runner = groups
+        self.lanes = lanes or ForwardLanes(1)
         self.torch = groups.torch
         self.cache = groups.cache
         self.stepped = groups.stepped
@@ -148,7 +150,7 @@ class PackedRunner:
                 planned.append((n, entry))
         if plan.segments:
             t0 = time.perf_counter()
-            packed = packed_forward(self.runner.model, plan.segments, self.runner.adapters)
+            packed = self.lanes.forward(self.runner.model, plan.segments, self.runner.adapters)
             scored = self._read(plan, packed)
             self.runner.memory.synchronize()
             seconds = time.perf_counter() - t0
@@ -156,7 +158,9 @@ class PackedRunner:
                 store(packed)
             requests = len({i for _, p in planned for i in p.group.job_ids})
             sequences = sum(1 for s in plan.segments if s.parent is None)
-            self.shapes.observe(len(plan.reads), requests, sequences, packed.tokens, packed.tokens)
+            self.shapes.observe(
+                len(plan.reads), requests, sequences, packed.tokens, packed.tokens, packed.lanes
+            )
             for n, entry in planned:
                 outcomes[n] = _merge(outcomes[n], self._outcome(entry, scored, seconds, requests))
         for _, entry in planned:

@@ -27,6 +27,7 @@ from semif_serve.domain.requests import BASE, RowsRequest
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.batching import UNFINISHED, Group, Job, Part, Unfinished
 from semif_serve.engine.group_runs import GroupRunner
+from semif_serve.engine.lanes import ForwardLanes
 from semif_serve.engine.loader import LoadedModel, ModelIdentity
 from semif_serve.engine.memory import DeviceMemory, MemoryEstimate
 from semif_serve.engine.options import DIRECT_PATHS, DirectPath, EngineOptions
@@ -81,7 +82,9 @@ class TorchEngine:
         self.model_info = identity.as_dict()
         self.groups = GroupRunner(model, self.adapters, options, self.estimate, self.slot_ids, self.pad_id)
         self.stepped, self.lone = self.groups.stepped, self.groups.lone
-        self.packed = PackedRunner(self.groups)
+        # Lanes on a CPU only: a GPU's forward runs on the device, however many threads feed it.
+        lanes = options.forward_lanes if self.device.type == "cpu" else 1
+        self.packed = PackedRunner(self.groups, ForwardLanes(lanes))
         # On a CPU every forward sets its intra-op threads from its size (a GPU's forward runs on the device).
         self.threads = EngineThreads(options.threads, torch) if self.device.type == "cpu" else None
 

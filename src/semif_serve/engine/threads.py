@@ -9,7 +9,9 @@ every forward size measured here, from 8 tokens (`bench/threads.py --only crosso
 machine where another process holds a core a second OpenMP thread makes every op wait at its
 barrier for the descheduled one, so a forward then runs on the cores left.
 
-Forwards run on the engine thread only (`EngineWorker.run_now` too). OpenMP keeps a team of
+Forwards run on the engine thread only (`EngineWorker.run_now` too), but for a forward split into
+lanes (`engine.lanes`), whose other lanes run on threads that never open a team (one intra-op
+thread each). OpenMP keeps a team of
 threads for each thread that opens parallel regions, and with more of its threads than cores it
 stops spinning between regions: every parallel op of a forward then waits for a sleeping thread
 to wake. Measured: a warm-up forward on the main thread left the engine thread's ~1k-token

@@ -92,6 +92,7 @@ FORWARD_SHAPES = {
     "requests": "requests per forward (packed together whatever their states)",
     "sequences": "sequences per forward (each packed without padding)",
     "padding_share": "share of a forward's computed tokens that was padding",
+    "lanes": "lanes a forward's shares ran in at once (1: one forward on all its threads)",
 }
 
 

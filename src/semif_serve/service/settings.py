@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from semif_serve.domain.orderings import orderings_policy, parse_type_map
 from semif_serve.domain.types import ConfigurationError, DirectPath
 from semif_serve.engine.batching import FORWARD_TOKENS
+from semif_serve.engine.lanes import MOST_LANES
 from semif_serve.engine.lone import KEEP_STATE_TOKENS
 
 ENV_PREFIX = "SEMIF_"
@@ -63,6 +64,12 @@ class Settings(BaseSettings):
         ge=1,
         description="On the CPU, pin the intra-op threads of every forward (unset: chosen per forward from "
         "its size and the free cores, unless OMP_NUM_THREADS or MKL_NUM_THREADS pins them).",
+    )
+    forward_lanes: int = Field(
+        MOST_LANES,
+        ge=1,
+        description="On the CPU, run a packed forward's independent sequences as up to this many forwards "
+        "at once, each on one of the forward's threads, where that pays (1: never; docs/packing.md).",
     )
     dtype: Literal["bfloat16", "float32"] | None = Field(
         None, description="Weights dtype; default bfloat16 on cuda, float32 on cpu."

@@ -95,6 +95,7 @@ class Service:
             direct_path=settings.direct_path,
             keep_state_tokens=settings.keep_state_tokens,
             threads=ThreadPolicy.of_machine(settings.torch_threads),
+            forward_lanes=settings.forward_lanes,
         )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
         bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens, settings.max_forward_tokens)

@@ -1,0 +1,210 @@
+"""Forward lanes (engine/lanes.py) against independent computations: a forward split into shares
+that run at once, each on a thread of its own, answers every row as one plain forward of its whole
+sequence alone (transformers' own classes, loaded fresh) and a PEFT adapter's rows as PEFT's own
+forward, keeps each state as transformers' own prefill of its tokens, and splits only where it pays."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from semif_serve.domain.requests import BASE
+from semif_serve.engine.forwards import head_logits
+from semif_serve.engine.lanes import MIN_SHARE_TOKENS, MOST_SHARE, ForwardLanes, shares
+from semif_serve.engine.packed import Segment
+from semif_serve.engine.state_cache import StoredState
+from tests.engine.test_packed import COLUMNS, TOLERANCE, alone, ids, packed_logits, stored
+from tests.support.peft_oracle import fresh_base, peft_last, peft_model
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return fresh_base(checkpoint)
+
+
+@pytest.fixture
+def two_threads():
+    """The engine thread's intra-op threads at two (what a 2-core machine's forwards get)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def lanes():
+    running = ForwardLanes(2)
+    yield running
+    running.close()
+
+
+def segment(n: int, **fields) -> Segment:
+    return Segment(tuple(range(1000, 1000 + n)), **fields)
+
+
+def test_a_forward_splits_into_whole_chains_balanced_by_tokens(reference):
+    state = stored(reference, ids(50, 20))
+    segments = [
+        segment(300, keep=True),  # a new state ...
+        segment(10, parent=0, read=True),  # ... and its rows
+        segment(20, parent=0, read=True),
+        segment(250, read=True),  # a new sequence alone
+        segment(120, start=state, read=True),  # two rows over one stored state: each a chain
+        segment(100, start=state, read=True),
+    ]
+    assert shares(segments, 2) == [[0, 1, 2, 5], [3, 4]]  # 430 tokens against 370
+    assert shares(segments, 3) == [[0, 1, 2], [3], [4, 5]]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "why"),
+    [
+        ((MIN_SHARE_TOKENS - 1, 900), "a share under the minimum"),
+        ((300, 700), "one share over the most a lane takes"),
+        ((2000,), "one chain"),
+    ],
+)
+def test_a_forward_that_would_not_gain_from_lanes_is_not_split(lengths, why):
+    segments = [segment(n, read=True) for n in lengths]
+    assert shares(segments, 2) is None, why
+    assert shares([segment(400, read=True), segment(400, read=True)], 1) is None  # one lane: whole
+
+
+def test_a_share_may_take_up_to_the_most_a_lane_takes():
+    most = int(1000 * MOST_SHARE)
+    assert shares([segment(most, read=True), segment(1000 - most, read=True)], 2) == [[0], [1]]
+
+
+def test_a_split_forward_runs_its_shares_at_once_on_two_threads_and_every_row_equals_its_plain_forward(
+    engine, reference, two_threads, lanes
+):
+    new_state, old_state = ids(300, 21), ids(90, 22)
+    rows = [ids(n, 30 + n) for n in (7, 33)]
+    cached = stored(reference, old_state)
+    segments = [Segment(tuple(new_state), keep=True)]
+    segments += [Segment(tuple(r), parent=0, read=True) for r in rows]
+    segments += [Segment(tuple(ids(260, 23)), read=True)]
+    segments += [Segment(tuple(ids(n, 40 + n)), start=cached, read=True) for n in (100, 110)]
+    seen: set[tuple[int, int]] = set()
+    norm = engine.model.get_decoder().layers[0].input_layernorm
+    handle = norm.register_forward_hook(lambda *_: seen.add((threading.get_ident(), torch.get_num_threads())))
+    try:
+        packed = lanes.forward(engine.model, segments)
+    finally:
+        handle.remove()
+    assert packed.lanes == 2 and lanes.split_forwards == 1
+    assert len(seen) == 2 and {count for _, count in seen} == {1}  # two threads, one intra-op thread each
+    assert torch.get_num_threads() == 2  # the engine thread's own count is back
+    for n, row in enumerate(rows):
+        want = alone(reference, new_state + row)
+        assert torch.allclose(packed_logits(engine, packed, 1 + n), want, atol=TOLERANCE, rtol=0)
+    assert torch.allclose(packed_logits(engine, packed, 3), alone(reference, segments[3].ids), atol=TOLERANCE)
+    for at in (4, 5):
+        want = alone(reference, old_state + list(segments[at].ids))
+        assert torch.allclose(packed_logits(engine, packed, at), want, atol=TOLERANCE, rtol=0)
+    kept, own = StoredState(new_state, packed.caches[0]), stored(reference, new_state)
+    for layer in range(len(engine.model.get_decoder().layers)):
+        for got, want in zip(kept.layer_state(layer), own.layer_state(layer), strict=True):
+            assert torch.allclose(got.float(), want.float(), atol=TOLERANCE), layer
+
+
+def test_an_adapters_rows_in_one_lane_and_the_bases_in_the_other_equal_peft_and_the_base(
+    engine, reference, checkpoint, tmp_path, two_threads, lanes
+):
+    from semif_serve.engine.adapters import AdapterBank
+    from tests.engine.test_adapters import write_adapter
+
+    targets = ["q_proj", "in_proj_qkv", "up_proj"]
+    directory = write_adapter(checkpoint, tmp_path / "lora", 11, r=4, lora_alpha=8, target_modules=targets)
+    bank = AdapterBank(engine.model)
+    try:
+        adapter = bank.add("lora", directory)
+        tuned, plain = ids(280, 51), ids(260, 52)
+        segments = [Segment(tuple(tuned), adapter=adapter, read=True), Segment(tuple(plain), read=True)]
+        packed = lanes.forward(engine.model, segments, bank)
+        with torch.inference_mode(), bank.rows([adapter, BASE]):
+            got = head_logits(engine.model, torch.stack([packed.hidden[0], packed.hidden[1]]), COLUMNS)
+    finally:
+        bank.close()
+    assert packed.lanes == 2
+    want = peft_last(peft_model(checkpoint, directory), tuned)[0][COLUMNS]
+    assert torch.allclose(got[0], want, atol=TOLERANCE)
+    assert torch.allclose(got[1], alone(reference, plain), atol=TOLERANCE)
+
+
+def test_each_thread_selects_its_own_adapter_rows(engine):
+    from semif_serve.engine.adapters import AdapterBank
+
+    bank = AdapterBank(engine.model)
+    entered, release = threading.Event(), threading.Event()
+    selected_elsewhere: list[object] = []
+
+    def other() -> None:
+        with bank.rows([BASE, BASE]):
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        selected_elsewhere.append(bank._selection)
+        with bank.rows([BASE]):  # another thread's selection is not this one's
+            pass
+    finally:
+        release.set()
+        thread.join()
+        bank.close()
+    assert selected_elsewhere == [None]
+
+
+@pytest.mark.parametrize("failing", ["the other lane", "the engine thread's lane"])
+def test_a_lane_that_fails_fails_its_forward_after_every_lane_is_done_and_the_next_forward_splits(
+    engine, two_threads, lanes, failing
+):
+    from semif_serve.engine.adapters import AdapterBank
+
+    bank = AdapterBank(engine.model)  # no adapter served: a row reading adapter 3 fails its lane
+    # The larger share runs on the engine thread, the other on the lane's own.
+    broken_length, fine_length = (320, 260) if failing == "the engine thread's lane" else (260, 320)
+    broken = Segment(tuple(ids(broken_length, 61)), adapter=3, read=True)
+    fine = Segment(tuple(ids(fine_length, 62)), read=True)
+    try:
+        with pytest.raises(IndexError, match="no adapter 3"):
+            lanes.forward(engine.model, [fine, broken], bank)
+        assert lanes.split_forwards == 0
+        assert torch.get_num_threads() == 2
+        packed = lanes.forward(engine.model, [fine, Segment(broken.ids, read=True)], bank)
+    finally:
+        bank.close()
+    assert packed.lanes == 2 and lanes.split_forwards == 1 and sorted(packed.hidden) == [0, 1]
+
+
+def test_a_forward_with_an_image_runs_whole(engine, two_threads, lanes):
+    class NoImage:  # a segment's images: the forward holds one, whatever its tokens
+        def positions(self, ids):
+            raise AssertionError("no image token here")
+
+        def embeddings(self, embed, ids, start, stop):
+            raise AssertionError("no image token here")
+
+    with_image = Segment(tuple(ids(300, 71)), read=True, images=NoImage())
+    segments = [with_image, Segment(tuple(ids(300, 72)), read=True)]
+    assert shares(segments, 2) is not None
+    assert lanes.forward(engine.model, segments).lanes == 1 and lanes.split_forwards == 0
+
+
+@pytest.mark.parametrize("threads", [1, 4], ids=["one thread", "more threads than lanes"])
+def test_a_forward_on_one_thread_or_on_more_threads_than_lanes_runs_whole(engine, lanes, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = lanes.forward(engine.model, [Segment(tuple(ids(300, 80 + n)), read=True) for n in range(2)])
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert packed.lanes == 1 and lanes.split_forwards == 0
