@@ -126,20 +126,25 @@ def interleaved(cells: dict[str, Any], repeats: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def sixteen_prompts(model: Path, dtype: str) -> tuple[Any, list[list[int]]]:
+    """The checkpoint loaded in `dtype`, and 16 SemIf prompts' ids over new ~150-token states."""
+    from semif_serve.domain.types import PromptRow
+
+    loaded = codec_of(model, dtype)
+    words = state_words(loaded.codec)
+    rows = [PromptRow(QUESTION, OPTIONS)]
+    prompts = [
+        loaded.codec.encode_prompts(filler(words, seed=900 + i), rows, 1 << 20)[0].ids for i in range(CLIENTS)
+    ]
+    return loaded, prompts
+
+
 def limit(model: Path, repeats: int) -> dict[str, Any]:
     """One packed forward over 16 prompts against 16 forwards, per dtype (median ms)."""
-    from semif_serve.domain.types import PromptRow
 
     out: dict[str, Any] = {}
     for dtype in ("float32", "bfloat16"):
-        loaded = codec_of(model, dtype)
-        codec = loaded.codec
-        words = state_words(codec)
-        prompts = [
-            codec.encode_prompts(filler(words, seed=900 + i), [PromptRow(QUESTION, OPTIONS)], 1 << 20)[0].ids
-            for i in range(CLIENTS)
-        ]
-
+        loaded, prompts = sixteen_prompts(model, dtype)
         medians = interleaved(forward_cells(loaded.model, prompts), repeats)
         out[dtype] = {
             "prompt_tokens": statistics.mean(len(p) for p in prompts),
@@ -170,7 +175,6 @@ def lanes(model: Path, repeats: int) -> dict[str, Any]:
 
     import torch
 
-    from semif_serve.domain.types import PromptRow
     from semif_serve.engine import lanes as lanes_module
     from semif_serve.engine.packed import Segment, packed_forward
 
@@ -178,13 +182,7 @@ def lanes(model: Path, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rows = []
     for dtype in ("bfloat16", "float32"):
-        loaded = codec_of(model, dtype)
-        codec = loaded.codec
-        words = state_words(codec)
-        prompts = [
-            codec.encode_prompts(filler(words, seed=900 + i), [PromptRow(QUESTION, OPTIONS)], 1 << 20)[0].ids
-            for i in range(CLIENTS)
-        ]
+        loaded, prompts = sixteen_prompts(model, dtype)
         shapes = [(n, prompts[:n]) for n in (2, 4, 8, 16)]
         shapes += [
             (n, [[rng.randrange(1000, 50_000) for _ in range(t)] for _ in range(n)])
