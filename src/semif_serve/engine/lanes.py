@@ -6,9 +6,10 @@ Why: a forward's ops scale less than linearly with threads (two threads ran a pa
 prompts 1.5x faster than one, not 2x: every op waits at its barrier for the slower thread, and
 small ops split too finely), while two forwards on one thread each share nothing but the GIL
 between ops. Measured on this 2-core machine (in process, ~281-token prompts, `bench/packing.py
---only lanes`): 2, 4, 8, 16 prompts 1.18x, 1.56x, 1.23x, 1.13x faster in two lanes than whole on
-two threads in bf16, 1.07x, 1.27x, 1.14x, 1.04x in float32. Under ~190 tokens a share the Python
-between ops, which holds the GIL, outweighs it: 2 x 128 tokens level, 2 x 64 0.8x, 2 x 16 0.6x.
+--only lanes`, two runs): 4, 8, 16 prompts 1.16-1.56x, 1.12-1.23x, 1.08-1.13x faster in two lanes
+than whole on two threads in bf16, 1.25-1.27x, 1.08-1.14x, 1.04-1.21x in float32. Under ~190
+tokens a share the Python between ops, which holds the GIL, can outweigh it: 2 x 64 tokens
+0.82-0.98x in bf16, 2 x 16 0.6x.
 
 A share is whole chains (a segment and every segment of the forward it continues or that continues
 it: a new state and its rows); segments over one stored state (the preamble every prompt opens
