@@ -58,6 +58,8 @@ def test_a_forward_splits_into_whole_chains_balanced_by_tokens(reference):
     ]
     assert shares(segments, 2) == [[0, 1, 2, 5], [3, 4]]  # 430 tokens against 370
     assert shares(segments, 3) == [[0, 1, 2], [3], [4, 5]]
+    heavier_second = [segment(300, read=True), segment(250, read=True), segment(200, read=True)]
+    assert shares(heavier_second, 2) == [[1, 2], [0]]  # the heaviest share first: the engine thread's
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,8 @@ MOST_SHARE = 0.6
 
 
 def shares(segments: Sequence[Segment], lanes: int) -> list[list[int]] | None:
-    """`segments`' indices in `lanes` shares of whole chains, balanced by tokens, each in forward
-    order; None where the forward does not split (fewer chains than lanes, a share under
+    """`segments`' indices in `lanes` shares of whole chains, balanced by tokens, the heaviest first,
+    each in forward order; None where the forward does not split (fewer chains than lanes, a share under
     `MIN_SHARE_TOKENS`, or one over `MOST_SHARE` of the tokens)."""
     if lanes < 2:
         return None
@@ -80,7 +80,8 @@ def shares(segments: Sequence[Segment], lanes: int) -> list[list[int]] | None:
         loads[lightest] += weight[r]
     if min(loads) < MIN_SHARE_TOKENS or max(loads) > MOST_SHARE * sum(loads):
         return None
-    return [sorted(share) for share in split]
+    heaviest_first = sorted(range(lanes), key=lambda lane: -loads[lane])
+    return [sorted(split[lane]) for lane in heaviest_first]
 
 
 def share_segments(segments: Sequence[Segment], share: Sequence[int]) -> list[Segment]:
@@ -128,7 +129,12 @@ class ForwardLanes:
             raise
         finally:
             torch.set_num_threads(threads)
-        results = [first, *(other.result() for other in others)]
+        try:
+            rest = [other.result() for other in others]
+        except BaseException:
+            _settle(others)
+            raise
+        results = [first, *rest]
         self.split_forwards += 1
         return _merged(split, results)
 
