@@ -122,9 +122,9 @@ class _Planned:
 class PackedRunner:
     """Plans the groups of one turn into one packed forward and runs it (see the module docstring)."""
 
-    def __init__(self, groups: GroupRunner, lanes: ForwardLanes | None = None) -> None:
+    def __init__(self, groups: GroupRunner, lanes: ForwardLanes) -> None:
         self.runner = groups
-        self.lanes = lanes or ForwardLanes(1)
+        self.lanes = lanes
         self.torch = groups.torch
         self.cache = groups.cache
         self.stepped = groups.stepped
