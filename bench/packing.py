@@ -22,7 +22,8 @@
 
   uv run python bench/packing.py --only servers [--vllm /work/peers/vllm] [--rounds 3] [--pinned]
       Real servers on the peers' checkpoint (hidden 256, 8 layers, linear head dim 64, the real
-      vocabulary): semif-serve at its defaults in bf16 and float32, and vLLM's CPU build in bf16
+      vocabulary): semif-serve at its defaults in bf16 and float32 and in bf16 with
+      SEMIF_DIRECT_PATH=plain (SemIf's plain forward, no state cache), and vLLM's CPU build in bf16
       (its own venv, PEERS.md), each request a new ~150-token state and one 4-option question,
       1 client and 16 clients sending the next request as soon as the answer arrives. vLLM gets
       SemIf's own prompt ids, `allowed_token_ids` = the four codes and processed log-probabilities.
@@ -596,10 +597,17 @@ def servers(
         ServiceProcess(
             model, DEMO_REVISION, {"device": "cpu", "dtype": "float32", **threads}, work / "semif-f32"
         ) as f32,
+        ServiceProcess(
+            model,
+            DEMO_REVISION,
+            {"device": "cpu", "dtype": "bfloat16", "direct_path": "plain", **threads},
+            work / "semif-bf16-plain",
+        ) as plain,
     ):
         running = [
             Server("semif-serve bf16", bf16.url, bf16.pid, semif_ask(bf16.url, bf16.token)),
             Server("semif-serve float32", f32.url, f32.pid, semif_ask(f32.url, f32.token)),
+            Server("semif-serve bf16, plain", plain.url, plain.pid, semif_ask(plain.url, plain.token)),
         ]
         bind = f"0-{cores - 1}" if pinned else "auto"
         vllm = VllmProcess(vllm_root, model, bind=bind) if vllm_root is not None else None
