@@ -1,7 +1,9 @@
 """Forward lanes (engine/lanes.py) against independent computations: a forward split into shares
 that run at once, each on a thread of its own, answers every row as one plain forward of its whole
 sequence alone (transformers' own classes, loaded fresh) and a PEFT adapter's rows as PEFT's own
-forward, keeps each state as transformers' own prefill of its tokens, and splits only where it pays."""
+forward, keeps each state as transformers' own prefill of its tokens, and splits only where it pays;
+a sequence split across the lanes (its head handing its state to its tail layer by layer) answers
+and keeps its state as one plain forward of it, and a failing lane on either side never hangs the other."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import pytest
 import torch
 
 from semif_serve.domain.requests import BASE
+from semif_serve.engine import lanes as lanes_module
 from semif_serve.engine.forwards import head_logits
-from semif_serve.engine.lanes import MIN_SHARE_TOKENS, MOST_SHARE, ForwardLanes, shares
-from semif_serve.engine.packed import Segment
+from semif_serve.engine.lanes import HANDOVER_AT, MOST_SHARE, ForwardLanes, shares
+from semif_serve.engine.packed import Handover, HandoverFailed, Segment
 from semif_serve.engine.state_cache import StoredState
 from tests.engine.test_packed import COLUMNS, TOLERANCE, alone, ids, packed_logits, stored
 from tests.support.peft_oracle import fresh_base, peft_last, peft_model
@@ -46,6 +49,15 @@ def segment(n: int, **fields) -> Segment:
     return Segment(tuple(range(1000, 1000 + n)), **fields)
 
 
+def origins(segments: list[Segment], lanes: int) -> list[list[int | None]] | None:
+    split = shares(segments, lanes)
+    return None if split is None else [share.origins for share in split]
+
+
+def tokens(share) -> int:
+    return sum(len(s.ids) for s in share.segments)
+
+
 def test_a_forward_splits_into_whole_chains_balanced_by_tokens(reference):
     state = stored(reference, ids(50, 20))
     segments = [
@@ -56,29 +68,76 @@ def test_a_forward_splits_into_whole_chains_balanced_by_tokens(reference):
         segment(120, start=state, read=True),  # two rows over one stored state: each a chain
         segment(100, start=state, read=True),
     ]
-    assert shares(segments, 2) == [[0, 1, 2, 5], [3, 4]]  # 430 tokens against 370
-    assert shares(segments, 3) == [[0, 1, 2], [3], [4, 5]]
-    heavier_second = [segment(300, read=True), segment(250, read=True), segment(200, read=True)]
-    assert shares(heavier_second, 2) == [[1, 2], [0]]  # the heaviest share first: the engine thread's
+    assert origins(segments, 2) == [[0, 1, 2, 5], [3, 4]]  # 430 tokens against 370: close enough
+    assert origins(segments, 3) == [[0, 1, 2], [3], [4, 5]]
+    heavier_second = [segment(300, read=True), segment(160, read=True), segment(160, read=True)]
+    assert origins(heavier_second, 2) == [[1, 2], [0]]  # the heaviest share first: the engine thread's
+
+
+def test_shares_far_apart_hand_the_tail_of_the_heavier_ones_longest_sequence_to_the_lighter():
+    split = shares([segment(300, read=True), segment(250, read=True), segment(200, read=True)], 2)
+    assert split is not None and [share.origins for share in split] == [[None, 2], [0, 1]]
+    head, tail = split[0].segments[0], split[1].segments[1]
+    assert head.ids == tuple(range(1000, 1175)) and not head.read and not head.keep
+    assert tail.ids == tuple(range(1175, 1250)) and tail.read and tail.start is head.hand_to
+    assert head.hand_to is not None and head.hand_to.ids == head.ids and split[0].handovers == [head.hand_to]
+    assert tokens(split[0]) == tokens(split[1]) == 375
+
+
+def test_a_handed_over_tail_takes_the_rows_continuing_its_sequence_with_it():
+    state = segment(400, keep=True)
+    split = shares([state, segment(20, parent=0, read=True), segment(100, read=True)], 2)
+    assert split is not None and [share.origins for share in split] == [[None], [2, 0, 1]]
+    _, tail, row = split[1].segments
+    assert tail.keep and len(tail.ids) == 140 and tail.start is split[0].segments[0].hand_to
+    assert row.parent == 1  # renumbered onto the tail
+    assert tokens(split[0]) == tokens(split[1]) == 260
+
+
+def unsplittable(n: int) -> list[Segment]:
+    """A chain of n tokens no handover can halve: a short state and its long row."""
+    short = lanes_module.MIN_PART_TOKENS
+    return [segment(short, keep=True), segment(n - short, parent=0, read=True)]
 
 
 @pytest.mark.parametrize(
-    ("lengths", "why"),
+    ("build", "why"),
     [
-        ((MIN_SHARE_TOKENS - 1, 900), "a share under the minimum"),
-        ((300, 700), "one share over the most a lane takes"),
-        ((2000,), "one chain"),
+        (lambda: [segment(100, read=True), segment(200, read=True)], "shares under the minimum even halved"),
+        (
+            lambda: [*unsplittable(700), segment(300, read=True)],
+            "one share over the most, no sequence to hand",
+        ),
+        (lambda: [segment(2000, read=True)], "one chain"),
     ],
 )
-def test_a_forward_that_would_not_gain_from_lanes_is_not_split(lengths, why):
-    segments = [segment(n, read=True) for n in lengths]
-    assert shares(segments, 2) is None, why
+def test_a_forward_that_would_not_gain_from_lanes_is_not_split(build, why):
+    assert shares(build(), 2) is None, why
     assert shares([segment(400, read=True), segment(400, read=True)], 1) is None  # one lane: whole
 
 
 def test_a_share_may_take_up_to_the_most_a_lane_takes():
     most = int(1000 * MOST_SHARE)
-    assert shares([segment(most, read=True), segment(1000 - most, read=True)], 2) == [[0], [1]]
+    assert origins([*unsplittable(most), segment(1000 - most, read=True)], 2) == [[0, 1], [2]]
+
+
+def test_shares_closer_than_the_handover_threshold_keep_their_chains_whole():
+    assert origins([segment(400, read=True), segment(400 - HANDOVER_AT + 1, read=True)], 2) == [[0], [1]]
+
+
+def test_a_handed_over_state_is_waited_for_layer_by_layer_and_a_failure_wakes_every_waiter():
+    handover = Handover((1, 2, 3))
+    got: list[object] = []
+    waiting = threading.Thread(target=lambda: got.append(handover.layer_state(1)))
+    waiting.start()
+    handover.publish(0, ("conv", "state"))
+    handover.publish(1, ("keys", "values"))
+    waiting.join(10)
+    assert not waiting.is_alive() and got == [("keys", "values")] and len(handover) == 3
+    handover.fail(RuntimeError("the producer failed"))
+    assert handover.layer_state(0) == ("conv", "state")  # what was published stays readable
+    with pytest.raises(HandoverFailed, match="no layer 2"):
+        handover.layer_state(2)
 
 
 def test_a_split_forward_runs_its_shares_at_once_on_two_threads_and_every_row_equals_its_plain_forward(
@@ -210,3 +269,57 @@ def test_a_forward_on_one_thread_or_on_more_threads_than_lanes_runs_whole(engine
     finally:
         torch.set_num_threads(before)
     assert packed.lanes == 1 and lanes.split_forwards == 0
+
+
+def test_a_sequence_split_across_the_lanes_answers_and_keeps_its_state_as_one_plain_forward(
+    engine, reference, two_threads, lanes
+):
+    state, row, other = ids(420, 91), ids(20, 92), ids(150, 93)
+    segments = [Segment(tuple(state), keep=True), Segment(tuple(row), parent=0, read=True)]
+    segments += [Segment(tuple(other), read=True)]
+    split = shares(segments, 2)
+    assert split is not None and split[0].handovers  # the state's head hands over to its tail
+    packed = lanes.forward(engine.model, segments)
+    assert packed.lanes == 2 and sorted(packed.hidden) == [1, 2] and sorted(packed.caches) == [0]
+    assert torch.allclose(
+        packed_logits(engine, packed, 1), alone(reference, state + row), atol=TOLERANCE, rtol=0
+    )
+    assert torch.allclose(packed_logits(engine, packed, 2), alone(reference, other), atol=TOLERANCE, rtol=0)
+    kept, own = StoredState(state, packed.caches[0]), stored(reference, state)
+    for layer in range(len(engine.model.get_decoder().layers)):
+        for got, want in zip(kept.layer_state(layer), own.layer_state(layer), strict=True):
+            assert got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=TOLERANCE), (
+                layer
+            )
+
+
+@pytest.mark.parametrize("failing", ["the lane handing its state over", "the lane waiting for it"])
+def test_a_failing_lane_on_either_side_of_a_handover_fails_the_forward_and_never_hangs_the_other(
+    engine, two_threads, lanes, monkeypatch, failing
+):
+    real = lanes_module.packed_forward
+
+    def failing_forward(model, segments, adapters=None):
+        hands = any(s.hand_to is not None for s in segments)
+        if hands == (failing == "the lane handing its state over"):
+            raise RuntimeError("this lane failed")
+        return real(model, segments, adapters)
+
+    monkeypatch.setattr(lanes_module, "packed_forward", failing_forward)
+    segments = [Segment(tuple(ids(420, 94)), read=True), Segment(tuple(ids(150, 95)), read=True)]
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            lanes.forward(engine.model, segments)
+        except BaseException as failure:  # noqa: BLE001 - the test reads it below
+            outcome.append(failure)
+
+    running = threading.Thread(target=run)
+    running.start()
+    running.join(120)
+    assert not running.is_alive(), "a lane waited for a state its failed neighbour never gave"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "this lane failed" in str(outcome[0]) or isinstance(outcome[0].__cause__, RuntimeError)
+    monkeypatch.setattr(lanes_module, "packed_forward", real)
+    assert lanes.forward(engine.model, segments).lanes == 2  # the lanes still run

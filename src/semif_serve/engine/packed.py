@@ -27,6 +27,7 @@ whole row).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,21 +41,64 @@ from semif_serve.engine.state_cache import StoredState
 LENGTH_STEP = 32  # tokens: the segments a linear-attention batch runs together differ by less
 
 
+class Handover:
+    """A segment's state at its end per layer, handed from the forward that computes it to a forward
+    running at the same time that continues it (`engine.lanes` splits a long sequence across two
+    lanes this way): `publish` gives each layer's as soon as it is computed, `layer_state` waits
+    for it; `fail` wakes every waiter for a layer not published with the producer's failure."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids: tuple[int, ...] = tuple(ids)
+        self._states: dict[int, tuple[Any, Any]] = {}
+        self._failure: BaseException | None = None
+        self._changed = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def publish(self, layer: int, state: tuple[Any, Any]) -> None:
+        """Layer `layer`'s state at the segment's end (read only from here on)."""
+        with self._changed:
+            self._states[layer] = state
+            self._changed.notify_all()
+
+    def fail(self, failure: BaseException) -> None:
+        """The producing forward failed or ended: a wait for a layer it did not publish raises."""
+        with self._changed:
+            self._failure = self._failure or failure
+            self._changed.notify_all()
+
+    def layer_state(self, layer: int) -> tuple[Any, Any]:
+        """Layer `layer`'s state at the segment's end, once published (the `StoredState` protocol)."""
+        with self._changed:
+            self._changed.wait_for(lambda: layer in self._states or self._failure is not None)
+            if layer not in self._states:
+                failure = HandoverFailed(f"the forward computing this state gave no layer {layer}")
+                raise failure from self._failure
+            return self._states[layer]
+
+
+class HandoverFailed(RuntimeError):
+    """A forward's state came from another forward that failed."""
+
+
 @dataclass(frozen=True)
 class Segment:
     """Tokens one forward computes after what they continue: `parent` (an earlier segment of
     the same forward, by its index), else `start` (a stored state), else nothing, read by
-    `adapter` (the adapter bank's index; BASE: the base weights alone). `keep`: return the state
-    at its end; `read`: return its last position's hidden state. `images` gives the embeddings
-    and 3-D positions where the chain holds image tokens (negative ids)."""
+    `adapter` (the adapter bank's index; BASE: the base weights alone), or a `Handover` from a
+    forward running beside it. `keep`: return the state at its end; `read`: return its last
+    position's hidden state. `images` gives the embeddings and 3-D positions where the chain holds
+    image tokens (negative ids). `hand_to`: publish its state at its end, layer by layer, there."""
 
     ids: tuple[int, ...]
     parent: int | None = None
-    start: StoredState | None = None
+    start: StoredState | Handover | None = None
     adapter: int = BASE
     keep: bool = False
     read: bool = False
     images: RowImages | None = field(default=None, compare=False)
+    hand_to: Handover | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.ids:
@@ -289,15 +333,17 @@ def _over_shared_past(
 
 def _batches(segments: Sequence[Segment]) -> list[list[int]]:
     """The segments in the order the linear-attention layers run them: by depth (a parent's
-    batch before its children's), then batched by length in steps of `LENGTH_STEP` tokens, so
-    a batch's convolution pads each segment by less than a step (the rule stops at each one's
-    own end)."""
+    batch before its children's), a segment handing its state to another forward first and one
+    continuing a handed state last (the other forward's has the longest to be ready), then
+    batched by length in steps of `LENGTH_STEP` tokens, so a batch's convolution pads each
+    segment by less than a step (the rule stops at each one's own end)."""
     depth: list[int] = []
     for segment in segments:
         depth.append(depth[segment.parent] + 1 if segment.parent is not None else 0)
-    keyed: dict[tuple[int, int], list[int]] = {}
+    keyed: dict[tuple[int, int, int], list[int]] = {}
     for i, segment in enumerate(segments):
-        keyed.setdefault((depth[i], -(-len(segment.ids) // LENGTH_STEP)), []).append(i)
+        handing = 0 if segment.hand_to is not None else 2 if isinstance(segment.start, Handover) else 1
+        keyed.setdefault((depth[i], handing, -(-len(segment.ids) // LENGTH_STEP)), []).append(i)
     return [keyed[key] for key in sorted(keyed)]
 
 
@@ -314,7 +360,7 @@ class _Mixers:
         # Per segment, per layer: (keys, values) over its whole chain, or (conv inputs, recurrent state).
         self.ends: list[dict[int, tuple[Any, Any]]] = [{} for _ in segments]
         # The segments whose keys over their whole chain outlive their layer: kept, or continued.
-        self.continued = {i for i, s in enumerate(segments) if s.keep} | {
+        self.continued = {i for i, s in enumerate(segments) if s.keep or s.hand_to is not None} | {
             s.parent for s in segments if s.parent is not None
         }
         self.batches = _batches(segments)
@@ -345,6 +391,11 @@ class _Mixers:
             past = ("parent", segment.parent) if segment.parent is not None else ("start", id(segment.start))
             siblings.setdefault(past, (before, []))[1].append((i, first))
         return [shared for shared in siblings.values() if len(shared[1]) > 1]
+
+    def _hand_over(self, i: int, layer: int) -> None:
+        handover = self.segments[i].hand_to
+        if handover is not None:
+            handover.publish(layer, self.ends[i][layer])
 
     def _before(self, i: int, layer: int) -> tuple[Any, Any] | None:
         """What segment i continues at `layer`: its parent's end, its stored state's, or None."""
@@ -439,6 +490,7 @@ class _Mixers:
                 core[lo:hi] = out[r, : hi - lo]
             window = inputs[r : r + 1, hi - lo : kernel + hi - lo].transpose(1, 2)  # the last `kernel` inputs
             self.ends[i][layer] = (window, final[r : r + 1])
+            self._hand_over(i, layer)
 
     def attention(self, layer: int, attn: Any, hidden: Any, last_only: frozenset[int] | None = None) -> Any:
         """A full-attention layer: projections once, each segment's queries over its chain's keys.
@@ -462,6 +514,7 @@ class _Mixers:
             lo, hi = self.spans[i]
             if i in self.continued:
                 self.ends[i][layer] = self._chain(i, layer, key, value)
+                self._hand_over(i, layer)
             if last_only is None or i in last_only:
                 attending.append((i, lo if last_only is None else hi - 1))
         shared = self._over_one_long_past(attending, layer) if query.device.type == "cpu" else []

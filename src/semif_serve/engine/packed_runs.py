@@ -70,9 +70,17 @@ class ForwardPlan:
         default_factory=dict
     )  # states planned, by adapter and ids
 
-    def add(self, ids: Sequence[int], ref: Ref, adapter: int, images: ImageSet | None, **flags: bool) -> int:
+    def add(
+        self,
+        ids: Sequence[int],
+        ref: Ref,
+        adapter: int,
+        images: ImageSet | None,
+        keep: bool = False,
+        read: bool = False,
+    ) -> int:
         """Add a segment continuing `ref`; its index."""
-        self.segments.append(Segment(tuple(ids), ref.parent, ref.start, adapter, images=images, **flags))
+        self.segments.append(Segment(tuple(ids), ref.parent, ref.start, adapter, keep, read, images=images))
         return len(self.segments) - 1
 
     def keep(
