@@ -323,3 +323,29 @@ def test_a_failing_lane_on_either_side_of_a_handover_fails_the_forward_and_never
     assert "this lane failed" in str(outcome[0]) or isinstance(outcome[0].__cause__, RuntimeError)
     monkeypatch.setattr(lanes_module, "packed_forward", real)
     assert lanes.forward(engine.model, segments).lanes == 2  # the lanes still run
+
+
+def test_an_adapters_sequence_handed_over_between_the_lanes_equals_peft_and_the_base_beside_it_the_base(
+    engine, reference, checkpoint, tmp_path, two_threads, lanes
+):
+    from semif_serve.engine.adapters import AdapterBank
+    from tests.engine.test_adapters import write_adapter
+
+    targets = ["q_proj", "in_proj_qkv", "in_proj_z", "down_proj"]
+    directory = write_adapter(checkpoint, tmp_path / "lora", 12, r=4, lora_alpha=8, target_modules=targets)
+    bank = AdapterBank(engine.model)
+    try:
+        adapter = bank.add("lora", directory)
+        tuned, plain = ids(430, 96), ids(150, 97)
+        segments = [Segment(tuple(tuned), adapter=adapter, read=True), Segment(tuple(plain), read=True)]
+        split = shares(segments, 2)
+        assert split is not None and split[0].handovers and split[1].segments[-1].adapter == adapter
+        packed = lanes.forward(engine.model, segments, bank)
+        with torch.inference_mode(), bank.rows([adapter, BASE]):
+            got = head_logits(engine.model, torch.stack([packed.hidden[0], packed.hidden[1]]), COLUMNS)
+    finally:
+        bank.close()
+    assert packed.lanes == 2
+    want = peft_last(peft_model(checkpoint, directory), tuned)[0][COLUMNS]
+    assert torch.allclose(got[0], want, atol=TOLERANCE)
+    assert torch.allclose(got[1], alone(reference, plain), atol=TOLERANCE)
