@@ -86,12 +86,12 @@ def test_shares_far_apart_hand_the_tail_of_the_heavier_ones_longest_sequence_to_
 
 def test_a_handed_over_tail_takes_the_rows_continuing_its_sequence_with_it():
     state = segment(400, keep=True)
-    split = shares([state, segment(20, parent=0, read=True), segment(100, read=True)], 2)
+    split = shares([state, segment(20, parent=0, read=True), segment(200, read=True)], 2)
     assert split is not None and [share.origins for share in split] == [[None], [2, 0, 1]]
     _, tail, row = split[1].segments
-    assert tail.keep and len(tail.ids) == 140 and tail.start is split[0].segments[0].hand_to
+    assert tail.keep and len(tail.ids) == 90 and tail.start is split[0].segments[0].hand_to
     assert row.parent == 1  # renumbered onto the tail
-    assert tokens(split[0]) == tokens(split[1]) == 260
+    assert tokens(split[0]) == tokens(split[1]) == 310
 
 
 def unsplittable(n: int) -> list[Segment]:
@@ -109,6 +109,10 @@ def unsplittable(n: int) -> list[Segment]:
             "one share over the most, no sequence to hand",
         ),
         (lambda: [segment(2000, read=True)], "one chain"),
+        (
+            lambda: [segment(1000, read=True), segment(10, read=True)],
+            "the lighter share has too little of its own",
+        ),
     ],
 )
 def test_a_forward_that_would_not_gain_from_lanes_is_not_split(build, why):
@@ -271,26 +275,76 @@ def test_a_forward_on_one_thread_or_on_more_threads_than_lanes_runs_whole(engine
     assert packed.lanes == 1 and lanes.split_forwards == 0
 
 
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory):
+    """An engine and transformers' own model over an 8-layer checkpoint: a full-attention layer
+    (the fourth) before the last, so a handed-over tail attends over handed keys mid-decoder."""
+    from semif_serve.service.startup import load_engine
+    from semif_serve.tools.demo import CheckpointShape, write_checkpoint
+    from tests.support import make_settings
+
+    directory = write_checkpoint(
+        tmp_path_factory.mktemp("eight"), CheckpointShape(num_hidden_layers=8), seed=5
+    )
+    return load_engine(make_settings(directory)), fresh_base(directory)
+
+
+@pytest.mark.parametrize("over_stored", [False, True], ids=["a new state", "a state over a stored one"])
+@pytest.mark.parametrize("depth", [4, 8], ids=["4 layers", "8 layers"])
 def test_a_sequence_split_across_the_lanes_answers_and_keeps_its_state_as_one_plain_forward(
-    engine, reference, two_threads, lanes
+    engine, reference, eight_layers, two_threads, lanes, over_stored, depth
 ):
-    state, row, other = ids(420, 91), ids(20, 92), ids(150, 93)
-    segments = [Segment(tuple(state), keep=True), Segment(tuple(row), parent=0, read=True)]
+    if depth == 8:
+        engine, reference = eight_layers
+    before = ids(60, 90) if over_stored else []
+    start = stored(reference, before) if over_stored else None
+    state, row, other = ids(420, 91), ids(20, 92), ids(200, 93)
+    segments = [Segment(tuple(state), start=start, keep=True), Segment(tuple(row), parent=0, read=True)]
     segments += [Segment(tuple(other), read=True)]
     split = shares(segments, 2)
     assert split is not None and split[0].handovers  # the state's head hands over to its tail
+    assert split[0].handovers[0].ids[: len(before)] == tuple(before)
     packed = lanes.forward(engine.model, segments)
     assert packed.lanes == 2 and sorted(packed.hidden) == [1, 2] and sorted(packed.caches) == [0]
-    assert torch.allclose(
-        packed_logits(engine, packed, 1), alone(reference, state + row), atol=TOLERANCE, rtol=0
-    )
-    assert torch.allclose(packed_logits(engine, packed, 2), alone(reference, other), atol=TOLERANCE, rtol=0)
-    kept, own = StoredState(state, packed.caches[0]), stored(reference, state)
+    for at, sequence in ((1, before + state + row), (2, other)):
+        want = alone(reference, sequence)
+        assert torch.allclose(packed_logits(engine, packed, at), want, atol=TOLERANCE, rtol=0), at
+    kept, own = StoredState(before + state, packed.caches[0]), stored(reference, before + state)
     for layer in range(len(engine.model.get_decoder().layers)):
         for got, want in zip(kept.layer_state(layer), own.layer_state(layer), strict=True):
-            assert got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=TOLERANCE), (
-                layer
-            )
+            assert got.shape == want.shape, layer
+            assert torch.allclose(got.float(), want.float(), atol=TOLERANCE), layer
+
+
+def test_the_tail_reads_each_layer_of_the_heads_state_while_the_head_is_still_running(
+    engine, two_threads, lanes, monkeypatch
+):
+    read_first_layer = threading.Event()
+    real_state = Handover.layer_state
+
+    def layer_state(handover, layer):
+        state = real_state(handover, layer)
+        if layer == 0:
+            read_first_layer.set()
+        return state
+
+    monkeypatch.setattr(Handover, "layer_state", layer_state)
+    engine_thread = threading.get_ident()
+    waited: list[bool] = []
+
+    def before_second_layer(*_):  # the head (the engine thread's share) holds here until the tail read
+        if threading.get_ident() == engine_thread and not waited:
+            waited.append(read_first_layer.wait(60))
+
+    norm = engine.model.get_decoder().layers[1].input_layernorm
+    handle = norm.register_forward_pre_hook(before_second_layer)
+    try:
+        segments = [Segment(tuple(ids(420, 98)), read=True), Segment(tuple(ids(200, 99)), read=True)]
+        assert shares(segments, 2)[0].handovers
+        assert lanes.forward(engine.model, segments).lanes == 2
+    finally:
+        handle.remove()
+    assert waited == [True], "the tail could read the head's first layer only after the head went on"
 
 
 @pytest.mark.parametrize("failing", ["the lane handing its state over", "the lane waiting for it"])
@@ -306,7 +360,7 @@ def test_a_failing_lane_on_either_side_of_a_handover_fails_the_forward_and_never
         return real(model, segments, adapters)
 
     monkeypatch.setattr(lanes_module, "packed_forward", failing_forward)
-    segments = [Segment(tuple(ids(420, 94)), read=True), Segment(tuple(ids(150, 95)), read=True)]
+    segments = [Segment(tuple(ids(420, 94)), read=True), Segment(tuple(ids(200, 95)), read=True)]
     outcome: list[BaseException] = []
 
     def run() -> None:
@@ -336,7 +390,7 @@ def test_an_adapters_sequence_handed_over_between_the_lanes_equals_peft_and_the_
     bank = AdapterBank(engine.model)
     try:
         adapter = bank.add("lora", directory)
-        tuned, plain = ids(430, 96), ids(150, 97)
+        tuned, plain = ids(430, 96), ids(200, 97)
         segments = [Segment(tuple(tuned), adapter=adapter, read=True), Segment(tuple(plain), read=True)]
         split = shares(segments, 2)
         assert split is not None and split[0].handovers and split[1].segments[-1].adapter == adapter

@@ -127,18 +127,21 @@ def _handed_over(
     """Two shares of whole chains `HANDOVER_AT` tokens apart or more, balanced by splitting one
     sequence of the heavier: the longest chain root there whose tail (at least `MIN_PART_TOKENS`) and
     everything continuing it can move to the lighter, its head (as long) staying and handing its
-    state to the tail layer by layer (`packed.Handover`); None where none can, or where the shares
-    still miss the thresholds."""
+    state to the tail layer by layer (`packed.Handover`); None where none can, or where the lighter
+    share holds under `MIN_SHARE_TOKENS` of its own. The head's share comes first: the engine thread
+    runs it, so the waiting tail is always on a lane's thread and no forward waits on one queued
+    behind it."""
     heavy, light = split
     move = (loads[0] - loads[1]) // 2
-    if loads[0] - loads[1] < HANDOVER_AT or min(loads[0] - move, loads[1] + move) < MIN_SHARE_TOKENS:
+    # The lighter share keeps work of its own to do while its tail waits (a lone sequence stays whole).
+    if loads[0] - loads[1] < HANDOVER_AT or loads[1] < MIN_SHARE_TOKENS:
         return None
     roots = sorted((r for r in chains if r in heavy), key=lambda r: -len(segments[r].ids))
     for r in roots:
         root = segments[r]
         after = [i for i in chains[r] if i != r]  # every segment continuing the root moves with its tail
         head = len(root.ids) - (move - sum(len(segments[i].ids) for i in after))
-        if root.images is not None or not MIN_PART_TOKENS <= head <= len(root.ids) - MIN_PART_TOKENS:
+        if not MIN_PART_TOKENS <= head <= len(root.ids) - MIN_PART_TOKENS:
             continue
         before = root.start.ids if root.start is not None else ()
         handover = Handover((*before, *root.ids[:head]))
@@ -192,10 +195,12 @@ class ForwardLanes:
             return packed_forward(model, segments, adapters)
         pool = self._lanes()
         others = [pool.submit(_on_one_thread, model, share, adapters) for share in split[1:]]
-        torch.set_num_threads(1)
         try:
+            torch.set_num_threads(1)
             first = _share_forward(model, split[0], adapters)
-        except BaseException:
+        except BaseException as failure:
+            for handover in split[0].handovers:  # a failure before its forward began wakes the waiter too
+                handover.fail(failure)
             _settle(others)  # no lane still runs when the failure reaches the engine
             raise
         finally:

@@ -332,18 +332,22 @@ def _over_shared_past(
 
 
 def _batches(segments: Sequence[Segment]) -> list[list[int]]:
-    """The segments in the order the linear-attention layers run them: by depth (a parent's
-    batch before its children's), a segment handing its state to another forward first and one
-    continuing a handed state last (the other forward's has the longest to be ready), then
-    batched by length in steps of `LENGTH_STEP` tokens, so a batch's convolution pads each
-    segment by less than a step (the rule stops at each one's own end)."""
+    """The segments in the order the linear-attention layers run them: a tail continuing a state
+    handed over by another forward, and what continues it, after every other segment (the other
+    forward's state has the longest to be ready), a segment handing its state over first; then
+    by depth (a parent's batch before its children's), then batched by length in steps of
+    `LENGTH_STEP` tokens, so a batch's convolution pads each segment by less than a step (the rule
+    stops at each one's own end)."""
     depth: list[int] = []
+    waits: list[bool] = []  # continues a handed-over state, itself or through its parents
     for segment in segments:
-        depth.append(depth[segment.parent] + 1 if segment.parent is not None else 0)
-    keyed: dict[tuple[int, int, int], list[int]] = {}
+        parent = segment.parent
+        depth.append(depth[parent] + 1 if parent is not None else 0)
+        waits.append(waits[parent] if parent is not None else isinstance(segment.start, Handover))
+    keyed: dict[tuple[bool, int, bool, int], list[int]] = {}
     for i, segment in enumerate(segments):
-        handing = 0 if segment.hand_to is not None else 2 if isinstance(segment.start, Handover) else 1
-        keyed.setdefault((depth[i], handing, -(-len(segment.ids) // LENGTH_STEP)), []).append(i)
+        key = (waits[i], depth[i], segment.hand_to is None, -(-len(segment.ids) // LENGTH_STEP))
+        keyed.setdefault(key, []).append(i)
     return [keyed[key] for key in sorted(keyed)]
 
 
