@@ -177,19 +177,27 @@ def test_a_split_forward_runs_its_shares_at_once_on_two_threads_and_every_row_eq
             assert torch.allclose(got.float(), want.float(), atol=TOLERANCE), layer
 
 
+@pytest.mark.parametrize(
+    ("tuned_tokens", "handed_over"),
+    [(280, False), (430, True)],
+    ids=["whole sequences", "the adapter's sequence handed over between the lanes"],
+)
 def test_an_adapters_rows_in_one_lane_and_the_bases_in_the_other_equal_peft_and_the_base(
-    engine, reference, checkpoint, tmp_path, two_threads, lanes
+    engine, reference, checkpoint, tmp_path, two_threads, lanes, tuned_tokens, handed_over
 ):
     from semif_serve.engine.adapters import AdapterBank
     from tests.engine.test_adapters import write_adapter
 
-    targets = ["q_proj", "in_proj_qkv", "up_proj"]
+    targets = ["q_proj", "in_proj_qkv", "in_proj_z", "up_proj", "down_proj"]
     directory = write_adapter(checkpoint, tmp_path / "lora", 11, r=4, lora_alpha=8, target_modules=targets)
     bank = AdapterBank(engine.model)
     try:
         adapter = bank.add("lora", directory)
-        tuned, plain = ids(280, 51), ids(260, 52)
+        tuned, plain = ids(tuned_tokens, 51), ids(260, 52)
         segments = [Segment(tuple(tuned), adapter=adapter, read=True), Segment(tuple(plain), read=True)]
+        split = shares(segments, 2)
+        assert split is not None and bool(split[0].handovers) == handed_over
+        assert split[-1].segments[-1].adapter == (adapter if handed_over else BASE)  # a tail keeps it
         packed = lanes.forward(engine.model, segments, bank)
         with torch.inference_mode(), bank.rows([adapter, BASE]):
             got = head_logits(engine.model, torch.stack([packed.hidden[0], packed.hidden[1]]), COLUMNS)
@@ -377,29 +385,3 @@ def test_a_failing_lane_on_either_side_of_a_handover_fails_the_forward_and_never
     assert "this lane failed" in str(outcome[0]) or isinstance(outcome[0].__cause__, RuntimeError)
     monkeypatch.setattr(lanes_module, "packed_forward", real)
     assert lanes.forward(engine.model, segments).lanes == 2  # the lanes still run
-
-
-def test_an_adapters_sequence_handed_over_between_the_lanes_equals_peft_and_the_base_beside_it_the_base(
-    engine, reference, checkpoint, tmp_path, two_threads, lanes
-):
-    from semif_serve.engine.adapters import AdapterBank
-    from tests.engine.test_adapters import write_adapter
-
-    targets = ["q_proj", "in_proj_qkv", "in_proj_z", "down_proj"]
-    directory = write_adapter(checkpoint, tmp_path / "lora", 12, r=4, lora_alpha=8, target_modules=targets)
-    bank = AdapterBank(engine.model)
-    try:
-        adapter = bank.add("lora", directory)
-        tuned, plain = ids(430, 96), ids(200, 97)
-        segments = [Segment(tuple(tuned), adapter=adapter, read=True), Segment(tuple(plain), read=True)]
-        split = shares(segments, 2)
-        assert split is not None and split[0].handovers and split[1].segments[-1].adapter == adapter
-        packed = lanes.forward(engine.model, segments, bank)
-        with torch.inference_mode(), bank.rows([adapter, BASE]):
-            got = head_logits(engine.model, torch.stack([packed.hidden[0], packed.hidden[1]]), COLUMNS)
-    finally:
-        bank.close()
-    assert packed.lanes == 2
-    want = peft_last(peft_model(checkpoint, directory), tuned)[0][COLUMNS]
-    assert torch.allclose(got[0], want, atol=TOLERANCE)
-    assert torch.allclose(got[1], alone(reference, plain), atol=TOLERANCE)
