@@ -21,12 +21,12 @@ split: its head stays, its tail and the rows continuing it move to the lighter s
 hands its state to the tail layer by layer as it computes it (`packed.Handover`; the head runs
 first in its layer, the tail last in its own, so the lighter lane seldom waits). Measured in
 process, bf16, ~281-token prompts: 3, 5, 7 and 9 prompts 1.06x, 1.15x, 1.05x and 1.07x faster; 16
-clients' server +10% (bench/RESULTS.md). A lone sequence is not split: its tail would wait a layer
-for every layer of its head. A forward splits only
-where that pays: on the CPU (the engine gives a GPU's forwards one lane), with two or more intra-op
-threads chosen for it and no more than the lanes allowed (a lane of two threads would open an
-OpenMP team beside the engine thread's, `engine.threads`: a larger machine raises
-`SEMIF_FORWARD_LANES` to its cores, or runs whole); with no image in it (its image set computes
+clients' server +10% (bench/RESULTS.md). A lone sequence is not split (its tail would wait on every
+layer of its head), nor is one beside a lighter share of under `MIN_SHARE_TOKENS` of its own work.
+A forward splits only where that pays: on the CPU (the engine gives a GPU's forwards one lane),
+with two or more intra-op threads chosen for it and no more than the lanes allowed (a lane of two
+threads would open an OpenMP team beside the engine thread's, `engine.threads`: a larger machine
+raises `SEMIF_FORWARD_LANES` to its cores, or runs whole); with no image in it (its image set computes
 each image's features once, on first use, for the whole forward); and with every share at least
 `MIN_SHARE_TOKENS` and none over `MOST_SHARE` of the forward's tokens (one thread over most of the
 work is slower than two over all of it). Every row still equals its sequence run alone: each share
