@@ -194,15 +194,15 @@ class ForwardLanes:
         if split is None:
             return packed_forward(model, segments, adapters)
         pool = self._lanes()
-        others = [pool.submit(_on_one_thread, model, share, adapters) for share in split[1:]]
+        torch.set_num_threads(1)
         try:
-            torch.set_num_threads(1)
-            first = _share_forward(model, split[0], adapters)
-        except BaseException as failure:
-            for handover in split[0].handovers:  # a failure before its forward began wakes the waiter too
-                handover.fail(failure)
-            _settle(others)  # no lane still runs when the failure reaches the engine
-            raise
+            # Submitted last: nothing between it and the head's forward can leave a tail waiting.
+            others = [pool.submit(_on_one_thread, model, share, adapters) for share in split[1:]]
+            try:
+                first = _share_forward(model, split[0], adapters)
+            except BaseException:
+                _settle(others)  # no lane still runs when the failure reaches the engine
+                raise
         finally:
             torch.set_num_threads(threads)
         try:
