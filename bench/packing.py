@@ -22,6 +22,7 @@
       ~150-token state, with lev's stored preamble and without it, interleaved.
 
   uv run python bench/packing.py --only servers [--vllm /work/peers/vllm] [--rounds 3] [--pinned]
+                                 [--clients 1,16] [--gathering]
       Real servers on the peers' checkpoint (hidden 256, 8 layers, linear head dim 64, the real
       vocabulary): semif-serve at its defaults in bf16 and float32 and in bf16 with
       SEMIF_DIRECT_PATH=plain (SemIf's plain forward, no state cache), and vLLM's CPU build in bf16
@@ -31,6 +32,9 @@
       Rounds interleave the servers; the others are stopped (SIGSTOP) while one is measured.
       `--pinned`: every server's threads named instead of left to its defaults: semif-serve's
       `SEMIF_TORCH_THREADS` and vLLM's `VLLM_CPU_OMP_THREADS_BIND` set to all of this machine's cores.
+      `--clients`: the client counts (the gain is the most clients' over one's). `--gathering`: beside
+      them semif-serve in bf16 with `SEMIF_MAX_GATHER_SECONDS=0` (no turn waits for the clients a
+      forward answered), the A/B of docs/packing.md's "Gathering".
 
   uv run python bench/packing.py --only fairness [--seconds 40]
       The contract's promise under a flood (issue 50's case): semif-serve at its defaults in bf16
@@ -58,6 +62,7 @@ Results are printed (and written as JSON with `--out FILE`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -574,7 +579,14 @@ def cell(server: Server, clients: int, seconds: float, counter: itertools.count)
 
 
 def servers(
-    model: Path, vllm_root: Path | None, rounds: int, seconds: float, work: Path, pinned: bool = False
+    model: Path,
+    vllm_root: Path | None,
+    rounds: int,
+    seconds: float,
+    work: Path,
+    pinned: bool = False,
+    clients_list: tuple[int, ...] = (1, CLIENTS),
+    gathering: bool = False,
 ) -> dict[str, Any]:
     from semif_serve.domain.types import PromptRow
     from semif_serve.tools.demo import DEMO_REVISION
@@ -608,11 +620,12 @@ def servers(
         return ask
 
     counter = itertools.count()
-    out: dict[str, Any] = {"state_words": words, "cells": {}, "pinned": pinned}
+    out: dict[str, Any] = {"state_words": words, "cells": {}, "pinned": pinned, "clients": clients_list}
     # Pinned: every server on exactly this machine's cores, named (its defaults pick them itself).
     cores = os.cpu_count() or 1
     threads = {"torch_threads": cores} if pinned else {}
     with (
+        contextlib.ExitStack() as optional,
         ServiceProcess(
             model, DEMO_REVISION, {"device": "cpu", "dtype": "bfloat16", **threads}, work / "semif-bf16"
         ) as bf16,
@@ -631,6 +644,14 @@ def servers(
             Server("semif-serve float32", f32.url, f32.pid, semif_ask(f32.url, f32.token)),
             Server("semif-serve bf16, plain", plain.url, plain.pid, semif_ask(plain.url, plain.token)),
         ]
+        if gathering:
+            settings = {"device": "cpu", "dtype": "bfloat16", "max_gather_seconds": 0, **threads}
+            off = optional.enter_context(
+                ServiceProcess(model, DEMO_REVISION, settings, work / "semif-bf16-no-gathering")
+            )
+            running.append(
+                Server("semif-serve bf16, no gathering", off.url, off.pid, semif_ask(off.url, off.token))
+            )
         bind = f"0-{cores - 1}" if pinned else "auto"
         vllm = VllmProcess(vllm_root, model, bind=bind) if vllm_root is not None else None
         if vllm is not None:
@@ -642,7 +663,7 @@ def servers(
                 only(running, server)
                 cell(server, CLIENTS, 2.0, counter)
             for r in range(rounds):
-                for clients in (1, CLIENTS):
+                for clients in clients_list:
                     for server in running:
                         only(running, server)
                         got = cell(server, clients, seconds, counter)
@@ -659,7 +680,7 @@ def servers(
     for name, cells in out["cells"].items():
         medians[name] = {k: statistics.median(c[k] for c in cells) for k in ("rps", "p50_ms", "p99_ms")}
     out["medians"] = medians
-    print_servers(medians)
+    print_servers(medians, clients_list)
     return out
 
 
@@ -816,15 +837,16 @@ def fairness(model: Path, seconds: float, work: Path) -> dict[str, Any]:
     return out
 
 
-def print_servers(medians: dict[str, dict[str, float]]) -> None:
+def print_servers(medians: dict[str, dict[str, float]], clients_list: tuple[int, ...] = (1, CLIENTS)) -> None:
     rows = []
+    least, most = clients_list[0], clients_list[-1]
     for server in sorted({name.rsplit(" @", 1)[0] for name in medians}):
-        one, many = medians.get(f"{server} @1"), medians.get(f"{server} @{CLIENTS}")
-        if one and many:
-            gain = many["rps"] / one["rps"]
-            latency = [f"{c['p50_ms']:.0f}/{c['p99_ms']:.0f}" for c in (one, many)]
-            rows.append([server, f"{one['rps']:.2f}", f"{many['rps']:.2f}", f"{gain:.2f}x", *latency])
-    headers = ["server", "1 client req/s", f"{CLIENTS} clients req/s", "gain", "p50/p99 @1 ms", f"@{CLIENTS}"]
+        cells = [medians[f"{server} @{n}"] for n in clients_list if f"{server} @{n}" in medians]
+        if len(cells) == len(clients_list):
+            gain = cells[-1]["rps"] / cells[0]["rps"]
+            latency = [f"{c['p50_ms']:.0f}/{c['p99_ms']:.0f}" for c in (cells[0], cells[-1])]
+            rows.append([server, *(f"{c['rps']:.2f}" for c in cells), f"{gain:.2f}x", *latency])
+    headers = ["server", *(f"{n} req/s" for n in clients_list), "gain", f"p50/p99 @{least} ms", f"@{most}"]
     print_table(headers, rows, "servers (median of rounds)")
 
 
@@ -844,6 +866,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--clients", default=f"1,{CLIENTS}", help="servers: the client counts, comma-separated"
+    )
+    parser.add_argument(
+        "--gathering", action="store_true", help="servers: also semif-serve bf16 with no gathering"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the raw results as JSON")
     parser.add_argument(
         "--pinned",
@@ -868,7 +896,10 @@ def main() -> None:
         result = fairness(model, args.seconds, Path("/tmp/semif-bench/packing"))
     else:
         work = Path("/tmp/semif-bench/packing")
-        result = servers(model, args.vllm, args.rounds, args.seconds, work, args.pinned)
+        clients = tuple(int(n) for n in args.clients.split(","))
+        result = servers(
+            model, args.vllm, args.rounds, args.seconds, work, args.pinned, clients, args.gathering
+        )
     if args.out is not None:
         write_result(args.out, result)
 

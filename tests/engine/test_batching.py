@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semif_serve.engine.batching import Batcher, Bounds, Group, Job, Part, Wait, plan_groups
+from semif_serve.engine.batching import GATHER_SHARE, Batcher, Bounds, Group, Job, Part, Wait, plan_groups
 from tests.support.polling import wait_until_async
 
 HANG_GUARD_S = 10
@@ -518,3 +518,115 @@ def test_a_waiting_requests_step_past_the_budget_is_cut_to_one_budget_of_rows_be
         [[("big", 14, 16)]],
     ]
     assert rows == ["big"] * 16
+
+
+# -- gathering: the next turn waits for the clients a forward answered ------------------------
+
+FORWARD_S = 0.4  # each fake forward's own work: a quarter of it bounds the gathering wait
+
+
+class TimedEngine:
+    """A packing fake engine whose forwards each take FORWARD_S; the first waits for `release`
+    (so the test can queue requests behind it) before its work."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[list[tuple]]] = []
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, groups):
+        self.calls.append(shape(list(groups)))
+        if len(self.calls) == 1:
+            self.started.set()
+            assert self.release.wait(HANG_GUARD_S), "the test never released the first forward"
+        time.sleep(FORWARD_S)
+        return [{p.job.id: [p.job.id] * (p.stop - p.start) for p in g.parts} for g in groups]
+
+
+def own_state(name: str, tokens: int = 5) -> Job:
+    return job(name, f"state {name}", 0, (tokens,))
+
+
+async def behind_the_first(batcher: Batcher, engine: TimedEngine, waiting: Job, first: Job) -> asyncio.Task:
+    """`first`'s forward started, `waiting` queued behind it, then the forward let go."""
+    task = asyncio.create_task(batcher.submit(first))
+    await asyncio.to_thread(engine.started.wait, HANG_GUARD_S)
+    waiter = asyncio.create_task(batcher.submit(waiting))
+    await wait_until_async(lambda: batcher.queued == 1, what="the waiting request in the queue")
+    engine.release.set()
+    await task
+    return waiter
+
+
+@pytest.mark.parametrize("gather", [1.0, 0.0], ids=["gathering", "off"])
+def test_an_answered_clients_next_request_joins_the_forward_of_the_request_that_waited(gather):
+    engine = TimedEngine()
+
+    async def main():
+        batcher = Batcher(None, Bounds(max_gather_seconds=gather), run_groups=engine)
+        waiter = await behind_the_first(batcher, engine, own_state("b1"), own_state("a1"))
+        await batcher.submit(own_state("a2"))  # client a sends its next request on its answer
+        await waiter
+        await batcher.close()
+        return batcher.stats()
+
+    stats = run(main())
+    if gather:
+        assert engine.calls == [[[("a1", 0, 1)]], [[("b1", 0, 1)], [("a2", 0, 1)]]]
+        assert (stats.gathers, stats.gathered) == (1, 1)
+        assert stats.gather_seconds < GATHER_SHARE * FORWARD_S  # it ended when a2 came, not at its limit
+    else:  # the two clients alternate, one request a forward
+        assert engine.calls == [[[("a1", 0, 1)]], [[("b1", 0, 1)]], [[("a2", 0, 1)]]]
+        assert stats.gathers == 0
+
+
+@pytest.mark.parametrize(("setting", "limit"), [(1.0, GATHER_SHARE * FORWARD_S), (0.02, 0.02)])
+def test_a_wait_for_clients_who_do_not_come_back_ends_at_its_setting_or_a_quarter_of_the_forward(
+    setting, limit
+):
+    engine = TimedEngine()
+
+    async def main():
+        batcher = Batcher(None, Bounds(max_gather_seconds=setting), run_groups=engine)
+        waiter = await behind_the_first(batcher, engine, own_state("b1"), own_state("a1"))
+        await waiter
+        await batcher.close()
+        return batcher.stats()
+
+    stats = run(main())
+    assert engine.calls == [[[("a1", 0, 1)]], [[("b1", 0, 1)]]]
+    assert (stats.gathers, stats.gathered) == (1, 0)
+    assert limit - 0.005 <= stats.gather_seconds < limit + 0.25  # + what a busy machine adds
+
+
+def test_a_lone_client_never_waits_for_anyone():
+    engine = TimedEngine()
+    engine.release.set()
+    waits = [Wait(), Wait()]
+
+    async def main():
+        batcher = Batcher(None, Bounds(max_gather_seconds=1.0), run_groups=engine)
+        for n, wait in enumerate(waits):
+            await batcher.submit(own_state(f"a{n}"), wait)
+        await batcher.close()
+        return batcher.stats()
+
+    stats = run(main())
+    assert stats.gathers == 0
+    assert all(w.seconds < GATHER_SHARE * FORWARD_S / 2 for w in waits)
+
+
+def test_no_turn_waits_when_the_requests_waiting_leave_no_room_for_another_like_those_answered():
+    engine = TimedEngine()
+
+    async def main():
+        # The answered request cost 10 of a budget of 20: the waiting one's 15 leave no room for it.
+        batcher = Batcher(None, Bounds(max_forward_tokens=20, max_gather_seconds=1.0), run_groups=engine)
+        waiter = await behind_the_first(batcher, engine, own_state("b1", 15), own_state("a1", 10))
+        await batcher.submit(own_state("a2", 10))
+        await waiter
+        await batcher.close()
+        return batcher.stats()
+
+    stats = run(main())
+    assert stats.gathers == 0
+    assert engine.calls == [[[("a1", 0, 1)]], [[("b1", 0, 1)]], [[("a2", 0, 1)]]]

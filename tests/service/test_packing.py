@@ -17,6 +17,7 @@ import pytest
 
 from semif_serve.app import create_app
 from tests.support import TOKEN
+from tests.support.polling import wait_until_async
 from tests.support.served_models import BASE, SERVED, SERVED_IDS, Served, serving, systemone_body
 
 pytestmark = pytest.mark.service
@@ -211,3 +212,53 @@ def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then
     waited = arrived["answered"] - arrived["at"]
     assert end > arrived["answered"]  # the flood had forwards left when the small request was answered
     assert 1 <= waited <= 2  # the forward running when it came, then its own
+
+
+def next_on_its_answer(service, served: Served, gather: float):
+    """Client a's request runs; client b's queues behind it; a sends its next on its answer.
+    The batcher's counters over the three requests, with the gathering wait set to `gather`."""
+    app, batcher = create_app(service), service.worker.batcher
+    gate = threading.Event()
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client:
+            before = batcher.stats()
+            busy = asyncio.ensure_future(service.worker.run(lambda: gate.wait(60)))
+
+            async def client_a():
+                first = await client.post("/v1/systemone", json=body(served, 200), headers=AUTH)
+                return first, await client.post("/v1/systemone", json=body(served, 201), headers=AUTH)
+
+            a = asyncio.ensure_future(client_a())
+            # a's turn taken (waiting behind the engine's busy job), then b queued behind that turn
+            await wait_until_async(
+                lambda: service.worker.pending == 2 and batcher.queued == 0, what="a's turn taken"
+            )
+            b = asyncio.ensure_future(client.post("/v1/systemone", json=body(served, 202), headers=AUTH))
+            await wait_until_async(lambda: batcher.queued == 1, what="b queued behind a's turn")
+            gate.set()
+            await busy
+            replies = [*await a, await b]
+            return replies, before, batcher.stats()
+
+    bounds = batcher.bounds
+    batcher.bounds = dataclasses.replace(bounds, max_gather_seconds=gather)
+    try:
+        return asyncio.run(main())
+    finally:
+        batcher.bounds = bounds
+
+
+@pytest.mark.parametrize("served", SERVED, ids=SERVED_IDS)
+def test_a_clients_next_request_sent_on_its_answer_shares_the_forward_of_the_request_waiting(shared, served):
+    # A wait of up to a second, bounded by a quarter of a's forward (held behind the busy job).
+    replies, before, after = next_on_its_answer(shared, served, gather=1.0)
+    assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+    assert after.forwards - before.forwards == 2  # a's, then b's and a's next together
+    assert after.merged_forwards - before.merged_forwards == 1
+    assert (after.gathers - before.gathers, after.gathered - before.gathered) == (1, 1)
+    replies, before, after = next_on_its_answer(shared, served, gather=0.0)
+    assert [r.status_code for r in replies] == [200, 200, 200]
+    assert after.forwards - before.forwards == 3  # without the wait, one request a forward
+    assert after.merged_forwards - before.merged_forwards == 0

@@ -104,6 +104,7 @@ class BatchingBody(BaseModel):
     max_batch_rows: int
     max_batch_tokens: int
     max_forward_tokens: int
+    max_gather_seconds: float
     prefill_chunk_tokens: int
     forwards: int
     merged_forwards: int
@@ -183,6 +184,7 @@ def health_body(service: Service, now: StatusSnapshot) -> HealthBody:
             max_batch_rows=now.bounds.max_batch_rows,
             max_batch_tokens=now.bounds.max_batch_tokens,
             max_forward_tokens=now.bounds.max_forward_tokens,
+            max_gather_seconds=now.bounds.max_gather_seconds,
             prefill_chunk_tokens=now.prefill_chunk_tokens or 0,
             forwards=now.batches.forwards,
             merged_forwards=now.batches.merged_forwards,

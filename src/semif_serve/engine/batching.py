@@ -6,9 +6,9 @@ group (one prefill, or one cache hit); rows go into right-padded groups bounded 
 forward runs over the prefilled state; the prefix is prefilled once for all its groups, in its
 own chunks, and is not charged to each group); a request's rows are split only when the
 request alone exceeds the bounds. `Batcher` is the asyncio side: when the engine is free it
-takes everything queued (never waiting on purpose), drops cancelled requests before their
-forward, runs each group on the engine thread through `run_group`, and when a merged group
-fails, retries each request alone so that one bad request fails alone.
+takes everything queued (waiting on purpose only to gather, below), drops cancelled requests
+before their forward, runs each group on the engine thread through `run_group`, and when a
+merged group fails, retries each request alone so that one bad request fails alone.
 
 Fairness: what is taken together is one round of groups; rounds take turns a group at a time,
 and requests that arrive while a group runs form a new round that leads the next turn, its
@@ -20,6 +20,17 @@ waiting. A step is one group (packing, at most one budget of one request's rows:
 the budget alone is cut by rows), or one slice of a long prefill: `run_group` may return
 `UNFINISHED` (it did part of the group's work and keeps it), and the group runs again at its
 round's next turn.
+
+Gathering: a forward's answers go back to clients that often send their next request at once,
+while the requests queued behind that forward wait for the engine. Started at once, the next
+forward carries only those; the answered clients' requests then wait through it and form the
+forward after, and the two cohorts alternate in forwards half as full as they could be (two
+closed-loop clients each get one-request forwards, and less than one client alone). So when a
+turn answered requests and other work waits, the next turn waits for the answered clients'
+requests: until as many have arrived as were answered, or the waiting work leaves no room in the
+token budget for another like them, or `max_gather_seconds` passes, and never longer than
+`GATHER_SHARE` of the forward just run. An engine that finds nothing waiting never waits: a
+lone request runs at once.
 """
 
 from __future__ import annotations
@@ -108,21 +119,31 @@ class Group(Generic[P]):
 # by 2k; docs/packing.md), and at one prefill chunk's worth the memory estimate stays exact.
 FORWARD_TOKENS = 2048
 
+# The longest the next turn waits for the requests of clients a forward just answered (the
+# setting's default), and the share of that forward it may add: 2 closed-loop clients gained
+# 1.42-1.49x, 4 1.17-1.19x, 8 1.04-1.08x, one level (docs/packing.md, "Gathering").
+GATHER_SECONDS = 0.025
+GATHER_SHARE = 0.25
+
 
 @dataclass(frozen=True)
 class Bounds:
     """Limits on one forward; a single row past them still runs alone (the engine judges it).
     `max_batch_rows` and `max_batch_tokens` bound one group (rows over one state);
     `max_forward_tokens` the tokens a packed forward of several groups computes (the first group
-    of a turn always runs)."""
+    of a turn always runs); `max_gather_seconds` the longest a turn waits for the requests of the
+    clients the turn before answered (0: never; the module's "Gathering")."""
 
     max_batch_rows: int = 64
     max_batch_tokens: int = 16_384
     max_forward_tokens: int = FORWARD_TOKENS
+    max_gather_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1 or self.max_batch_tokens < 1 or self.max_forward_tokens < 1:
             raise ValueError("batch bounds must be >= 1")
+        if not 0 <= self.max_gather_seconds <= 1:
+            raise ValueError("max_gather_seconds must be within 0..1")
 
     def fits(self, group: Group[Any]) -> bool:
         return group.rows <= self.max_batch_rows and group.padded_tokens <= self.max_batch_tokens
@@ -206,6 +227,9 @@ class BatchStats:
     merged_forwards: int = 0  # forwards that carried more than one request
     isolated_retries: int = 0  # requests rerun alone after their merged forward failed
     cancelled_dropped: int = 0
+    gathers: int = 0  # turns that waited for answered clients' requests
+    gather_seconds: float = 0.0  # how long those waits took, in all
+    gathered: int = 0  # requests that arrived during those waits
 
 
 @dataclass
@@ -273,6 +297,8 @@ class Batcher(Generic[P, R]):
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="semif-batch")
         self._queue: list[_Pending[P]] = []
+        self._arrived: asyncio.Event | None = None  # set at each submit, for a gathering turn
+        self._forward_seconds = 0.0  # the last call's
         self._ids: set[Hashable] = set()  # jobs queued or running: ids must be unique among them
         self._task: asyncio.Task | None = None
         self._stats = BatchStats()
@@ -299,6 +325,8 @@ class Batcher(Generic[P, R]):
         self._ids.add(job.id)
         future.add_done_callback(lambda _: self._ids.discard(job.id))
         self._queue.append(_Pending(job, future, wait or Wait()))
+        if self._arrived is not None:
+            self._arrived.set()
         # One drain task at a time; it ends when the queue is empty, so no task outlives its loop.
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._queue = [p for p in self._queue if p.future.get_loop() is loop]
@@ -327,6 +355,7 @@ class Batcher(Generic[P, R]):
         up to the forward's token budget (`_turn`)."""
         rounds: deque[deque[Group[P]]] = deque()
         live: dict[Hashable, _Pending[P]] = {}
+        self._arrived = asyncio.Event()
         while True:
             newcomers: deque[Group[P]] | None = None
             if self._queue:
@@ -334,7 +363,6 @@ class Batcher(Generic[P, R]):
                 fresh = {p.job.id: p for p in taken if not self._dropped(p)}
                 live.update(fresh)
                 newcomers = deque(self._cheapest_first(self._plan(fresh))) or None
-            rounds = deque(r for r in rounds if r)
             if newcomers:
                 rounds.appendleft(newcomers)
             if not rounds:
@@ -346,8 +374,42 @@ class Batcher(Generic[P, R]):
                     round_.appendleft(group)  # a step done; the rest at its round's next turn
             for round_ in [rounds.popleft() for _ in range(led)][::-1]:
                 rounds.append(round_)  # the rounds that led go to the back, the older first
-            for job_id in [i for i, p in live.items() if p.future.done()]:
-                del live[job_id]
+            answered = [p.job for p in live.values() if p.future.done()]
+            for answered_job in answered:
+                del live[answered_job.id]
+            rounds = deque(r for r in rounds if r)
+            if answered and (self._queue or rounds):
+                await self._gather(answered, rounds)
+
+    async def _gather(self, answered: Sequence[Job[P]], rounds: deque[deque[Group[P]]]) -> None:
+        """Wait for the requests of the clients just `answered` while work waits (the module's
+        "Gathering"): until as many arrived, the waiting work leaves no room in the budget for
+        another like the cheapest answered, or the wait's limit passes."""
+        limit = min(self.bounds.max_gather_seconds, GATHER_SHARE * self._forward_seconds)
+        if limit <= 0 or self._arrived is None:
+            return
+        room = self.bounds.max_forward_tokens - min(self.cost(_alone(j)) for j in answered)
+        waiting = sum(self.cost(g) for round_ in rounds for g in round_)
+        before, counted = len(self._queue), 0
+        start = time.perf_counter()
+        deadline, waited = start + limit, False
+        while len(self._queue) < before + len(answered):
+            waiting += sum(self.cost(_alone(p.job)) for p in self._queue[counted:])
+            counted = len(self._queue)
+            left = deadline - time.perf_counter()
+            if waiting > room or left <= 0:
+                break
+            waited = True
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                break
+        if waited:
+            with self._stats_lock:
+                self._stats.gathers += 1
+                self._stats.gather_seconds += time.perf_counter() - start
+                self._stats.gathered += len(self._queue) - before
 
     def _cheapest_first(self, groups: list[Group[P]]) -> list[Group[P]]:
         """A new round's groups, the cheapest requests' first (by the cost of each request's first
@@ -534,7 +596,9 @@ class Batcher(Generic[P, R]):
 
     async def _forward(self, groups: Sequence[Group[P]]) -> Sequence[Outcome]:
         loop = asyncio.get_running_loop()
+        start = time.perf_counter()
         outcomes = await loop.run_in_executor(self.executor, self.run_groups, list(groups))
+        self._forward_seconds = time.perf_counter() - start
         if len(outcomes) != len(groups):
             raise RuntimeError(f"run_groups returned {len(outcomes)} outcomes for {len(groups)} groups")
         finished = []
@@ -554,3 +618,8 @@ class Batcher(Generic[P, R]):
             s.true_tokens += sum(g.true_tokens for g in groups)
             s.padded_tokens += sum(g.padded_tokens for g in groups)
             s.merged_forwards += len({i for g in groups for i in g.job_ids}) > 1
+
+
+def _alone(job: Job[P]) -> Group[P]:
+    """`job`'s rows as one group, for its cost on its own."""
+    return Group(job.prefix_key, job.prefix_tokens, (Part(job, 0, len(job.row_tokens)),))

@@ -137,6 +137,17 @@ def _batch_metrics(now: StatusSnapshot) -> Iterator[Metric]:
         "requests dropped before their forward (caller gone)",
         value=b.cancelled_dropped,
     )
+    yield CounterMetricFamily(
+        "semif_gathers",
+        "turns that waited for the next requests of the clients just answered",
+        value=b.gathers,
+    )
+    yield CounterMetricFamily(
+        "semif_gather_seconds", "time those turns waited, in all", value=b.gather_seconds
+    )
+    yield CounterMetricFamily(
+        "semif_gathered_requests", "requests that arrived while a turn waited for them", value=b.gathered
+    )
 
 
 def _cache_metrics(now: StatusSnapshot) -> Iterator[Metric]:

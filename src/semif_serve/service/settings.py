@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from semif_serve.domain.orderings import orderings_policy, parse_type_map
 from semif_serve.domain.types import ConfigurationError, DirectPath
-from semif_serve.engine.batching import FORWARD_TOKENS
+from semif_serve.engine.batching import FORWARD_TOKENS, GATHER_SECONDS
 from semif_serve.engine.lanes import MOST_LANES
 from semif_serve.engine.lone import KEEP_STATE_TOKENS
 
@@ -131,6 +131,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Tokens one packed forward computes across requests (new states' and rows'); "
         "the first request of a turn always runs (vLLM's max_num_batched_tokens).",
+    )
+    max_gather_seconds: float = Field(
+        GATHER_SECONDS,
+        ge=0,
+        le=1,
+        description="The longest the engine waits, after a forward while other work waits, for the "
+        "next requests of the clients it just answered (never over a quarter of that forward; 0: never).",
     )
     calibration: Path | None = Field(None, description="calibration.json: workload temperatures.")
     metrics_public: bool = Field(True, description="Serve /metrics without the token.")

@@ -98,7 +98,12 @@ class Service:
             forward_lanes=settings.forward_lanes,
         )
         policy = ReleasePolicy(engine.memory, settings.release_margin_mib * MIB, engine.cache)
-        bounds = Bounds(settings.max_batch_rows, settings.max_batch_tokens, settings.max_forward_tokens)
+        bounds = Bounds(
+            settings.max_batch_rows,
+            settings.max_batch_tokens,
+            settings.max_forward_tokens,
+            settings.max_gather_seconds,
+        )
         warming = EngineWorker(engine, policy, bounds, encoders=1)
         try:
             warm_up(warming, settings.max_input_tokens)
