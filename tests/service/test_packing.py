@@ -216,14 +216,14 @@ def test_a_small_request_during_a_flood_of_heavy_ones_waits_for_one_forward_then
 
 def next_on_its_answer(service, served: Served, gather: float):
     """Client a's request runs; client b's queues behind it; a sends its next on its answer.
-    The batcher's counters over the three requests, with the gathering wait set to `gather`."""
+    The replies, /metrics before and after, and /health, with the gathering wait set to `gather`."""
     app, batcher = create_app(service), service.worker.batcher
     gate = threading.Event()
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client:
-            before = batcher.stats()
+            before = (await client.get("/metrics")).text
             busy = asyncio.ensure_future(service.worker.run(lambda: gate.wait(60)))
 
             async def client_a():
@@ -240,7 +240,8 @@ def next_on_its_answer(service, served: Served, gather: float):
             gate.set()
             await busy
             replies = [*await a, await b]
-            return replies, before, batcher.stats()
+            after = (await client.get("/metrics")).text
+            return replies, before, after, (await client.get("/health")).json()["batching"]
 
     bounds = batcher.bounds
     batcher.bounds = dataclasses.replace(bounds, max_gather_seconds=gather)
@@ -253,12 +254,18 @@ def next_on_its_answer(service, served: Served, gather: float):
 @pytest.mark.parametrize("served", SERVED, ids=SERVED_IDS)
 def test_a_clients_next_request_sent_on_its_answer_shares_the_forward_of_the_request_waiting(shared, served):
     # A wait of up to a second, bounded by a quarter of a's forward (held behind the busy job).
-    replies, before, after = next_on_its_answer(shared, served, gather=1.0)
+    replies, before, after, batching = next_on_its_answer(shared, served, gather=1.0)
     assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
-    assert after.forwards - before.forwards == 2  # a's, then b's and a's next together
-    assert after.merged_forwards - before.merged_forwards == 1
-    assert (after.gathers - before.gathers, after.gathered - before.gathered) == (1, 1)
-    replies, before, after = next_on_its_answer(shared, served, gather=0.0)
+
+    def grew(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert batching["max_gather_seconds"] == 1.0
+    assert grew("semif_forwards_total") == 2  # a's, then b's and a's next together
+    assert grew("semif_merged_forwards_total") == 1
+    assert (grew("semif_gathers_total"), grew("semif_gathered_requests_total")) == (1, 1)
+    assert 0 < grew("semif_gather_seconds_total") < 1.0
+    replies, before, after, batching = next_on_its_answer(shared, served, gather=0.0)
     assert [r.status_code for r in replies] == [200, 200, 200]
-    assert after.forwards - before.forwards == 3  # without the wait, one request a forward
-    assert after.merged_forwards - before.merged_forwards == 0
+    assert grew("semif_forwards_total") == 3  # without the wait, one request a forward
+    assert grew("semif_merged_forwards_total") == grew("semif_gathers_total") == 0
