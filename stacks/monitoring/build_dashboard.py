@@ -191,6 +191,8 @@ def build() -> dict:
                     (rate("semif_forwards_total"), "forwards"),
                     (rate("semif_isolated_retries_total"), "isolated retries"),
                     (rate("semif_cancelled_dropped_total"), "dropped (caller gone)"),
+                    (rate("semif_gathers_total"), "turns that waited for answered clients"),
+                    (rate("semif_gathered_requests_total"), "requests gathered"),
                 ),
             ],
         ),

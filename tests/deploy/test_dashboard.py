@@ -77,6 +77,7 @@ def test_the_dashboard_shows_what_an_operator_needs():
         "semif_request_seconds_bucket",
         "semif_forward_rows_total",
         "semif_forward_padded_tokens_total",
+        "semif_gathered_requests_total",
         "semif_engine_wait_seconds_bucket",
         "semif_state_cache_kind_hits_total",
         "semif_state_cache_evictions_total",
