@@ -29,7 +29,8 @@
       (its own venv, PEERS.md), each request a new ~150-token state and one 4-option question,
       1 client and 16 clients sending the next request as soon as the answer arrives. vLLM gets
       SemIf's own prompt ids, `allowed_token_ids` = the four codes and processed log-probabilities.
-      Rounds interleave the servers; the others are stopped (SIGSTOP) while one is measured.
+      Rounds interleave the servers, each round starting one server later; the others are stopped
+      (SIGSTOP) while one is measured.
       `--pinned`: every server's threads named instead of left to its defaults: semif-serve's
       `SEMIF_TORCH_THREADS` and vLLM's `VLLM_CPU_OMP_THREADS_BIND` set to all of this machine's cores.
       `--clients`: the client counts (the gain is the most clients' over one's). `--gathering`: beside
@@ -663,8 +664,11 @@ def servers(
                 only(running, server)
                 cell(server, CLIENTS, 2.0, counter)
             for r in range(rounds):
+                # Each round starts one server later: no server always takes the round's first cell
+                # (after the last round's 16-client cells), which read low in runs 36-38.
+                order = running[r % len(running) :] + running[: r % len(running)]
                 for clients in clients_list:
-                    for server in running:
+                    for server in order:
                         only(running, server)
                         got = cell(server, clients, seconds, counter)
                         out["cells"].setdefault(f"{server.name} @{clients}", []).append(got)
