@@ -30,7 +30,8 @@
       1 client and 16 clients sending the next request as soon as the answer arrives. vLLM gets
       SemIf's own prompt ids, `allowed_token_ids` = the four codes and processed log-probabilities.
       Rounds interleave the servers, each round starting one server later; the others are stopped
-      (SIGSTOP) while one is measured.
+      (SIGSTOP) while one is measured, and each cell follows one second of the same clients, not
+      counted (the first cell after another server's reads low).
       `--pinned`: every server's threads named instead of left to its defaults: semif-serve's
       `SEMIF_TORCH_THREADS` and vLLM's `VLLM_CPU_OMP_THREADS_BIND` set to all of this machine's cores.
       `--clients`: the client counts (the gain is the most clients' over one's). `--gathering`: beside
@@ -87,6 +88,9 @@ QUESTION = "Which team should handle this ticket?"
 OPTIONS = ("The billing team.", "The platform team.", "The security team.", "The support desk.")
 STATE_TOKENS = 150  # about: each state's words fitted once to this many prompt tokens
 CLIENTS = 16
+# Each servers cell is preceded by this long a cell of the same clients, not counted: the first
+# cell after another server's read 5-15% low (bench/RESULTS.md, fourteenth pass).
+SETTLE_SECONDS = 1.0
 
 
 def peers_checkpoint(directory: Path) -> Path:
@@ -670,6 +674,7 @@ def servers(
                 for clients in clients_list:
                     for server in order:
                         only(running, server)
+                        cell(server, clients, SETTLE_SECONDS, counter)  # not counted: see SETTLE_SECONDS
                         got = cell(server, clients, seconds, counter)
                         out["cells"].setdefault(f"{server.name} @{clients}", []).append(got)
                         rps = got["rps"]
