@@ -269,18 +269,21 @@ def test_rows_over_one_stored_state_read_its_keys_once_a_layer_and_equal_their_p
         assert torch.allclose(packed_logits(engine, packed, n), alone(reference, state + row), atol=TOLERANCE)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_gated_norm_and_the_mlp_give_the_bits_of_transformers_own_modules(dtype):
+def test_in_float32_the_norms_and_the_mlp_give_the_bits_of_transformers_own_modules():
+    """(bf16 rows take the compiled passes: tests/engine/test_bf16_passes.py.)"""
     from transformers import Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP, Qwen3_5RMSNormGated
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP, Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
     generator = torch.Generator().manual_seed(21)
-    norm = Qwen3_5RMSNormGated(64, eps=1e-6).to(dtype)
-    mlp = Qwen3_5MLP(Qwen3_5TextConfig(hidden_size=64, intermediate_size=128), 128).to(dtype)
+    gated = Qwen3_5RMSNormGated(64, eps=1e-6)
+    norm = Qwen3_5RMSNorm(64, eps=1e-6)
+    mlp = Qwen3_5MLP(Qwen3_5TextConfig(hidden_size=64, intermediate_size=128), 128)
     with torch.inference_mode():
-        norm.weight.copy_(torch.rand(64, generator=generator) + 0.5)
-        x, gate = ((torch.randn(3000, 64, generator=generator) * 3).to(dtype) for _ in range(2))
-        assert torch.equal(packed_module._gated_norm(norm, x, gate), norm(x, gate))
+        gated.weight.copy_(torch.rand(64, generator=generator) + 0.5)
+        norm.weight.copy_(torch.rand(64, generator=generator) - 0.5)
+        x, gate = (torch.randn(3000, 64, generator=generator) * 3 for _ in range(2))
+        assert torch.equal(packed_module._gated_norm(gated, x, gate), gated(x, gate))
+        assert torch.equal(packed_module._norm(norm, x), norm(x))
         assert torch.equal(packed_module._mlp(mlp, x), mlp(x))
 
 

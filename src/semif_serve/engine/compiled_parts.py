@@ -26,16 +26,18 @@ _pool_lock = threading.Lock()
 
 
 def compiled(function: Any) -> Any:
-    """`function` compiled by numba at first use (nogil, fastmath), and cached on disk where numba
-    finds a writable place (beside its file, else NUMBA_CACHE_DIR or ~/.cache/numba); else
-    compiled anew at each start."""
+    """`function` compiled by numba at first use (nogil, fastmath, numpy's error model: a division
+    by zero gives inf or NaN rather than raising, so a loop that divides still vectorises), and
+    cached on disk where numba finds a writable place (beside its file, else NUMBA_CACHE_DIR or
+    ~/.cache/numba); else compiled anew at each start."""
     import numba
 
+    options = {"nogil": True, "fastmath": True, "boundscheck": False, "error_model": "numpy"}
     try:
-        return numba.njit(cache=True, nogil=True, fastmath=True, boundscheck=False)(function)
+        return numba.njit(cache=True, **options)(function)
     except RuntimeError:  # numba found no writable cache directory
         log.warning("a compiled CPU kernel is not cached: no writable cache directory")
-        return numba.njit(cache=False, nogil=True, fastmath=True, boundscheck=False)(function)
+        return numba.njit(cache=False, **options)(function)
 
 
 def run_split(work: Callable[[int, int], None], items: int, threads: int, min_items: int) -> None:

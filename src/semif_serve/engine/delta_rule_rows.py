@@ -67,7 +67,6 @@ def _rows(q, k, v, g, beta, lengths, state_t, out, starts, as_bits, lo, hi, smal
     key = np.empty(key_dim, np.float32)
     query = np.empty(key_dim, np.float32)
     result = np.empty(value_dim, np.float32)
-    result_bits = result.view(np.uint32)
     for r in range(lo, hi):
         b, h = r // value_heads, r % value_heads
         hk = h // share
@@ -95,7 +94,7 @@ def _rows(q, k, v, g, beta, lengths, state_t, out, starts, as_bits, lo, hi, smal
                     column[i] = decay * column[i] + delta * key[i]
             row_out = out[starts[b] + t, h]
             if as_bits:
-                store_rounded(result, result_bits, row_out)
+                store_rounded(result, row_out)
             else:
                 for j in range(value_dim):
                     row_out[j] = result[j]

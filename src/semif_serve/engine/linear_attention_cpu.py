@@ -106,15 +106,12 @@ def causal_conv1d(
     from transformers.activations import ACT2FN
 
     x = hidden_states.transpose(1, 2)  # a view when the projection wrote [b, t, c]
-    taps = weight.to(torch.float32).t().contiguous()  # [kernel, channels]
+    taps, shift = _taps(weight, bias)
     kernel, tokens = taps.shape[0], x.shape[1]
     if x.dtype == weight.dtype == torch.bfloat16:
         from semif_serve.engine.causal_conv_rows import convolve_bf16
 
-        shift = bias.to(torch.float32) if bias is not None else torch.zeros(taps.shape[1])
-        bits = convolve_bf16(
-            x.view(torch.int16).numpy().view(np.uint16), taps.numpy(), shift.numpy(), torch.get_num_threads()
-        )
+        bits = convolve_bf16(_bits(x), taps.numpy(), shift.numpy(), torch.get_num_threads())
         out = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
         if activation is not None:
             out = ACT2FN[activation](out)
@@ -128,6 +125,38 @@ def causal_conv1d(
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(hidden_states.dtype).transpose(1, 2)
+
+
+def causal_conv1d_silu(inputs: Any, weight: Any, bias: Any | None, skip: int) -> Any:
+    """The packed forward's convolution before the CPU's gated delta rule, for a bf16 model:
+    bf16 `inputs` `[batch, tokens, channels]` (the first `skip` the inputs of what each row
+    continues) convolved by the depthwise `weight` `[channels, kernel]` and SiLU'd, each rounded
+    to bf16 as `causal_conv1d` rounds them; float32 `[batch, tokens - skip, channels]`, as the
+    rule reads it (engine.causal_conv_rows)."""
+    import torch
+
+    from semif_serve.engine.causal_conv_rows import convolve_bf16_silu
+
+    taps, shift = _taps(weight, bias)
+    out = convolve_bf16_silu(_bits(inputs), taps.numpy(), shift.numpy(), skip, torch.get_num_threads())
+    return torch.from_numpy(out)
+
+
+def _taps(weight: Any, bias: Any | None) -> tuple[Any, Any]:
+    """A depthwise convolution's `[channels, kernel]` weight as float32 `[kernel, channels]`,
+    and its bias as float32 (zeros where it has none)."""
+    import torch
+
+    taps = weight.to(torch.float32).t().contiguous()
+    return taps, bias.to(torch.float32) if bias is not None else torch.zeros(taps.shape[1])
+
+
+def _bits(x: Any) -> Any:
+    """A bf16 tensor's values as a uint16 numpy view of their bits (any strides)."""
+    import numpy as np
+    import torch
+
+    return x.view(torch.int16).numpy().view(np.uint16)
 
 
 def _dispatching(reference: Callable[..., Any], own: Callable[..., Any]) -> Callable[..., Any]:

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from semif_serve.domain.requests import BASE
+from semif_serve.engine import bf16_passes
 from semif_serve.engine.adapters import AdapterBank
 from semif_serve.engine.forwards import RowImages
-from semif_serve.engine.linear_attention_cpu import accelerated_kernels, gated_delta_rule
+from semif_serve.engine.linear_attention_cpu import accelerated_kernels, causal_conv1d_silu, gated_delta_rule
 from semif_serve.engine.state_cache import StoredState
 
 LENGTH_STEP = 32  # tokens: the segments a linear-attention batch runs together differ by less
@@ -147,7 +148,7 @@ def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBan
             mixers.kernels = kernels
             with _selected(adapters, token_adapters):
                 for index, layer in enumerate(decoder.layers):
-                    mixed = layer.input_layernorm(hidden)
+                    mixed = _norm(layer.input_layernorm, hidden)
                     if layer.block_type == "linear_attention":
                         mixed = mixers.linear(index, layer.linear_attn, mixed)
                     else:
@@ -156,12 +157,12 @@ def packed_forward(model: Any, segments: Sequence[Segment], adapters: AdapterBan
                     if index == final:  # its outputs feed only the read rows: the rest is not computed
                         break
                     hidden = hidden + mixed
-                    hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+                    hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden))
             hidden_reads: dict[int, Any] = {}
             if rows:
                 with _selected(adapters, [token_adapters[r] for r in rows]):
                     read = hidden[rows] + mixed[rows]
-                    read = read + _mlp(layer.mlp, layer.post_attention_layernorm(read))
+                    read = read + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, read))
                 hidden_reads = dict(zip(reads, decoder.norm(read), strict=True))
         caches = {i: mixers.cache(i) for i, s in enumerate(segments) if s.keep}
     return Packed(hidden_reads, caches, at)
@@ -242,24 +243,39 @@ def _positions(
     return torch.cat(parts, dim=1).to(device)
 
 
+def _norm(norm: Any, x: Any) -> Any:
+    """A decoder norm over rows `x`: bf16 rows of Qwen3.5's norm in one compiled pass
+    (`engine.bf16_passes`), else the module."""
+    if type(norm).__name__ == "Qwen3_5RMSNorm" and bf16_passes.applies(x):
+        return bf16_passes.rms_norm(x, norm.weight, norm.eps)
+    return norm(x)
+
+
 def _mlp(mlp: Any, x: Any) -> Any:
     """The decoder layer's MLP (`down(act(gate(x)) * up(x))`, each projection its own module, so
-    adapter rows apply), a SiLU and the product in place: the same bits, no new tensors."""
+    adapter rows apply), the SiLU and the product in place: for bf16 rows one compiled pass
+    (`engine.bf16_passes`), else torch's, the same bits as the module's, no new tensors."""
     import torch.nn.functional as F
 
     gate = mlp.gate_proj(x)
-    active = F.silu(gate, inplace=True) if mlp.config.hidden_act == "silu" else mlp.act_fn(gate)
+    silu = mlp.config.hidden_act == "silu"
+    if silu and bf16_passes.applies(gate):
+        return mlp.down_proj(bf16_passes.silu_times(gate, mlp.up_proj(x)))
+    active = F.silu(gate, inplace=True) if silu else mlp.act_fn(gate)
     return mlp.down_proj(active.mul_(mlp.up_proj(x)))
 
 
 def _gated_norm(norm: Any, x: Any, gate: Any) -> Any:
-    """Qwen3.5's gated norm (`weight * rms_norm(x)` in x's dtype, times `act(gate)` in float32),
-    the norm as torch's `F.rms_norm` and the product in place: the same bits as transformers'
-    module in fewer passes (bench/RESULTS.md)."""
+    """Qwen3.5's gated norm (`weight * rms_norm(x)` in x's dtype, times `act(gate)` in float32):
+    for bf16 rows and SiLU one compiled pass (`engine.bf16_passes`); else the norm as torch's
+    `F.rms_norm` and the product in place, the same bits as transformers' module in fewer passes
+    (bench/RESULTS.md)."""
     import torch
     import torch.nn.functional as F
     from transformers.activations import ACT2FN
 
+    if norm.activation == "silu" and bf16_passes.applies(x) and bf16_passes.applies(gate):
+        return bf16_passes.gated_norm(x, gate, norm.weight, norm.variance_epsilon)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
     return (norm.weight * normed).float().mul_(ACT2FN[norm.activation](gate.to(torch.float32))).to(x.dtype)
 
@@ -454,17 +470,17 @@ class _Mixers:
             betas[r, : hi - lo] = beta[lo:hi]
             states.append(before[1] if before is not None else None)
         chunk_rule, conv_fn = self.kernels
-        conv = conv_fn(
-            inputs.transpose(1, 2),
-            mixer.conv1d.weight.squeeze(1),
-            mixer.conv1d.bias,
-            activation=mixer.activation,
-        )
-        mixed = conv.transpose(1, 2)[:, kernel:]  # [rows, width, conv_dim]
-        repeat = mixer.num_v_heads // mixer.num_k_heads
         own_rule = chunk_rule is gated_delta_rule  # the CPU kernel: shared key heads, packed rows
-        if own_rule:  # it reads float32 views of any strides: one conversion for all three
-            mixed = mixed.float()
+        weight = mixer.conv1d.weight.squeeze(1)
+        if own_rule and inputs.dtype == torch.bfloat16 and mixer.activation == "silu":
+            # One compiled pass to the float32 the rule reads (the rounded bf16 values).
+            mixed = causal_conv1d_silu(inputs, weight, mixer.conv1d.bias, kernel)
+        else:
+            conv = conv_fn(inputs.transpose(1, 2), weight, mixer.conv1d.bias, activation=mixer.activation)
+            mixed = conv.transpose(1, 2)[:, kernel:]  # [rows, width, conv_dim]
+            if own_rule:  # it reads float32 views of any strides: one conversion for all three
+                mixed = mixed.float()
+        repeat = mixer.num_v_heads // mixer.num_k_heads
         query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         query = query.reshape(rows, width, -1, mixer.head_k_dim)
         key = key.reshape(rows, width, -1, mixer.head_k_dim)
