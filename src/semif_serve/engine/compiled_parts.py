@@ -32,6 +32,7 @@ def compiled(function: Any) -> Any:
     ~/.cache/numba); else compiled anew at each start."""
     import numba
 
+    # numba keys a cached kernel on its own file: a change here reaches it once that file changes.
     options = {"nogil": True, "fastmath": True, "boundscheck": False, "error_model": "numpy"}
     try:
         return numba.njit(cache=True, **options)(function)
