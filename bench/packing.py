@@ -433,7 +433,7 @@ def lev_preamble(model: Path, repeats: int, work: Path) -> dict[str, Any]:
     }
     with_preamble = LevEncoder(release.tokenizer)
     without = LevEncoder(release.tokenizer)
-    without.preamble = lambda style: ()  # type: ignore[method-assign]
+    without.preamble = lambda style: ()
     # Each side its own cache: a prefix lookup would otherwise find the other side's preamble.
     sides = {
         "with the preamble": (
@@ -814,20 +814,20 @@ def fairness(model: Path, seconds: float, work: Path) -> dict[str, Any]:
                 t.join()
     took = [w[0] for w in waits]
     ran = [w[1] for w in waits]
+    flood_cell = {
+        "requests": len(waits),
+        "p50_ms": percentile(took, 50) * 1000,
+        "max_ms": max(took) * 1000,
+        "forwards_p50": statistics.median(ran),
+        "forwards_max": max(ran),
+    }
     out = {
         "state_words": words,
         "heavy_alone_s": statistics.median(heavy_alone),
         "heavy_requests_answered": next(heavy_done),
         "small_idle_ms": statistics.median(idle) * 1000,
-        "small_in_flood": {
-            "requests": len(waits),
-            "p50_ms": percentile(took, 50) * 1000,
-            "max_ms": max(took) * 1000,
-            "forwards_p50": statistics.median(ran),
-            "forwards_max": max(ran),
-        },
+        "small_in_flood": flood_cell,
     }
-    flood_cell = out["small_in_flood"]
     print_table(
         ["case", "value"],
         [
