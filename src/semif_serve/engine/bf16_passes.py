@@ -35,7 +35,7 @@ _LN2_HIGH = np.float32(0.693359375)
 _LN2_LOW = np.float32(-2.12194440e-4)
 _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
 _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
-# exp(-x) for x under -87 or over 88 is clamped there: SiLU is then 0 or x to float32 rounding.
+# -x is clamped to [-87, 88] (exp stays a normal float): past it SiLU is x or 0 to float32 rounding.
 _LOW, _HIGH = np.float32(-87.0), np.float32(88.0)
 _HALF, _ONE = np.float32(0.5), np.float32(1.0)
 
