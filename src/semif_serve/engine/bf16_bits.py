@@ -50,6 +50,14 @@ def rounded(typingctx: Any, value: Any) -> Any:
     return types.uint16(types.float32), codegen
 
 
+def bits_of(tensor: Any) -> Any:
+    """A bf16 torch tensor's values as a uint16 numpy view of their bits (any strides, no copy)."""
+    import numpy as np
+    import torch
+
+    return tensor.view(torch.int16).numpy().view(np.uint16)
+
+
 @compiled
 def store_rounded(values, target):
     """`values` (float32) into `target` (uint16) as bf16 bits."""

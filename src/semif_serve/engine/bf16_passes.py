@@ -24,7 +24,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from semif_serve.engine.bf16_bits import rounded, value_of
+from semif_serve.engine.bf16_bits import bits_of, rounded, value_of
 from semif_serve.engine.compiled_parts import compiled, run_split
 
 _SPLIT_AT = 64 * 1024  # values: below this a call runs on the calling thread alone
@@ -122,7 +122,7 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
 
     scale = (1.0 + weight.detach().float()).numpy()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    bits, out_bits = _bits(x), _bits(out)
+    bits, out_bits = bits_of(x), bits_of(out)
     _split(lambda lo, hi: _rms_rows(bits, scale, np.float32(eps), out_bits, lo, hi), x)
     return out
 
@@ -133,22 +133,16 @@ def gated_norm(x: Any, gate: Any, weight: Any, eps: float) -> Any:
 
     scale = weight.detach().float().numpy()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    bits, gate_bits, out_bits = _bits(x), _bits(gate), _bits(out)
+    bits, gate_bits, out_bits = bits_of(x), bits_of(gate), bits_of(out)
     _split(lambda lo, hi: _gated_rows(bits, gate_bits, scale, np.float32(eps), out_bits, lo, hi), x)
     return out
 
 
 def silu_times(gate: Any, up: Any) -> Any:
     """The MLP's `silu(gate) * up` over bf16 rows `[n, d]`, written into `gate` (returned)."""
-    gate_bits, up_bits = _bits(gate), _bits(up)
+    gate_bits, up_bits = bits_of(gate), bits_of(up)
     _split(lambda lo, hi: _silu_times_rows(gate_bits, up_bits, lo, hi), gate)
     return gate
-
-
-def _bits(x: Any) -> Any:
-    import torch
-
-    return x.view(torch.int16).numpy().view(np.uint16)
 
 
 def _split(work: Any, x: Any) -> None:

@@ -63,6 +63,7 @@ def gated_delta_rule(
     import numpy as np
     import torch
 
+    from semif_serve.engine.bf16_bits import bits_of
     from semif_serve.engine.delta_rule_rows import recurrence
 
     batch, tokens, _, k_dim = key.shape
@@ -81,7 +82,7 @@ def gated_delta_rule(
         if target.dtype not in (torch.float32, torch.bfloat16) or not target.is_contiguous():
             raise ValueError("the rule writes into a contiguous float32 or bf16 tensor")
         bf16 = target.dtype == torch.bfloat16
-        rows = target.view(torch.int16).numpy().view(np.uint16) if bf16 else target.numpy()
+        rows = bits_of(target) if bf16 else target.numpy()
         recurrence(*arrays, into=(rows, starts))
         return None, final
     return torch.from_numpy(recurrence(*arrays)).to(value.dtype), final
@@ -109,9 +110,10 @@ def causal_conv1d(
     taps, shift = _taps(weight, bias)
     kernel, tokens = taps.shape[0], x.shape[1]
     if x.dtype == weight.dtype == torch.bfloat16:
+        from semif_serve.engine.bf16_bits import bits_of
         from semif_serve.engine.causal_conv_rows import convolve_bf16
 
-        bits = convolve_bf16(_bits(x), taps.numpy(), shift.numpy(), torch.get_num_threads())
+        bits = convolve_bf16(bits_of(x), taps.numpy(), shift.numpy(), torch.get_num_threads())
         out = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
         if activation is not None:
             out = ACT2FN[activation](out)
@@ -135,10 +137,11 @@ def causal_conv1d_silu(inputs: Any, weight: Any, bias: Any | None, skip: int) ->
     rule reads it (engine.causal_conv_rows)."""
     import torch
 
+    from semif_serve.engine.bf16_bits import bits_of
     from semif_serve.engine.causal_conv_rows import convolve_bf16_silu
 
     taps, shift = _taps(weight, bias)
-    out = convolve_bf16_silu(_bits(inputs), taps.numpy(), shift.numpy(), skip, torch.get_num_threads())
+    out = convolve_bf16_silu(bits_of(inputs), taps.numpy(), shift.numpy(), skip, torch.get_num_threads())
     return torch.from_numpy(out)
 
 
@@ -149,14 +152,6 @@ def _taps(weight: Any, bias: Any | None) -> tuple[Any, Any]:
 
     taps = weight.to(torch.float32).t().contiguous()
     return taps, bias.to(torch.float32) if bias is not None else torch.zeros(taps.shape[1])
-
-
-def _bits(x: Any) -> Any:
-    """A bf16 tensor's values as a uint16 numpy view of their bits (any strides)."""
-    import numpy as np
-    import torch
-
-    return x.view(torch.int16).numpy().view(np.uint16)
 
 
 def _dispatching(reference: Callable[..., Any], own: Callable[..., Any]) -> Callable[..., Any]:
