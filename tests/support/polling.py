@@ -28,7 +28,7 @@ class Deadline:
 
 
 def wait_until(
-    condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition", every: float = 0.01
+    condition: Callable[[], T], timeout: float = 60.0, what: str = "the condition", every: float = 0.01
 ) -> T:
     """`condition()`'s first truthy value, polled every `every` seconds; AssertionError naming
     `what` once `timeout` seconds have passed without one."""
@@ -40,7 +40,7 @@ def wait_until(
 
 
 async def wait_until_async(
-    condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition", every: float = 0.01
+    condition: Callable[[], T], timeout: float = 60.0, what: str = "the condition", every: float = 0.01
 ) -> T:
     """`wait_until` inside an event loop: the loop runs the other tasks between two polls."""
     deadline = Deadline(timeout, what)
