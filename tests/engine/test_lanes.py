@@ -15,7 +15,7 @@ import torch
 from semif_serve.domain.requests import BASE
 from semif_serve.engine import lanes as lanes_module
 from semif_serve.engine.forwards import head_logits
-from semif_serve.engine.lanes import HANDOVER_AT, MOST_SHARE, ForwardLanes, shares
+from semif_serve.engine.lanes import HANDOVER_AT, MOST_SHARE, ForwardLanes, lone_split_tokens, shares
 from semif_serve.engine.packed import Handover, HandoverFailed, Segment
 from semif_serve.engine.state_cache import StoredState
 from tests.engine.test_packed import COLUMNS, TOLERANCE, alone, ids, packed_logits, stored
@@ -118,6 +118,46 @@ def unsplittable(n: int) -> list[Segment]:
 def test_a_forward_that_would_not_gain_from_lanes_is_not_split(build, why):
     assert shares(build(), 2) is None, why
     assert shares([segment(400, read=True), segment(400, read=True)], 1) is None  # one lane: whole
+
+
+def test_a_lone_chain_from_the_threshold_splits_its_sequence_the_head_keeping_the_balance_of_its_layers():
+    state, row = segment(580, keep=True), segment(20, parent=0, read=True)
+    split = shares([state, row], 2, lone_at=600, layers=8)
+    # 8 layers: the head 8/15 of the chain's 600 tokens, the tail a layer behind ends with it
+    assert split is not None and [share.origins for share in split] == [[None], [0, 1]]
+    (head,), (tail, moved) = split[0].segments, split[1].segments
+    assert len(head.ids) == 320 and not head.keep and not head.read and head.hand_to is tail.start
+    assert tail.keep and tail.ids == state.ids[320:] and moved.parent == 0 and moved.read
+    assert shares([state, row], 2, lone_at=601, layers=8) is None  # under the threshold: whole
+    assert shares(unsplittable(900), 2, lone_at=600, layers=8) is None  # no sequence to hand
+    assert shares([state, row], 1, lone_at=600, layers=8) is None  # one lane
+
+
+def test_the_threshold_for_a_lone_chain_is_lower_in_bf16_where_the_split_gains_sooner():
+    assert lone_split_tokens(torch.bfloat16) < lone_split_tokens(torch.float32)
+
+
+@pytest.mark.parametrize("over_stored", [False, True], ids=["a new state", "a state over a stored one"])
+@pytest.mark.parametrize("depth", [4, 8], ids=["4 layers", "8 layers"])
+def test_a_lone_request_past_the_threshold_runs_in_two_lanes_answering_and_keeping_its_state_as_alone(
+    engine, reference, eight_layers, two_threads, lanes, over_stored, depth
+):
+    if depth == 8:
+        engine, reference = eight_layers
+    before = ids(60, 94) if over_stored else []
+    start = stored(reference, before) if over_stored else None
+    state, row = ids(lone_split_tokens(engine.model.dtype), 95), ids(20, 96)
+    segments = [Segment(tuple(state), start=start, keep=True), Segment(tuple(row), parent=0, read=True)]
+    packed = lanes.forward(engine.model, segments)
+    assert packed.lanes == 2 and lanes.split_forwards == 1
+    want = alone(reference, before + state + row)
+    assert torch.allclose(packed_logits(engine, packed, 1), want, atol=TOLERANCE, rtol=0)
+    kept, own = StoredState(before + state, packed.caches[0]), stored(reference, before + state)
+    for layer in range(len(engine.model.get_decoder().layers)):
+        for got, want in zip(kept.layer_state(layer), own.layer_state(layer), strict=True):
+            assert torch.allclose(got.float(), want.float(), atol=TOLERANCE), layer
+    short = [Segment(tuple(ids(lone_split_tokens(engine.model.dtype) - 21, 97)), read=True)]
+    assert lanes.forward(engine.model, short).lanes == 1 and lanes.split_forwards == 1
 
 
 def test_a_share_may_take_up_to_the_most_a_lane_takes():

@@ -21,8 +21,14 @@ split: its head stays, its tail and the rows continuing it move to the lighter s
 hands its state to the tail layer by layer as it computes it (`packed.Handover`; the head runs
 first in its layer, the tail last in its own, so the lighter lane seldom waits). Measured in
 process, bf16, ~281-token prompts: 3, 5, 7 and 9 prompts 1.06x, 1.15x, 1.05x and 1.07x faster; 16
-clients' server +10% (bench/RESULTS.md). A lone sequence is not split (its tail would wait on every
-layer of its head), nor is one beside a lighter share of under `MIN_SHARE_TOKENS` of its own work.
+clients' server +10% (bench/RESULTS.md). A forward of one chain (a lone request's state and rows)
+of `lone_split_tokens` or more splits its sequence the same way, the head in the engine thread's
+lane: the tail's layer l waits only for the head's layer l, so the lanes run a layer apart, and
+with the head `L / (2L - 1)` of the chain's tokens (L layers) both end together. Measured in
+process, one prompt: 1.05-1.25x faster in bf16 from ~220 tokens (level at 176-192, 0.84-0.94x at
+96-160), level in float32 at 282 and 1.06-1.07x from 560; the one-client server in bf16 +7%
+(docs/packing.md, "Lanes"). A sequence is not split beside a lighter share of under
+`MIN_SHARE_TOKENS` of its own work.
 A forward splits only where that pays: on the CPU (the engine gives a GPU's forwards one lane),
 with two or more intra-op threads chosen for it and no more than the lanes allowed (a lane of two
 threads would open an OpenMP team beside the engine thread's, `engine.threads`: a larger machine
@@ -62,6 +68,11 @@ MOST_SHARE = 0.6
 HANDOVER_AT = 64
 # Each part of a sequence split across the lanes at least this many tokens.
 MIN_PART_TOKENS = 32
+# A forward of one chain splits from this many tokens (`lone_split_tokens`): measured on this
+# 2-core machine, one prompt in two lanes against whole on two threads, bf16 level at 176 and 192
+# tokens, 1.02-1.11x at 208, 1.05-1.25x at 224-282; float32 level at 282, 1.06x at 560.
+LONE_SPLIT_TOKENS_BF16 = 192
+LONE_SPLIT_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +86,31 @@ class Share:
     handovers: list[Handover]
 
 
-def shares(segments: Sequence[Segment], lanes: int) -> list[Share] | None:
+def lone_split_tokens(dtype: Any) -> int:
+    """The fewest tokens a forward of one chain splits across two lanes at, for a model of `dtype`."""
+    import torch
+
+    return LONE_SPLIT_TOKENS_BF16 if dtype == torch.bfloat16 else LONE_SPLIT_TOKENS
+
+
+def shares(
+    segments: Sequence[Segment], lanes: int, lone_at: int | None = None, layers: int = 1
+) -> list[Share] | None:
     """`segments` in `lanes` shares of whole chains, balanced by tokens, the heaviest first; with two
     lanes still `HANDOVER_AT` tokens apart, the heavier's longest sequence split between them
-    (`_handed_over`). None where the forward does not split (fewer chains than lanes, a share under
-    `MIN_SHARE_TOKENS`, or one over `MOST_SHARE` of the tokens)."""
+    (`_handed_over`). A forward of one chain of `lone_at` tokens or more, with two lanes, hands its
+    sequence's tail to the second, the head keeping `layers / (2 layers - 1)` of the chain's tokens
+    (the module docstring). None where the forward does not split (fewer chains than lanes
+    otherwise, a share under `MIN_SHARE_TOKENS`, or one over `MOST_SHARE` of the tokens)."""
     if lanes < 2:
         return None
     chains = _chains(segments)
+    if len(chains) == 1 and lanes == 2 and lone_at is not None:
+        total = sum(len(s.ids) for s in segments)
+        if total < lone_at:
+            return None
+        head = round(total * layers / (2 * layers - 1))
+        return _handed_over(segments, chains, [list(range(len(segments))), []], total - head)
     if len(chains) < lanes:
         return None
     weight = {r: sum(len(segments[i].ids) for i in members) for r, members in chains.items()}
@@ -94,9 +122,11 @@ def shares(segments: Sequence[Segment], lanes: int) -> list[Share] | None:
         loads[lightest] += weight[r]
     order = sorted(range(lanes), key=lambda lane: -loads[lane])
     split, loads = [sorted(split[lane]) for lane in order], [loads[lane] for lane in order]
-    handed = _handed_over(segments, chains, split, loads) if lanes == 2 else None
-    if handed is not None:
-        return handed
+    # The lighter share keeps work of its own to do while its tail waits.
+    if lanes == 2 and loads[0] - loads[1] >= HANDOVER_AT and loads[1] >= MIN_SHARE_TOKENS:
+        handed = _handed_over(segments, chains, split, (loads[0] - loads[1]) // 2)
+        if handed is not None:
+            return handed
     if min(loads) < MIN_SHARE_TOKENS or max(loads) > MOST_SHARE * sum(loads):
         return None
     return [Share(_renumbered(segments, share, {}), list(share), []) for share in split]
@@ -122,20 +152,15 @@ def _chains(segments: Sequence[Segment]) -> dict[int, list[int]]:
 
 
 def _handed_over(
-    segments: Sequence[Segment], chains: dict[int, list[int]], split: list[list[int]], loads: list[int]
+    segments: Sequence[Segment], chains: dict[int, list[int]], split: list[list[int]], move: int
 ) -> list[Share] | None:
-    """Two shares of whole chains `HANDOVER_AT` tokens apart or more, balanced by splitting one
-    sequence of the heavier: the longest chain root there whose tail (at least `MIN_PART_TOKENS`) and
-    everything continuing it can move to the lighter, its head (as long) staying and handing its
-    state to the tail layer by layer (`packed.Handover`); None where none can, or where the lighter
-    share holds under `MIN_SHARE_TOKENS` of its own. The head's share comes first: the engine thread
-    runs it, so the waiting tail is always on a lane's thread and no forward waits on one queued
-    behind it."""
+    """Two shares of whole chains (the second may be empty), `move` tokens moved from the first to
+    the second by splitting one sequence of the first: the longest chain root there whose tail (at
+    least `MIN_PART_TOKENS`) and everything continuing it come to `move` tokens, its head (as long)
+    staying and handing its state to the tail layer by layer (`packed.Handover`); None where none
+    can. The head's share comes first: the engine thread runs it, so the waiting tail is always on a
+    lane's thread and no forward waits on one queued behind it."""
     heavy, light = split
-    move = (loads[0] - loads[1]) // 2
-    # The lighter share keeps work of its own to do while its tail waits (a lone sequence stays whole).
-    if loads[0] - loads[1] < HANDOVER_AT or loads[1] < MIN_SHARE_TOKENS:
-        return None
     roots = sorted((r for r in chains if r in heavy), key=lambda r: -len(segments[r].ids))
     for r in roots:
         root = segments[r]
@@ -190,7 +215,8 @@ class ForwardLanes:
         # thread's, and with more of their threads than cores OpenMP stops spinning (engine.threads).
         lanes = threads if threads <= self.most else 1
         images = any(s.images is not None for s in segments)
-        split = None if images else shares(segments, lanes)
+        layers = len(model.get_decoder().layers)
+        split = None if images else shares(segments, lanes, lone_split_tokens(model.dtype), layers)
         if split is None:
             return packed_forward(model, segments, adapters)
         pool = self._lanes()

@@ -68,8 +68,9 @@ class Settings(BaseSettings):
     forward_lanes: int = Field(
         MOST_LANES,
         ge=1,
-        description="On the CPU, run a packed forward's independent sequences as up to this many forwards "
-        "at once, each on one of the forward's threads, where that pays (1: never; docs/packing.md).",
+        description="On the CPU, run a packed forward's independent sequences (or a lone long sequence's "
+        "head and tail) as up to this many forwards at once, each on one of the forward's threads, where "
+        "that pays (1: never; docs/packing.md).",
     )
     dtype: Literal["bfloat16", "float32"] | None = Field(
         None, description="Weights dtype; default bfloat16 on cuda, float32 on cpu."
