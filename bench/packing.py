@@ -164,6 +164,9 @@ def limit(model: Path, repeats: int) -> dict[str, Any]:
             "packed_gain_over_one_by_one": medians["16 packed forwards of 1"] / medians["packed 16"],
             "packed_gain_over_plain": medians["16 plain forwards"] / medians["packed 16"],
             "lanes_gain_over_one_by_one": medians["16 packed forwards of 1"] / medians["packed 16 in lanes"],
+            # what the engine does for one client now: each lone prompt in lanes where that pays
+            "lanes_gain_over_one_by_one_in_lanes": medians["16 forwards of 1 in lanes"]
+            / medians["packed 16 in lanes"],
         }
     rows = [
         [
@@ -172,11 +175,20 @@ def limit(model: Path, repeats: int) -> dict[str, Any]:
             *(f"{v['ms'][k]:.0f}" for k in v["ms"]),
             f"{v['packed_gain_over_one_by_one']:.2f}x",
             f"{v['lanes_gain_over_one_by_one']:.2f}x",
+            f"{v['lanes_gain_over_one_by_one_in_lanes']:.2f}x",
         ]
         for d, v in out.items()
     ]
-    header = ["dtype", "tokens", "packed 16 (ms)", "in 2 lanes", "16 x packed 1", "16 x plain"]
-    print_table([*header, "gain", "gain, lanes"], rows, "limit")
+    header = [
+        "dtype",
+        "tokens",
+        "packed 16 (ms)",
+        "in 2 lanes",
+        "16 x packed 1",
+        "16 x 1 in lanes",
+        "16 x plain",
+    ]
+    print_table([*header, "gain", "gain, lanes", "gain, lanes over 1 in lanes"], rows, "limit")
     return out
 
 
@@ -195,15 +207,17 @@ def lanes(model: Path, repeats: int) -> dict[str, Any]:
     rows = []
     for dtype in ("bfloat16", "float32"):
         loaded, prompts = sixteen_prompts(model, dtype)
-        shapes = [(n, prompts[:n]) for n in (2, 4, 8, 16)]
+        shapes = [(n, prompts[:n]) for n in (1, 2, 4, 8, 16)]  # 1: a lone sequence, head and tail
         shapes += [
             (n, [[rng.randrange(1000, 50_000) for _ in range(t)] for _ in range(n)])
             for n, t in ((2, 64), (2, 128), (2, 192), (8, 32), (8, 64))
         ]
         forced = lanes_module.ForwardLanes()
         torch.set_num_threads(2)
-        saved = lanes_module.MIN_SHARE_TOKENS
-        lanes_module.MIN_SHARE_TOKENS = 0  # measured below the engine's threshold too
+        thresholds = ("MIN_SHARE_TOKENS", "LONE_SPLIT_TOKENS", "LONE_SPLIT_TOKENS_BF16")
+        saved = {name: getattr(lanes_module, name) for name in thresholds}
+        for name in thresholds:
+            setattr(lanes_module, name, 0)  # measured below the engine's thresholds too
         try:
             for n, sequences in shapes:
                 segments = [Segment(tuple(p), read=True) for p in sequences]
@@ -225,7 +239,8 @@ def lanes(model: Path, repeats: int) -> dict[str, Any]:
                     [dtype, str(n), str(tokens), f"{ms['whole']:.1f}", f"{ms['lanes']:.1f}", f"{gain:.2f}x"]
                 )
         finally:
-            lanes_module.MIN_SHARE_TOKENS = saved
+            for name, value in saved.items():
+                setattr(lanes_module, name, value)
             forced.close()
     print_table(
         ["dtype", "sequences", "tokens each", "whole, 2 threads (ms)", "2 lanes (ms)", "gain"], rows, "lanes"
@@ -383,6 +398,10 @@ def forward_cells(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
         for p in prompts:
             packed_forward(model, [Segment(tuple(p), read=True)])
 
+    def one_by_one_in_lanes() -> None:  # as the engine runs a lone request: split where it pays
+        for p in prompts:
+            lanes.forward(model, [Segment(tuple(p), read=True)])
+
     def plain() -> None:
         with torch.inference_mode():
             for p in prompts:
@@ -392,6 +411,7 @@ def forward_cells(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
         "packed 16": packed,
         "packed 16 in lanes": in_lanes,
         "16 packed forwards of 1": one_by_one,
+        "16 forwards of 1 in lanes": one_by_one_in_lanes,
         "16 plain forwards": plain,
     }
 
