@@ -207,6 +207,25 @@ def test_jobs_queued_while_the_engine_is_busy_merge_into_one_forward_and_each_ge
     assert stats.padded_tokens == 1 * 5 + 6 * 6 and stats.true_tokens == 5 + 3 * 10
 
 
+def test_a_job_counts_as_admitted_from_its_submission_to_its_answer_and_as_queued_until_its_turn():
+    engine = GatedEngine()
+
+    async def main():
+        batcher = Batcher(engine, Bounds())
+        first = await busy(batcher, engine)  # in its turn: admitted, no longer queued
+        seen = [(batcher.admitted, batcher.queued)]
+        second = asyncio.create_task(batcher.submit(job("b", payload="B")))
+        await settle()
+        seen.append((batcher.admitted, batcher.queued))
+        engine.release.set()
+        await asyncio.gather(first, second)
+        seen.append((batcher.admitted, batcher.queued))
+        await batcher.close()
+        return seen
+
+    assert run(main()) == [(1, 0), (2, 1), (0, 0)]
+
+
 def test_a_job_cancelled_by_its_caller_while_queued_is_dropped_before_its_forward():
     engine = GatedEngine()
 

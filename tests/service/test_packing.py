@@ -246,9 +246,10 @@ def next_on_its_answer(service, served: Served, gather: float):
                 return first, await client.post("/v1/systemone", json=body(served, 201), headers=AUTH)
 
             a = asyncio.ensure_future(client_a())
-            # a's turn taken (waiting behind the engine's busy job), then b queued behind that turn
+            # a's turn taken (waiting behind the engine's busy job), then b queued behind that turn;
+            # a's job counted once submitted (`pending` counts it while it is still being encoded)
             await wait_until_async(
-                lambda: service.worker.pending == 2 and batcher.queued == 0, what="a's turn taken"
+                lambda: batcher.admitted == 1 and batcher.queued == 0, what="a's turn taken"
             )
             b = asyncio.ensure_future(client.post("/v1/systemone", json=body(served, 202), headers=AUTH))
             await wait_until_async(lambda: batcher.queued == 1, what="b queued behind a's turn")

@@ -309,6 +309,11 @@ class Batcher(Generic[P, R]):
         """Jobs waiting for the engine (not counting the group running now)."""
         return len(self._queue)
 
+    @property
+    def admitted(self) -> int:
+        """Jobs submitted and not yet answered: queued, or in a turn (running or about to)."""
+        return len(self._ids)
+
     def stats(self) -> BatchStats:
         """A copy of the counters, readable from any thread."""
         with self._stats_lock:
