@@ -137,15 +137,10 @@ def test_the_threshold_for_a_lone_chain_is_lower_in_bf16_where_the_split_gains_s
     assert lone_split_tokens(torch.bfloat16) < lone_split_tokens(torch.float32)
 
 
-@pytest.mark.parametrize("over_stored", [False, True], ids=["a new state", "a state over a stored one"])
-@pytest.mark.parametrize("depth", [4, 8], ids=["4 layers", "8 layers"])
 def test_a_lone_request_past_the_threshold_runs_in_two_lanes_answering_and_keeping_its_state_as_alone(
-    engine, reference, eight_layers, two_threads, lanes, over_stored, depth
+    over_a_past, two_threads, lanes
 ):
-    if depth == 8:
-        engine, reference = eight_layers
-    before = ids(60, 94) if over_stored else []
-    start = stored(reference, before) if over_stored else None
+    engine, reference, before, start = over_a_past
     state, row = ids(lone_split_tokens(engine.model.dtype), 95), ids(20, 96)
     segments = [Segment(tuple(state), start=start, keep=True), Segment(tuple(row), parent=0, read=True)]
     packed = lanes.forward(engine.model, segments)
@@ -337,15 +332,29 @@ def eight_layers(tmp_path_factory):
     return load_engine(make_settings(directory)), fresh_base(directory)
 
 
-@pytest.mark.parametrize("over_stored", [False, True], ids=["a new state", "a state over a stored one"])
-@pytest.mark.parametrize("depth", [4, 8], ids=["4 layers", "8 layers"])
-def test_a_sequence_split_across_the_lanes_answers_and_keeps_its_state_as_one_plain_forward(
-    engine, reference, eight_layers, two_threads, lanes, over_stored, depth
-):
+@pytest.fixture(
+    params=[(False, 4), (True, 4), (False, 8), (True, 8)],
+    ids=[
+        "4 layers-a new state",
+        "4 layers-a state over a stored one",
+        "8 layers-a new state",
+        "8 layers-a state over a stored one",
+    ],
+)
+def over_a_past(request, engine, reference, eight_layers):
+    """An engine, transformers' own model beside it (4 layers, or 8 with full attention
+    mid-decoder), and what a split sequence continues: nothing, or 60 tokens' stored state."""
+    over_stored, depth = request.param
     if depth == 8:
         engine, reference = eight_layers
     before = ids(60, 90) if over_stored else []
-    start = stored(reference, before) if over_stored else None
+    return engine, reference, before, stored(reference, before) if over_stored else None
+
+
+def test_a_sequence_split_across_the_lanes_answers_and_keeps_its_state_as_one_plain_forward(
+    over_a_past, two_threads, lanes
+):
+    engine, reference, before, start = over_a_past
     state, row, other = ids(420, 91), ids(20, 92), ids(200, 93)
     segments = [Segment(tuple(state), start=start, keep=True), Segment(tuple(row), parent=0, read=True)]
     segments += [Segment(tuple(other), read=True)]
